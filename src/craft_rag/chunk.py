@@ -42,7 +42,7 @@ class Chunk:
 def make_chunk(
     text: str | None = None,
     *,
-    id: str | None = None,  # noqa: A002 - mirrors the trace format's field name
+    id: str | None = None,
     score: float | None = None,
     num_tokens: int | None = None,
     metadata: Mapping[str, Any] | None = None,

@@ -1,0 +1,97 @@
+"""Chunk ordering policies (paper §4.2 "Chunk Permutation for Prefix Alignment").
+
+Each policy is a tiny object with one method, ``order(chunks, context) -> list[Chunk]``, looked
+up by name in :data:`ORDERING_POLICIES`. Every policy returns a permutation of its input (the
+contract test suite checks it) and reads state without changing it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Protocol
+
+from craft_rag.access_table import ChunkAccessTable
+from craft_rag.chunk import Chunk
+from craft_rag.prefix_tree import ChunkPrefixTree
+
+
+@dataclass(frozen=True, slots=True)
+class OrderingContext:
+    """Read-only view of the state a policy may consult."""
+
+    access_table: ChunkAccessTable
+    prefix_tree: ChunkPrefixTree
+
+
+class OrderingPolicy(Protocol):
+    name: str
+
+    def order(self, chunks: Sequence[Chunk], context: OrderingContext) -> list[Chunk]:
+        """A permutation of ``chunks`` (distinct keys) to render in this order."""
+        ...
+
+
+def _by_frequency(chunks: Sequence[Chunk], table: ChunkAccessTable) -> list[Chunk]:
+    # Ties are broken by chunk key, never by retriever rank: two requests holding the same tied
+    # chunks must put them in the same order, or the shared prefix breaks at the tie.
+    counts = table.counts([c.key for c in chunks])
+    decorated = sorted(zip(counts, chunks, strict=True), key=lambda p: (-p[0], p[1].key))
+    return [c for _, c in decorated]
+
+
+class RetrieverOrder:
+    """Unchanged retriever order: the plain prefix-caching baseline. O(k)."""
+
+    name = "retriever"
+
+    def order(self, chunks: Sequence[Chunk], context: OrderingContext) -> list[Chunk]:
+        return list(chunks)
+
+
+class FrequencyOrder:
+    """The paper's ``sort(C, -freq(c))`` over the CA-Table window; ties by key. O(k log k)."""
+
+    name = "frequency"
+
+    def order(self, chunks: Sequence[Chunk], context: OrderingContext) -> list[Chunk]:
+        return _by_frequency(chunks, context.access_table)
+
+
+class TreeOrder:
+    """Beyond the paper: first the longest CP-Tree path whose chunks are all in the request (a
+    set match, so a request whose chunk set was served before gets its cached order back), then
+    the remaining chunks by frequency.
+
+    Given the same tree, this never aligns fewer chunks than the retriever order: the retriever
+    order's cached prefix is itself a path inside the request's set, and the set match returns
+    the longest such path. Cost: :meth:`ChunkPrefixTree.match_subset` + O(k log k).
+    """
+
+    name = "tree"
+
+    def order(self, chunks: Sequence[Chunk], context: OrderingContext) -> list[Chunk]:
+        by_key = {c.key: c for c in chunks}
+        path = context.prefix_tree.match_subset(by_key).keys
+        head = [by_key[k] for k in path]
+        chosen = set(path)
+        rest = [c for c in chunks if c.key not in chosen]
+        return head + _by_frequency(rest, context.access_table)
+
+
+ORDERING_POLICIES: Mapping[str, Callable[[], OrderingPolicy]] = {
+    RetrieverOrder.name: RetrieverOrder,
+    FrequencyOrder.name: FrequencyOrder,
+    TreeOrder.name: TreeOrder,
+}
+
+DEFAULT_POLICY = "tree"
+
+
+def get_policy(name: str) -> OrderingPolicy:
+    """A new policy object by name; ``ValueError`` lists the valid names."""
+    try:
+        return ORDERING_POLICIES[name]()
+    except KeyError:
+        msg = f"unknown ordering policy {name!r}; choose one of {sorted(ORDERING_POLICIES)}"
+        raise ValueError(msg) from None

@@ -1,0 +1,386 @@
+"""The CRAFT planner: one entry point from retrieved chunks to the order the engine should see.
+
+``plan()`` reads state and returns a :class:`Plan`; ``commit()`` records what was actually served
+(CA-Table counts, CP-Tree promotion/extension with the engine's token spans and block hashes,
+the conversation's frozen turn). A plan that is never committed (engine failure) changes nothing.
+
+Thread safety: one lock guards all planner state; ``plan`` and ``commit`` each hold it for O(k)
+work (plus the tree policy's set match), so concurrent requests are serialised only for
+microseconds while engine work runs outside it. State is owned here: the table, tree and
+conversation registry are mutated only inside ``commit`` and the KV-event callbacks.
+"""
+
+from __future__ import annotations
+
+import itertools
+import json
+import threading
+import time
+from collections import OrderedDict
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+from craft_rag.access_table import DEFAULT_WINDOW, ChunkAccessTable
+from craft_rag.chunk import Chunk
+from craft_rag.conversation import (
+    DEFAULT_MAX_CONVERSATIONS,
+    DEFAULT_TTL_S,
+    ConversationRegistry,
+)
+from craft_rag.ordering import DEFAULT_POLICY, ORDERING_POLICIES, OrderingContext, get_policy
+from craft_rag.prefix_tree import (
+    DEFAULT_MAX_NODES,
+    ChunkPrefixTree,
+    KVLocation,
+    NodeMetadata,
+)
+from craft_rag.promotion import PROMOTION_RULES, PromotionInput, get_promotion_rule
+from craft_rag.types import BlockHash, ChunkKey, ConversationId
+
+_FORMAT = "craft-rag/planner/v1"
+_MAX_PENDING = 65_536
+
+# The promotion rule each policy uses unless configured: the paper's threshold rule for the
+# paper's policies; `served` for `tree`, whose set match needs every served order in the tree.
+_DEFAULT_PROMOTION = {"retriever": "threshold", "frequency": "threshold", "tree": "served"}
+
+
+@dataclass(frozen=True, slots=True)
+class PlannerConfig:
+    """Planner settings. ``window=None`` is an unlimited CA-Table window; ``promotion=None``
+    picks the policy's default rule (see :mod:`craft_rag.promotion`)."""
+
+    policy: str = DEFAULT_POLICY
+    window: int | None = DEFAULT_WINDOW
+    threshold: int = 2
+    promotion: str | None = None
+    max_tree_nodes: int = DEFAULT_MAX_NODES
+    dedup: bool = True
+    max_conversations: int = DEFAULT_MAX_CONVERSATIONS
+    conversation_ttl_s: float | None = DEFAULT_TTL_S
+
+    def __post_init__(self) -> None:
+        if self.policy not in ORDERING_POLICIES:
+            msg = f"unknown policy {self.policy!r}; choose one of {sorted(ORDERING_POLICIES)}"
+            raise ValueError(msg)
+        if self.promotion is not None and self.promotion not in PROMOTION_RULES:
+            msg = (
+                f"unknown promotion rule {self.promotion!r}; "
+                f"choose one of {sorted(PROMOTION_RULES)}"
+            )
+            raise ValueError(msg)
+        if not isinstance(self.threshold, int) or self.threshold < 1:
+            msg = f"threshold must be an int >= 1, got {self.threshold!r}"
+            raise ValueError(msg)
+
+    @property
+    def promotion_rule(self) -> str:
+        return self.promotion or _DEFAULT_PROMOTION.get(self.policy, "threshold")
+
+
+@dataclass(frozen=True, slots=True)
+class Plan:
+    """What to send for one request.
+
+    ``ordered`` is this turn's chunks in render order. ``removed_duplicates`` were sent in an
+    earlier turn of the conversation and are left out; ``repeated_in_request`` repeated a key
+    within this request (the first occurrence is kept). Every input chunk is in exactly one of
+    the three. ``matched_chunks``/``matched_tokens`` is the CP-Tree's predicted reusable prefix
+    (tokens counted from the start of the prompt; None when spans are unknown).
+    """
+
+    plan_id: int
+    ordered: tuple[Chunk, ...]
+    removed_duplicates: tuple[Chunk, ...]
+    repeated_in_request: tuple[Chunk, ...]
+    matched_chunks: int
+    matched_tokens: int | None
+    conversation_id: ConversationId | None
+    turn: int
+    policy: str
+
+    @property
+    def keys(self) -> tuple[ChunkKey, ...]:
+        return tuple(c.key for c in self.ordered)
+
+    @property
+    def retrieved_count(self) -> int:
+        return len(self.ordered) + len(self.removed_duplicates) + len(self.repeated_in_request)
+
+
+@dataclass(frozen=True, slots=True)
+class CommitResult:
+    """What a commit changed in the CP-Tree."""
+
+    reused_chunks: int
+    inserted_path: int
+    stale_nodes_removed: int
+    turn: int
+
+
+@dataclass(slots=True)
+class PlannerStats:
+    """Running totals since creation (or load). Owner: :class:`CraftPlanner`."""
+
+    plans: int = 0
+    commits: int = 0
+    chunks_retrieved: int = 0
+    chunks_removed_by_dedup: int = 0
+    chunks_repeated_in_request: int = 0
+    predicted_chunks: int = 0
+    reused_chunks: int = 0
+
+
+class CraftPlanner:
+    """CA-Table + CP-Tree + conversation dedup behind ``plan``/``commit``.
+
+    Cost per request: O(k log k) ordering + O(k) table/tree/registry updates; the ``tree`` policy
+    adds its set match (see :meth:`ChunkPrefixTree.match_subset`).
+    """
+
+    def __init__(
+        self,
+        config: PlannerConfig | None = None,
+        *,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self.config = config or PlannerConfig()
+        self._clock = clock
+        self._lock = threading.Lock()
+        self._policy = get_policy(self.config.policy)
+        self._promotion = get_promotion_rule(self.config.promotion_rule)
+        self.access_table = ChunkAccessTable(self.config.window)
+        self.prefix_tree = ChunkPrefixTree(self.config.max_tree_nodes, clock=clock)
+        self.conversations = ConversationRegistry(
+            self.config.max_conversations, self.config.conversation_ttl_s, clock=clock
+        )
+        self.stats = PlannerStats()
+        self._plan_ids = itertools.count(1)
+        self._pending: OrderedDict[int, None] = OrderedDict()
+
+    # ---- the two steps ------------------------------------------------------------------------
+
+    def plan(
+        self, chunks: Sequence[Chunk], conversation_id: str | None = None
+    ) -> Plan:
+        """Order (and, with a conversation id, deduplicate) one request's chunks. Reads state;
+        changes nothing but the pending-plan list. ``ValueError`` for non-Chunk items or a
+        non-string conversation id."""
+        for i, chunk in enumerate(chunks):
+            if not isinstance(chunk, Chunk):
+                msg = (
+                    f"chunks[{i}] is a {type(chunk).__name__}, not a craft_rag.Chunk; "
+                    "build chunks with craft_rag.make_chunk(text, id=...)"
+                )
+                raise ValueError(msg)
+        if conversation_id is not None and (
+            not isinstance(conversation_id, str) or not conversation_id
+        ):
+            msg = f"conversation_id must be a non-empty string or None, got {conversation_id!r}"
+            raise ValueError(msg)
+        conv = ConversationId(conversation_id) if conversation_id is not None else None
+
+        unique: dict[ChunkKey, Chunk] = {}
+        repeated: list[Chunk] = []
+        for chunk in chunks:
+            if chunk.key in unique:
+                repeated.append(chunk)
+            else:
+                unique[chunk.key] = chunk
+        fresh = list(unique.values())
+
+        with self._lock:
+            removed: list[Chunk] = []
+            turn = 1
+            if conv is not None:
+                turn = self.conversations.turn_count(conv) + 1
+                if self.config.dedup:
+                    fresh, removed = self.conversations.split(conv, fresh)
+            context = OrderingContext(self.access_table, self.prefix_tree)
+            ordered = self._policy.order(fresh, context)
+            matched_chunks, matched_tokens = 0, None
+            if turn == 1:
+                match = self.prefix_tree.match([c.key for c in ordered])
+                matched_chunks, matched_tokens = match.length, match.tokens
+            plan_id = next(self._plan_ids)
+            self._pending[plan_id] = None
+            if len(self._pending) > _MAX_PENDING:
+                self._pending.popitem(last=False)
+            self.stats.plans += 1
+
+        assert sorted(map(id, ordered)) == sorted(map(id, fresh)), "policy must permute"
+        return Plan(
+            plan_id=plan_id,
+            ordered=tuple(ordered),
+            removed_duplicates=tuple(removed),
+            repeated_in_request=tuple(repeated),
+            matched_chunks=matched_chunks,
+            matched_tokens=matched_tokens,
+            conversation_id=conv,
+            turn=turn,
+            policy=self._policy.name,
+        )
+
+    def commit(
+        self,
+        plan: Plan,
+        *,
+        prefix_tokens: int | None = None,
+        chunk_token_counts: Sequence[int] | None = None,
+        reused_chunks: int | None = None,
+        block_hashes: Sequence[Sequence[BlockHash]] | None = None,
+        location: KVLocation | None = None,
+    ) -> CommitResult:
+        """Record that ``plan`` was served.
+
+        ``prefix_tokens`` is the number of prompt tokens before the first chunk; with
+        ``chunk_token_counts`` (default: the chunks' ``num_tokens``) it gives each CP-Tree node
+        its token span. ``reused_chunks`` is how many leading chunks the engine actually had
+        cached (block-granular: a chunk counts when all its full blocks were hits); when it is
+        smaller than the tree's match, the stale nodes are removed. ``block_hashes[i]`` are the
+        engine's hashes of the full blocks ending inside chunk ``i``. ``RuntimeError`` if the
+        plan was already committed (or is too old); ``ValueError`` on mismatched lengths.
+        O(k) plus the tree's insert.
+        """
+        k = len(plan.ordered)
+        if chunk_token_counts is not None and len(chunk_token_counts) != k:
+            msg = f"chunk_token_counts has {len(chunk_token_counts)} entries for {k} chunks"
+            raise ValueError(msg)
+        if block_hashes is not None and len(block_hashes) != k:
+            msg = f"block_hashes has {len(block_hashes)} entries for {k} chunks"
+            raise ValueError(msg)
+        if reused_chunks is not None and not 0 <= reused_chunks <= k:
+            msg = f"reused_chunks must be within [0, {k}], got {reused_chunks}"
+            raise ValueError(msg)
+        metadata = self._node_metadata(plan, prefix_tokens, chunk_token_counts, block_hashes)
+        keys = plan.keys
+
+        with self._lock:
+            if plan.plan_id not in self._pending:
+                msg = f"plan {plan.plan_id} was already committed or is too old to commit"
+                raise RuntimeError(msg)
+            del self._pending[plan.plan_id]
+            retrieved = [c.key for c in (*plan.ordered, *plan.removed_duplicates)]
+            self.access_table.record(retrieved)
+
+            inserted = stale = 0
+            reused = 0
+            if plan.turn == 1:
+                match = self.prefix_tree.match(keys)
+                reused = match.length
+                if reused_chunks is not None and reused_chunks < match.length:
+                    # The engine no longer had that KV: the tree's nodes past it are stale.
+                    stale = self.prefix_tree.remove(match.nodes[reused_chunks])
+                    match = match.sliced(reused_chunks)
+                    reused = reused_chunks
+                self.prefix_tree.touch(match)
+                depth = self._promotion.promote(
+                    PromotionInput(keys, reused, self.access_table, self.config.threshold)
+                )
+                if depth > 0:
+                    self.prefix_tree.insert(
+                        keys[:depth],
+                        metadata=metadata[:depth] if metadata is not None else None,
+                        location=location or KVLocation(),
+                    )
+                    inserted = depth
+            if plan.conversation_id is not None:
+                self.conversations.record_turn(plan.conversation_id, keys)
+
+            s = self.stats
+            s.commits += 1
+            s.chunks_retrieved += plan.retrieved_count
+            s.chunks_removed_by_dedup += len(plan.removed_duplicates)
+            s.chunks_repeated_in_request += len(plan.repeated_in_request)
+            s.predicted_chunks += plan.matched_chunks
+            s.reused_chunks += reused
+        return CommitResult(
+            reused_chunks=reused, inserted_path=inserted, stale_nodes_removed=stale, turn=plan.turn
+        )
+
+    @staticmethod
+    def _node_metadata(
+        plan: Plan,
+        prefix_tokens: int | None,
+        counts: Sequence[int] | None,
+        block_hashes: Sequence[Sequence[BlockHash]] | None,
+    ) -> list[NodeMetadata] | None:
+        if counts is None and all(c.num_tokens is not None for c in plan.ordered):
+            counts = [c.num_tokens or 0 for c in plan.ordered]
+        if counts is None and block_hashes is None:
+            return None
+        out: list[NodeMetadata] = []
+        pos = prefix_tokens or 0
+        for i in range(len(plan.ordered)):
+            span = None
+            if counts is not None:
+                span = (pos, pos + counts[i])
+                pos += counts[i]
+            hashes = tuple(block_hashes[i]) if block_hashes is not None else None
+            out.append(NodeMetadata(token_span=span, block_hashes=hashes))
+        return out
+
+    # ---- engine feedback (KV events) ----------------------------------------------------------
+
+    def on_blocks_removed(self, hashes: Iterable[BlockHash]) -> int:
+        """The engine evicted these blocks: drop the CP-Tree nodes owning them (count)."""
+        with self._lock:
+            return self.prefix_tree.remove_blocks(hashes)
+
+    def on_blocks_moved(self, hashes: Iterable[BlockHash], location: KVLocation) -> int:
+        """The engine moved these blocks to another tier/replica: update node locations."""
+        with self._lock:
+            return self.prefix_tree.relocate_blocks(hashes, location)
+
+    def on_all_blocks_cleared(self) -> None:
+        """The engine dropped its whole prefix cache: empty the CP-Tree."""
+        with self._lock:
+            self.prefix_tree.clear()
+
+    def end_conversation(self, conversation_id: str) -> bool:
+        """Forget a conversation's sent chunks. True if it was known."""
+        with self._lock:
+            return self.conversations.end(ConversationId(conversation_id))
+
+    # ---- persistence --------------------------------------------------------------------------
+
+    def to_json(self) -> dict[str, Any]:
+        with self._lock:
+            return {
+                "format": _FORMAT,
+                "config": asdict(self.config),
+                "access_table": self.access_table.to_json(),
+                "prefix_tree": self.prefix_tree.to_json(),
+                "conversations": self.conversations.to_json(),
+            }
+
+    @classmethod
+    def from_json(
+        cls, data: dict[str, Any], *, clock: Callable[[], float] = time.monotonic
+    ) -> CraftPlanner:
+        if not isinstance(data, dict) or data.get("format") != _FORMAT:
+            msg = f"not a craft-rag planner state (expected format {_FORMAT!r})"
+            raise ValueError(msg)
+        planner = cls(PlannerConfig(**data["config"]), clock=clock)
+        planner.access_table = ChunkAccessTable.from_json(data["access_table"])
+        planner.prefix_tree = ChunkPrefixTree.from_json(data["prefix_tree"], clock=clock)
+        planner.conversations = ConversationRegistry.from_json(data["conversations"], clock=clock)
+        return planner
+
+    def save(self, path: str | Path) -> None:
+        """Write all state as JSON (atomic: temp file then rename)."""
+        target = Path(path)
+        tmp = target.with_suffix(target.suffix + ".tmp")
+        tmp.write_text(json.dumps(self.to_json()), encoding="utf-8")
+        tmp.replace(target)
+
+    @classmethod
+    def load(cls, path: str | Path, *, clock: Callable[[], float] = time.monotonic) -> CraftPlanner:
+        return cls.from_json(json.loads(Path(path).read_text(encoding="utf-8")), clock=clock)
+
+    def _check_invariants(self) -> None:
+        self.access_table._check_invariants()
+        self.prefix_tree._check_invariants()
+        self.conversations._check_invariants()

@@ -1,0 +1,165 @@
+"""Trace replay: run a trace through the planner and a simulated vLLM prefix cache.
+
+Per request: plan -> render token-exact prompt (append-only across a conversation's turns) ->
+simulated cache lookup -> commit with the reuse the cache actually gave. Reports the paper's
+overlap metrics on the order fed to the engine plus reuse fractions and planner latency.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import asdict, dataclass
+
+from craft_rag.metrics import fraction, prefix_overlap, total_overlap
+from craft_rag.planner import CraftPlanner, PlannerConfig
+from craft_rag.prefix_cache_sim import SimulatedPrefixCache
+from craft_rag.prompt import AssembledPrompt, PromptAssembler, PromptFormat
+from craft_rag.tokenizer import Tokenizer
+from craft_rag.trace import TraceRequest
+from craft_rag.types import ChunkKey, ConversationId
+
+DEFAULT_BLOCK_SIZE = 32
+DEFAULT_CACHE_TOKENS = 1 << 18
+
+
+@dataclass(frozen=True, slots=True)
+class ReplayResult:
+    """Aggregates of one replay. Fractions are in [0, 1].
+
+    ``reused_chunk_fraction``: chunks rendered into prompts whose full blocks were all cache
+    hits, over chunks rendered; ``reused_token_fraction``: cached prompt tokens over prompt
+    tokens; ``dedup_removed_fraction``: chunks removed by conversation dedup over chunks
+    retrieved.
+    """
+
+    policy: str
+    requests: int
+    prefix_overlap: float
+    total_overlap: float
+    reused_chunk_fraction: float
+    reused_token_fraction: float
+    dedup_removed_fraction: float
+    prompt_tokens: int
+    cached_tokens: int
+    chunks_retrieved: int
+    chunks_rendered: int
+    chunks_reused: int
+    chunks_removed_by_dedup: int
+    planner_us_p50: float
+    planner_us_p99: float
+    tokenizer: str
+    block_size: int
+    cache_tokens: int
+
+    def to_json(self) -> dict[str, object]:
+        return asdict(self)
+
+
+@dataclass(frozen=True, slots=True)
+class ServedRequest:
+    """One replayed request: the prompt sent and what the cache reused."""
+
+    request_id: str
+    prompt: AssembledPrompt
+    cached_tokens: int
+    reused_chunks: int
+    removed_by_dedup: int
+
+
+def reused_chunk_count(prompt: AssembledPrompt, cached_tokens: int, block_size: int) -> int:
+    """Leading chunks of this turn whose full blocks were all cache hits. A chunk's trailing
+    partial block is shared with what follows it, so it is not required. O(k)."""
+    n = 0
+    for _, end in prompt.chunk_spans:
+        if (end // block_size) * block_size > cached_tokens:
+            break
+        n += 1
+    return n
+
+
+def percentile(values: Sequence[float], q: float) -> float:
+    """Nearest-rank percentile (q in [0, 100]); 0.0 for no values."""
+    if not values:
+        return 0.0
+    ordered = sorted(values)
+    rank = max(0, min(len(ordered) - 1, round(q / 100 * (len(ordered) - 1))))
+    return ordered[rank]
+
+
+def replay(
+    requests: Iterable[TraceRequest],
+    config: PlannerConfig,
+    tokenizer: Tokenizer,
+    *,
+    prompt_format: PromptFormat | None = None,
+    block_size: int = DEFAULT_BLOCK_SIZE,
+    cache_tokens: int = DEFAULT_CACHE_TOKENS,
+    on_served: Callable[[ServedRequest], None] | None = None,
+) -> ReplayResult:
+    """Replay ``requests`` in order under ``config``; all state starts empty. Conversations
+    render append-only; a turn's history is the previous prompt plus its ``answer`` (empty if
+    the trace has none)."""
+    planner = CraftPlanner(config)
+    assembler = PromptAssembler(tokenizer, prompt_format)
+    cache = SimulatedPrefixCache(block_size, cache_tokens)
+    histories: dict[ConversationId, tuple[int, ...]] = {}
+    orders: list[tuple[ChunkKey, ...]] = []
+    planner_us: list[float] = []
+    prompt_tokens = cached_total = rendered = reused_total = 0
+    count = 0
+
+    for request in requests:
+        t0 = time.perf_counter_ns()
+        plan = planner.plan(request.chunks, request.conversation_id)
+        t1 = time.perf_counter_ns()
+        conv = request.conversation_id
+        if conv is not None and plan.turn > 1 and conv in histories:
+            prompt = assembler.next_turn(histories[conv], plan.ordered, request.query)
+        else:
+            prompt = assembler.single_turn(plan.ordered, request.query)
+        cached = cache.serve(prompt.token_ids)
+        reused = reused_chunk_count(prompt, cached, block_size)
+        t2 = time.perf_counter_ns()
+        planner.commit(
+            plan,
+            prefix_tokens=prompt.prefix_tokens,
+            chunk_token_counts=[end - start for start, end in prompt.chunk_spans],
+            reused_chunks=reused,
+        )
+        t3 = time.perf_counter_ns()
+        planner_us.append(((t1 - t0) + (t3 - t2)) / 1000)
+        if conv is not None:
+            histories[conv] = prompt.token_ids + assembler.answer_ids(request.answer or "")
+        orders.append(plan.keys)
+        prompt_tokens += prompt.num_tokens
+        cached_total += cached
+        rendered += len(plan.ordered)
+        reused_total += reused
+        count += 1
+        if on_served is not None:
+            on_served(
+                ServedRequest(request.id, prompt, cached, reused, len(plan.removed_duplicates))
+            )
+
+    stats = planner.stats
+    return ReplayResult(
+        policy=config.policy,
+        requests=count,
+        prefix_overlap=prefix_overlap(orders),
+        total_overlap=total_overlap(orders),
+        reused_chunk_fraction=fraction(reused_total, rendered),
+        reused_token_fraction=fraction(cached_total, prompt_tokens),
+        dedup_removed_fraction=fraction(stats.chunks_removed_by_dedup, stats.chunks_retrieved),
+        prompt_tokens=prompt_tokens,
+        cached_tokens=cached_total,
+        chunks_retrieved=stats.chunks_retrieved,
+        chunks_rendered=rendered,
+        chunks_reused=reused_total,
+        chunks_removed_by_dedup=stats.chunks_removed_by_dedup,
+        planner_us_p50=percentile(planner_us, 50),
+        planner_us_p99=percentile(planner_us, 99),
+        tokenizer=tokenizer.name,
+        block_size=block_size,
+        cache_tokens=cache_tokens,
+    )

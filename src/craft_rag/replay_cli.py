@@ -1,0 +1,116 @@
+"""``craft-rag replay TRACE.jsonl``: replay a trace under one or all ordering policies."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from typing import Any
+
+from craft_rag.ordering import ORDERING_POLICIES
+from craft_rag.planner import PlannerConfig
+from craft_rag.replay import DEFAULT_BLOCK_SIZE, DEFAULT_CACHE_TOKENS, ReplayResult, replay
+from craft_rag.tokenizer import HashingTokenizer, Tokenizer, load_tokenizer
+from craft_rag.trace import read_trace
+
+_COLUMNS = (
+    ("prefix_overlap", "prefix ovl"),
+    ("total_overlap", "total ovl"),
+    ("reused_chunk_fraction", "reused chunks"),
+    ("reused_token_fraction", "reused tokens"),
+    ("dedup_removed_fraction", "dedup removed"),
+    ("planner_us_p50", "plan p50 us"),
+    ("planner_us_p99", "plan p99 us"),
+)
+
+
+def add_replay_parser(subparsers: Any) -> None:
+    p = subparsers.add_parser("replay", help="replay a trace through the planner + simulated cache")
+    p.add_argument("trace", help="trace file (JSON lines; see docs/configuration.md)")
+    p.add_argument(
+        "--policy",
+        choices=[*sorted(ORDERING_POLICIES), "all"],
+        default="all",
+        help="ordering policy (default: all, side by side)",
+    )
+    p.add_argument("--window", type=int, default=1000, help="CA-Table window in requests")
+    p.add_argument("--unlimited-window", action="store_true", help="no CA-Table window")
+    p.add_argument("--threshold", type=int, default=2, help="CP-Tree promotion threshold T")
+    p.add_argument("--promotion", choices=["threshold", "served"], default=None)
+    p.add_argument("--no-dedup", action="store_true", help="disable conversation dedup")
+    p.add_argument("--block-size", type=int, default=DEFAULT_BLOCK_SIZE)
+    p.add_argument("--cache-tokens", type=int, default=DEFAULT_CACHE_TOKENS)
+    p.add_argument(
+        "--tokenizer",
+        choices=["auto", "model", "fallback"],
+        default="auto",
+        help="auto: the embedded model's tokenizer if prepared, else the hashing fallback",
+    )
+    p.add_argument("--json", action="store_true", help="print one JSON object")
+    p.set_defaults(func=run_replay)
+
+
+def _tokenizer(choice: str) -> Tokenizer:
+    if choice == "fallback":
+        return HashingTokenizer()
+    return load_tokenizer(fallback=choice == "auto")
+
+
+def run_replay(args: argparse.Namespace) -> int:
+    requests = read_trace(args.trace)
+    tokenizer = _tokenizer(args.tokenizer)
+    policies = sorted(ORDERING_POLICIES) if args.policy == "all" else [args.policy]
+    results: list[ReplayResult] = []
+    for policy in policies:
+        config = PlannerConfig(
+            policy=policy,
+            window=None if args.unlimited_window else args.window,
+            threshold=args.threshold,
+            promotion=args.promotion,
+            dedup=not args.no_dedup,
+        )
+        results.append(
+            replay(
+                requests,
+                config,
+                tokenizer,
+                block_size=args.block_size,
+                cache_tokens=args.cache_tokens,
+            )
+        )
+    if args.json:
+        payload: dict[str, Any] = (
+            results[0].to_json()
+            if len(results) == 1
+            else {"policies": {r.policy: r.to_json() for r in results},
+                  "requests": results[0].requests}
+        )
+        json.dump(payload, sys.stdout, indent=2)
+        sys.stdout.write("\n")
+    else:
+        print(format_table(results))
+    return 0
+
+
+def format_table(results: list[ReplayResult]) -> str:
+    """A side-by-side text table of replay results, one row per policy."""
+    header = ["policy", *(label for _, label in _COLUMNS)]
+    rows = [header]
+    for r in results:
+        values = [float(getattr(r, key)) for key, _ in _COLUMNS]
+        rows.append(
+            [r.policy]
+            + [
+                f"{v:.1f}" if key.startswith("planner") else f"{100 * v:.1f}%"
+                for (key, _), v in zip(_COLUMNS, values, strict=True)
+            ]
+        )
+    widths = [max(len(row[i]) for row in rows) for i in range(len(header))]
+    lines = ["  ".join(cell.rjust(w) for cell, w in zip(row, widths, strict=True)) for row in rows]
+    if results:
+        r = results[0]
+        lines.append(
+            f"({r.requests} requests, {r.chunks_retrieved} chunks retrieved, tokenizer "
+            f"{r.tokenizer}, block {r.block_size}, cache {r.cache_tokens} tokens)"
+        )
+    return "\n".join(lines)
