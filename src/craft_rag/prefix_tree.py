@@ -147,29 +147,27 @@ class ChunkPrefixTree:
         key sequence, so the choice is deterministic. Cost: O(visited nodes * min(k, fan-out));
         only nodes whose chunk is in the set are visited, at most k levels deep.
         """
-        wanted = set(keys)
-        best: tuple[int, float, tuple[str, ...]] = (0, 0.0, ())
+        wanted = keys if isinstance(keys, (set, frozenset, dict)) else set(keys)
         best_node = self.root
-        stack: list[tuple[PrefixNode, frozenset[ChunkKey]]] = [(self.root, frozenset())]
+        best_depth, best_time = 0, float("-inf")
+        # A path never repeats a key (insert() refuses that), so no visited-set is needed.
+        stack = [self.root]
         while stack:
-            node, used = stack.pop()
-            children = node.children
+            children = stack.pop().children
+            if not children:
+                continue
             if len(children) <= len(wanted):
-                candidates = [c for k, c in children.items() if k in wanted and k not in used]
+                candidates = [c for k, c in children.items() if k in wanted]
             else:
-                candidates = [
-                    children[k] for k in wanted if k in children and k not in used
-                ]
+                candidates = [children[k] for k in wanted if k in children]
             for child in candidates:
-                assert child.key is not None
-                rank = (child.depth, child.last_access, tuple(child.path()))
-                # deeper wins; then more recent; then the lexicographically smaller path
-                if (rank[0], rank[1]) > (best[0], best[1]) or (
-                    (rank[0], rank[1]) == (best[0], best[1]) and rank[2] < best[2]
+                depth, seen = child.depth, child.last_access
+                if depth > best_depth or (
+                    depth == best_depth
+                    and (seen > best_time or (seen == best_time and child.path() < best_node.path()))
                 ):
-                    best = rank
-                    best_node = child
-                stack.append((child, used | {child.key}))
+                    best_node, best_depth, best_time = child, depth, seen
+                stack.append(child)
         if best_node is self.root:
             return PrefixMatch(())
         path: list[PrefixNode] = []

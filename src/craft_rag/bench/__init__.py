@@ -1,0 +1,1 @@
+"""Benchmarks behind ``craft-rag bench``. Results are ratios from one process run."""
