@@ -488,9 +488,8 @@ def passage_corpus(
     for name in dict.fromkeys(names):
         dataset = load_dataset(name, data_dir)
         if not dataset.passages:
-            msg = (
-                f"dataset {name!r} has no passages; corpus datasets are: "
-                + ", ".join(CORPUS_DATASETS)
+            msg = f"dataset {name!r} has no passages; corpus datasets are: " + ", ".join(
+                CORPUS_DATASETS
             )
             raise ValueError(msg)
         out.extend(dataset.passages)
