@@ -53,9 +53,9 @@ class Passage:
     @property
     def content(self) -> str:
         """What the embedder sees and the LLM reads: ``"title\\ntext"`` (the paper concatenates
-        title and passage), or ``text`` alone when it has no title or already starts with it
-        (MTRAG's ClapNQ passages do)."""
-        if not self.title or self.text.startswith(self.title):
+        title and passage), or ``text`` alone when there is no title or the text already opens
+        with the title on its own line (MTRAG's ClapNQ passages do)."""
+        if not self.title or self.text.startswith(self.title + "\n"):
             return self.text
         return f"{self.title}\n{self.text}"
 
