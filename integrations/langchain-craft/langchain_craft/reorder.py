@@ -1,0 +1,223 @@
+"""``CraftReorder``: CRAFT's chunk order as an LCEL step, a document transformer and a compressor.
+
+When is the planner committed? A plan is a prediction; ``commit`` records what was served
+(CA-Table counts, CP-Tree paths, the conversation's frozen turn). Two modes:
+
+* ``commit=True`` (default, no engine in sight): the step commits each plan at once, without
+  reuse information. Right when the documents go to any LLM (an OpenAI-compatible vLLM server,
+  another provider): the order is all CRAFT can give there.
+* ``commit=False``: the step only plans; the returned :class:`CraftDocuments` carry the pending
+  plan, and whoever serves the request commits it with the engine's truth. ``ChatCraftVLLM``
+  does this when it finds the plan in its input (see :func:`langchain_craft.craft_context`);
+  a plan nobody commits changes nothing (the engine failed, the chain stopped).
+
+Conversation dedup (a chunk sent in an earlier turn of the same conversation is removed) is only
+correct when the prompt keeps earlier turns' documents, as the engine's append-only
+conversations do. A chain whose history holds only questions and answers should not pass a
+conversation id here (or use ``PlannerConfig(dedup=False)``).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+from langchain_core.callbacks import (
+    AsyncCallbackManager,
+    AsyncCallbackManagerForChainRun,
+    CallbackManager,
+    CallbackManagerForChainRun,
+    Callbacks,
+)
+from langchain_core.documents import BaseDocumentCompressor, BaseDocumentTransformer, Document
+from langchain_core.runnables import RunnableConfig, RunnableSerializable, ensure_config
+from pydantic import ConfigDict, Field
+
+from craft_rag import CraftPlanner
+from langchain_craft._documents import (
+    CRAFT_PLAN_EVENT,
+    DEFAULT_CONVERSATION_KEYS,
+    CraftDocuments,
+    apply_plan,
+    conversation_id_from_config,
+    documents_to_chunks,
+    plan_summary,
+)
+
+
+class CraftReorder(
+    RunnableSerializable[Sequence[Document], list[Document]],
+    BaseDocumentCompressor,
+    BaseDocumentTransformer,
+):
+    """Reorder retrieved documents so shared chunks form shared prompt prefixes (CRAFT).
+
+    Usable three ways, all through :meth:`plan_documents`:
+
+    * LCEL: ``retriever | CraftReorder(planner=planner)``; the conversation id comes from
+      ``config["configurable"]`` (``conversation_id``, ``session_id`` or ``thread_id``);
+    * ``BaseDocumentTransformer``: ``transform_documents(docs, conversation_id=...)``, a drop-in
+      for ``LongContextReorder``;
+    * ``BaseDocumentCompressor`` inside ``ContextualCompressionRetriever``.
+
+    Documents come back unchanged (same objects: metadata and ids kept); only duplicates the plan
+    reports are left out. Every planned request fires the ``craft_plan`` custom callback event
+    (when there is a run to attach it to) with :func:`plan_summary`. The planner is thread-safe
+    and may be shared by several steps, retrievers and engines. Cost per call: the planner's
+    O(k log k) plus hashing the text of documents without ids.
+    """
+
+    planner: CraftPlanner = Field(
+        default_factory=CraftPlanner,
+        exclude=True,
+        description="The CRAFT planner (CA-Table, CP-Tree, conversations); share one per engine.",
+    )
+    commit: bool = Field(
+        default=True,
+        description=(
+            "Commit each plan at once (no engine feedback). False: leave the pending plan on the "
+            "returned CraftDocuments for the engine path (ChatCraftVLLM) to commit."
+        ),
+    )
+    conversation_keys: tuple[str, ...] = Field(
+        default=DEFAULT_CONVERSATION_KEYS,
+        description='Keys of config["configurable"] read as the conversation id; () disables.',
+    )
+    conversation_id: str | None = Field(
+        default=None,
+        description="Fixed conversation id, used when the config names none.",
+    )
+    id_key: str | None = Field(
+        default="id",
+        description="Metadata key holding a chunk id for documents without Document.id.",
+    )
+
+    model_config = ConfigDict(arbitrary_types_allowed=True)
+
+    # ---- the one core function ---------------------------------------------------------------
+
+    def plan_documents(
+        self, documents: Sequence[Document], conversation_id: str | None = None
+    ) -> CraftDocuments:
+        """Plan (and with ``commit=True`` commit) one request's documents.
+
+        An empty input comes back as an empty :class:`CraftDocuments` with no plan and no planner
+        state touched. ``ValueError`` for non-documents, non-string ``page_content`` or one id
+        with two texts (see :func:`langchain_craft._documents.documents_to_chunks`).
+        """
+        chunks = documents_to_chunks(documents, self.id_key)
+        if not chunks:
+            return CraftDocuments()
+        plan = self.planner.plan(chunks, conversation_id or self.conversation_id)
+        if self.commit:
+            self.planner.commit(plan)
+        return apply_plan(documents, chunks, plan, committed=self.commit)
+
+    def _conversation(self, config: RunnableConfig | None) -> str | None:
+        return conversation_id_from_config(config, self.conversation_keys)
+
+    # ---- Runnable ----------------------------------------------------------------------------
+
+    def invoke(
+        self,
+        input: Sequence[Document],
+        config: RunnableConfig | None = None,
+        **kwargs: Any,
+    ) -> list[Document]:
+        return self._call_with_config(self._run, input, config)
+
+    async def ainvoke(
+        self,
+        input: Sequence[Document],
+        config: RunnableConfig | None = None,
+        **kwargs: Any,
+    ) -> list[Document]:
+        return await self._acall_with_config(self._arun, input, config)
+
+    def _run(
+        self,
+        documents: Sequence[Document],
+        run_manager: CallbackManagerForChainRun,
+        config: RunnableConfig,
+    ) -> list[Document]:
+        result = self.plan_documents(documents, self._conversation(config))
+        if result.plan is not None:
+            run_manager.get_child().on_custom_event(
+                CRAFT_PLAN_EVENT,
+                plan_summary(result.plan, committed=result.committed),
+                run_id=run_manager.run_id,
+            )
+        return result
+
+    async def _arun(
+        self,
+        documents: Sequence[Document],
+        run_manager: AsyncCallbackManagerForChainRun,
+        config: RunnableConfig,
+    ) -> list[Document]:
+        result = self.plan_documents(documents, self._conversation(config))
+        if result.plan is not None:
+            await run_manager.get_child().on_custom_event(
+                CRAFT_PLAN_EVENT,
+                plan_summary(result.plan, committed=result.committed),
+                run_id=run_manager.run_id,
+            )
+        return result
+
+    # ---- BaseDocumentTransformer -------------------------------------------------------------
+
+    def transform_documents(
+        self, documents: Sequence[Document], **kwargs: Any
+    ) -> Sequence[Document]:
+        """Drop-in for ``LongContextReorder.transform_documents``; ``conversation_id=`` optional
+        (else read from the enclosing runnable's config, if any)."""
+        conversation_id = kwargs.get("conversation_id") or self._conversation(ensure_config())
+        return self.plan_documents(documents, conversation_id)
+
+    async def atransform_documents(
+        self, documents: Sequence[Document], **kwargs: Any
+    ) -> Sequence[Document]:
+        return self.transform_documents(documents, **kwargs)
+
+    # ---- BaseDocumentCompressor --------------------------------------------------------------
+
+    def compress_documents(
+        self,
+        documents: Sequence[Document],
+        query: str,
+        callbacks: Callbacks | None = None,
+    ) -> Sequence[Document]:
+        """Compressor hook for ``ContextualCompressionRetriever``. The compressor API carries no
+        config, so the conversation id comes from the enclosing chain's config (context
+        variable) or the ``conversation_id`` field."""
+        result = self.plan_documents(documents, self._conversation(ensure_config()))
+        if (
+            result.plan is not None
+            and isinstance(callbacks, CallbackManager)
+            and callbacks.parent_run_id is not None
+        ):
+            callbacks.on_custom_event(
+                CRAFT_PLAN_EVENT,
+                plan_summary(result.plan, committed=result.committed),
+                run_id=callbacks.parent_run_id,
+            )
+        return result
+
+    async def acompress_documents(
+        self,
+        documents: Sequence[Document],
+        query: str,
+        callbacks: Callbacks | None = None,
+    ) -> Sequence[Document]:
+        result = self.plan_documents(documents, self._conversation(ensure_config()))
+        if (
+            result.plan is not None
+            and isinstance(callbacks, AsyncCallbackManager)
+            and callbacks.parent_run_id is not None
+        ):
+            await callbacks.on_custom_event(
+                CRAFT_PLAN_EVENT,
+                plan_summary(result.plan, committed=result.committed),
+                run_id=callbacks.parent_run_id,
+            )
+        return result
