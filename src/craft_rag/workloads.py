@@ -344,12 +344,11 @@ def interleave(
     if seed is None:
         return [item for stream in streams for item in stream]
     rng = random.Random(seed)
-    waiting: Iterator[Sequence[T]] = iter(streams)
-    open_: list[tuple[Sequence[T], int]] = []
+    waiting: Iterator[Sequence[T]] = (stream for stream in streams if stream)
+    open_: list[tuple[Sequence[T], int]] = [
+        (stream, 0) for stream in itertools.islice(waiting, concurrency)
+    ]
     out: list[T] = []
-    for stream in itertools.islice(waiting, concurrency):
-        if stream:
-            open_.append((stream, 0))
     while open_:
         j = rng.randrange(len(open_))
         stream, pos = open_[j]
@@ -358,10 +357,7 @@ def interleave(
             open_[j] = (stream, pos + 1)
         else:
             open_.pop(j)
-            for nxt in waiting:
-                if nxt:
-                    open_.append((nxt, 0))
-                    break
+            open_.extend((nxt, 0) for nxt in itertools.islice(waiting, 1))
     return out
 
 
