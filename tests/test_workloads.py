@@ -161,7 +161,7 @@ def test_plan_rejects_bad_input() -> None:
 )
 def test_config_rejects_bad_values_naming_the_field(field: str, value: object) -> None:
     with pytest.raises(ValueError, match=field):
-        TraceConfig(dataset="squad", **{field: value})
+        TraceConfig(dataset="squad", **{field: value})  # type: ignore[arg-type]
 
 
 def test_unknown_dataset_lists_valid_names() -> None:
@@ -225,7 +225,7 @@ def test_mtrag_trace_replays_the_shown_passages(mtrag: Dataset) -> None:
     for request in trace:
         assert request.conversation_id is not None and request.turn is not None
         turn = by_id[request.conversation_id].turns[request.turn - 1]
-        assert [c.key for c in request.chunks] == [s.passage.id for s in turn.contexts]
+        assert [str(c.key) for c in request.chunks] == [str(s.passage.id) for s in turn.contexts]
         assert [c.score for c in request.chunks] == [s.score for s in turn.contexts]
         assert request.query == turn.question and request.answer == turn.answer
     first = trace[0]
