@@ -46,7 +46,7 @@ from craft_rag.trace import TraceRequest
 from craft_rag.types import ChunkKey
 
 if TYPE_CHECKING:
-    from craft_rag.retrieval import Retriever
+    from craft_rag.retrieval import Embedder, Retriever
 
 T = TypeVar("T")
 
@@ -522,11 +522,13 @@ def build_trace(
     data_dir: Path | None = None,
     cache_dir: Path | None = None,
     retriever: Retriever | None = None,
+    embedder: Embedder | None = None,
     show_progress: bool = True,
 ) -> list[TraceRequest]:
     """Build the trace ``config`` describes. The retriever is built only when the workload
-    needs one (not for MTRAG), over ``config.corpus``, unless one is passed in. Cost: dominated
-    by embedding the corpus the first time (cached on disk afterwards) and by query encoding."""
+    needs one (not for MTRAG), over ``config.corpus`` with ``embedder`` (default: the packaged
+    MiniLM), unless one is passed in. Cost: dominated by embedding the corpus the first time
+    (cached on disk afterwards) and by query encoding."""
     dataset = load_dataset(config.dataset, data_dir)
     built: list[Retriever] = [retriever] if retriever is not None else []
 
@@ -540,6 +542,7 @@ def build_trace(
                     kind=config.index,
                     nlist=config.nlist,
                     nprobe=config.nprobe,
+                    embedder=embedder,
                     cache_dir=cache_dir,
                     show_progress=show_progress,
                 )

@@ -80,6 +80,12 @@ def add_trace_parser(subparsers: Any) -> None:
         help="multi-turn: interleave conversations (seeded) instead of running them in order",
     )
     p.add_argument("--concurrency", type=_positive_int, default=defaults.concurrency)
+    p.add_argument(
+        "--threads",
+        type=_positive_int,
+        default=None,
+        help="torch threads for embedding (default: torch's choice, usually all cores)",
+    )
     p.add_argument("--data-dir", type=Path, default=None, help="overrides $CRAFT_RAG_DATA")
     p.add_argument("--out", "-o", default="-", help="output file (default: stdout)")
     p.add_argument("--quiet", "-q", action="store_true", help="no progress bars or summary")
@@ -108,7 +114,14 @@ def run_trace(args: argparse.Namespace) -> int:
             interleave=args.interleave,
             concurrency=args.concurrency,
         )
-        trace = build_trace(config, data_dir=args.data_dir, show_progress=not args.quiet)
+        embedder = None
+        if args.threads is not None and config.dataset != "mtrag":
+            from craft_rag.retrieval import Embedder
+
+            embedder = Embedder(num_threads=args.threads)
+        trace = build_trace(
+            config, data_dir=args.data_dir, embedder=embedder, show_progress=not args.quiet
+        )
     except (ValueError, FileNotFoundError, ImportError) as e:
         print(f"craft-rag trace: error: {e}", file=sys.stderr)
         return 2
