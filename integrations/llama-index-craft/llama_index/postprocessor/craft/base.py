@@ -1,0 +1,271 @@
+"""CraftReorderPostprocessor: CRAFT's chunk order (and conversation dedup) as a node postprocessor.
+
+When does the planner commit?
+    A plan only changes planner state (CA-Table counts, CP-Tree paths, the conversation's sent
+    chunks) when it is committed. The postprocessor cannot know what an engine reused, so:
+
+    * ``commit_mode="postprocess"`` (default): commit right after planning, with no reuse
+      information. Any pipeline, with any LLM, keeps CA-Table and CP-Tree up to date; the
+      CP-Tree then trusts its own prediction (it never learns of evictions).
+    * ``commit_mode="engine"``: park the plan in :attr:`CraftReorderPostprocessor.handoff`; the
+      CRAFT engine path (:class:`~llama_index.llms.craft_vllm.CraftSynthesizer`, the chat
+      engine) claims it and commits with the engine's truth (cached tokens, chunk token spans).
+      A plan the engine never serves is never committed, so a failed request changes nothing.
+      Use this mode only with a consumer that claims plans; otherwise nothing is learned.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any, Literal
+
+from llama_index.core.bridge.pydantic import Field, PrivateAttr, field_validator
+from llama_index.core.postprocessor.types import BaseNodePostprocessor
+from llama_index.core.schema import NodeWithScore, QueryBundle, QueryType
+from llama_index.postprocessor.craft.events import (
+    CraftCommitEvent,
+    CraftReorderEndEvent,
+    CraftReorderStartEvent,
+)
+from llama_index.postprocessor.craft.handoff import PlanHandoff
+from llama_index.postprocessor.craft.nodes import KEY_SOURCES, KeySource, split_nodes
+from llama_index_instrumentation import get_dispatcher  # = llama_index.core.instrumentation's
+
+from craft_rag import CraftPlanner, Plan, PlannerConfig
+from craft_rag.access_table import DEFAULT_WINDOW
+from craft_rag.chunk import Chunk
+from craft_rag.ordering import DEFAULT_POLICY, ORDERING_POLICIES
+
+dispatcher = get_dispatcher(__name__)
+
+CommitMode = Literal["postprocess", "engine"]
+COMMIT_MODES: tuple[CommitMode, ...] = ("postprocess", "engine")
+
+_CONFIG_FIELDS = ("policy", "window", "threshold")
+
+
+@dataclass(frozen=True, slots=True)
+class CraftReorderResult:
+    """Outcome of one reorder.
+
+    ``nodes`` is what the pipeline continues with: the planned nodes in CRAFT order, then the
+    pass-through nodes in input order. Every input node is in exactly one of ``nodes``,
+    ``removed_duplicates`` and ``repeated_in_request``. ``plan`` is ``None`` when no node was
+    plannable (then nothing was planned or committed).
+    """
+
+    nodes: list[NodeWithScore]
+    plan: Plan | None
+    removed_duplicates: tuple[NodeWithScore, ...]
+    repeated_in_request: tuple[NodeWithScore, ...]
+    passthrough: tuple[NodeWithScore, ...]
+    committed: bool
+
+
+class CraftReorderPostprocessor(BaseNodePostprocessor):
+    """Reorder retrieved nodes so chunks shared across requests form identical prompt prefixes.
+
+    Nodes become ``craft_rag.Chunk`` s (see :mod:`llama_index.postprocessor.craft.nodes`), the
+    shared :class:`craft_rag.CraftPlanner` orders them (and, with a conversation id, drops the
+    chunks an earlier turn already sent), and the same ``NodeWithScore`` objects come back in
+    that order; nodes are never copied or mutated. Non-text and empty nodes pass through after
+    the planned ones. Dropped duplicates are reported on :class:`CraftReorderResult` and on the
+    :class:`~llama_index.postprocessor.craft.events.CraftReorderEndEvent`.
+
+    Pass ``planner=`` to share one planner (and its CA-Table/CP-Tree) between postprocessors,
+    retrievers, the synthesizer and the chat engine; ``policy``/``window``/``threshold`` then
+    default to the planner's settings and must agree with them.
+
+    Cost per call: O(total node text) to build chunks (text hashing only with
+    ``key_source="content_hash"``) plus the planner's O(k log k).
+    """
+
+    policy: str = Field(
+        default=DEFAULT_POLICY,
+        description=f"Ordering policy, one of {sorted(ORDERING_POLICIES)}.",
+    )
+    window: int | None = Field(
+        default=DEFAULT_WINDOW,
+        description="CA-Table sliding window in requests (None: unlimited).",
+    )
+    threshold: int = Field(
+        default=2,
+        description="Accesses within the window before a chunk prefix is promoted to the CP-Tree.",
+    )
+    key_source: KeySource = Field(
+        default="node_id",
+        description="Chunk identity: the node id, or a sha256 of the node's LLM-visible text.",
+    )
+    conversation_id: str | None = Field(
+        default=None,
+        description="Deduplicate against earlier turns of this conversation (None: no dedup).",
+    )
+    commit_mode: CommitMode = Field(
+        default="postprocess",
+        description=(
+            "'postprocess': commit each plan at once (no engine feedback); 'engine': leave plans "
+            "for the CRAFT engine path to commit with what the engine actually reused."
+        ),
+    )
+
+    _planner: CraftPlanner = PrivateAttr()
+    _handoff: PlanHandoff = PrivateAttr()
+
+    def __init__(self, planner: CraftPlanner | None = None, **data: Any) -> None:
+        if planner is not None:
+            if not isinstance(planner, CraftPlanner):
+                msg = f"planner must be a craft_rag.CraftPlanner, got {type(planner).__name__}"
+                raise ValueError(msg)
+            for name in _CONFIG_FIELDS:
+                mine = getattr(planner.config, name)
+                if name in data and data[name] != mine:
+                    msg = (
+                        f"{name}={data[name]!r} disagrees with the shared planner's {name}="
+                        f"{mine!r}; drop the argument or pass a planner configured that way"
+                    )
+                    raise ValueError(msg)
+                data[name] = mine
+        super().__init__(**data)
+        self._planner = planner or CraftPlanner(
+            PlannerConfig(policy=self.policy, window=self.window, threshold=self.threshold)
+        )
+        self._handoff = PlanHandoff()
+
+    @field_validator("policy")
+    @classmethod
+    def _check_policy(cls, value: str) -> str:
+        if value not in ORDERING_POLICIES:
+            msg = f"unknown policy {value!r}; choose one of {sorted(ORDERING_POLICIES)}"
+            raise ValueError(msg)
+        return value
+
+    @field_validator("window")
+    @classmethod
+    def _check_window(cls, value: int | None) -> int | None:
+        if value is not None and value < 1:
+            msg = f"window must be None (unlimited) or >= 1, got {value}"
+            raise ValueError(msg)
+        return value
+
+    @field_validator("threshold")
+    @classmethod
+    def _check_threshold(cls, value: int) -> int:
+        if value < 1:
+            msg = f"threshold must be >= 1, got {value}"
+            raise ValueError(msg)
+        return value
+
+    @field_validator("key_source")
+    @classmethod
+    def _check_key_source(cls, value: str) -> str:
+        if value not in KEY_SOURCES:
+            msg = f"unknown key_source {value!r}; choose one of {list(KEY_SOURCES)}"
+            raise ValueError(msg)
+        return value
+
+    @classmethod
+    def class_name(cls) -> str:
+        return "CraftReorderPostprocessor"
+
+    @property
+    def planner(self) -> CraftPlanner:
+        """The (possibly shared) planner holding CA-Table, CP-Tree and conversations."""
+        return self._planner
+
+    @property
+    def handoff(self) -> PlanHandoff:
+        """Plans parked for the engine path (``commit_mode="engine"``)."""
+        return self._handoff
+
+    # ---- the one core call --------------------------------------------------------------------
+
+    def reorder(
+        self,
+        nodes: Sequence[NodeWithScore],
+        query: QueryType | None = None,
+        *,
+        conversation_id: str | None = None,
+    ) -> CraftReorderResult:
+        """Plan ``nodes`` and return them in CRAFT order (see :class:`CraftReorderResult`).
+
+        ``conversation_id`` overrides the field for this call. Side effects: emits
+        ``CraftReorderStartEvent``/``CraftReorderEndEvent``; commits the plan
+        (``commit_mode="postprocess"``, plus a ``CraftCommitEvent``) or parks it in
+        :attr:`handoff` (``"engine"``). Raises ``ValueError`` for items that are not
+        ``NodeWithScore`` and for two nodes with one id but different text.
+        """
+        conv = conversation_id if conversation_id is not None else self.conversation_id
+        nodes = list(nodes)
+        dispatcher.event(
+            CraftReorderStartEvent(
+                query=query, nodes=nodes, conversation_id=conv, policy=self.policy
+            )
+        )
+        split = split_nodes(nodes, self.key_source)
+        plan: Plan | None = None
+        committed = False
+        ordered: list[NodeWithScore] = []
+        removed: tuple[NodeWithScore, ...] = ()
+        repeated: tuple[NodeWithScore, ...] = ()
+        if split.chunks:
+            plan = self._planner.plan(split.chunks, conv)
+            by_chunk = {id(c): n for c, n in zip(split.chunks, split.plannable, strict=True)}
+
+            def back(chunks: Sequence[Chunk]) -> list[NodeWithScore]:
+                return [by_chunk[id(c)] for c in chunks]
+
+            ordered = back(plan.ordered)
+            removed = tuple(back(plan.removed_duplicates))
+            repeated = tuple(back(plan.repeated_in_request))
+            if self.commit_mode == "postprocess":
+                result = self._planner.commit(plan)
+                committed = True
+                dispatcher.event(CraftCommitEvent(plan=plan, result=result, source="postprocess"))
+            else:
+                self._handoff.put(plan)
+        out = ordered + list(split.passthrough)
+        assert len(out) + len(removed) + len(repeated) == len(nodes), "a node was lost"
+        dispatcher.event(
+            CraftReorderEndEvent(
+                nodes=out,
+                removed_duplicates=list(removed),
+                repeated_in_request=list(repeated),
+                passthrough=list(split.passthrough),
+                plan=plan,
+                committed=committed,
+            )
+        )
+        return CraftReorderResult(
+            nodes=out,
+            plan=plan,
+            removed_duplicates=removed,
+            repeated_in_request=repeated,
+            passthrough=split.passthrough,
+            committed=committed,
+        )
+
+    def claim_plan(
+        self, nodes: Sequence[NodeWithScore], conversation_id: str | None = None
+    ) -> Plan | None:
+        """Take the parked plan whose planned nodes are the plannable prefix of ``nodes``.
+
+        For the engine path with ``commit_mode="engine"``: returns ``None`` when no such plan
+        is parked (postprocess mode, or a later postprocessor changed the nodes). O(k).
+        """
+        conv = conversation_id if conversation_id is not None else self.conversation_id
+        split = split_nodes(nodes, self.key_source)
+        return self._handoff.claim(conv, [c.key for c in split.chunks])
+
+    # ---- LlamaIndex hooks: sync and async share reorder() --------------------------------------
+
+    def _postprocess_nodes(
+        self, nodes: list[NodeWithScore], query_bundle: QueryBundle | None = None
+    ) -> list[NodeWithScore]:
+        return self.reorder(nodes, query_bundle).nodes
+
+    async def _apostprocess_nodes(
+        self, nodes: list[NodeWithScore], query_bundle: QueryBundle | None = None
+    ) -> list[NodeWithScore]:
+        # Planning is microseconds of CPU under a lock: no thread hop (the base class's default).
+        return self.reorder(nodes, query_bundle).nodes

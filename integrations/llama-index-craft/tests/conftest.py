@@ -1,0 +1,116 @@
+"""Fixtures for the llama-index-craft tests: node factories, an event recorder, a small real
+faiss vector index over SQuAD passages with the packaged MiniLM model.
+
+The engine tests use the repository-wide ``craft_engine`` fixture (root conftest.py); they never
+start an engine of their own.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import pytest
+from llama_index.core.instrumentation import get_dispatcher
+from llama_index.core.instrumentation.event_handlers import BaseEventHandler
+from llama_index.core.instrumentation.events.base import BaseEvent
+from llama_index.core.schema import NodeWithScore, TextNode
+
+CORPUS_SIZE = 96
+"""SQuAD paragraphs in the test index: the first articles of the dev set (~15 s to embed the
+first time on 2 cores, then read from craft-rag's embedding cache)."""
+
+
+def make_node(i: int | str, text: str | None = None, score: float = 1.0) -> NodeWithScore:
+    name = str(i)
+    return NodeWithScore(node=TextNode(id_=f"n{name}", text=text or f"text {name}"), score=score)
+
+
+def make_nodes(ids: Sequence[int | str]) -> list[NodeWithScore]:
+    return [make_node(i) for i in ids]
+
+
+def node_ids(nodes: Sequence[NodeWithScore]) -> list[str]:
+    return [n.node.node_id for n in nodes]
+
+
+class EventRecorder(BaseEventHandler):
+    """Collects every instrumentation event while installed on the root dispatcher."""
+
+    events: list[BaseEvent]
+
+    @classmethod
+    def class_name(cls) -> str:
+        return "EventRecorder"
+
+    def handle(self, event: BaseEvent, **kwargs: Any) -> None:
+        self.events.append(event)
+
+    def of(self, cls: type[BaseEvent]) -> list[Any]:
+        return [e for e in self.events if isinstance(e, cls)]
+
+
+@pytest.fixture
+def events() -> Iterator[EventRecorder]:
+    recorder = EventRecorder(events=[])
+    root = get_dispatcher()
+    root.add_event_handler(recorder)
+    try:
+        yield recorder
+    finally:
+        root.event_handlers = [h for h in root.event_handlers if h is not recorder]
+
+
+@dataclass(frozen=True)
+class SquadIndex:
+    """A real ``VectorStoreIndex`` over a ``FaissVectorStore`` plus the questions it can answer."""
+
+    index: Any
+    embed_model: Any
+    questions: tuple[str, ...]
+    passage_ids: tuple[str, ...]
+
+
+@pytest.fixture(scope="session")
+def squad_index() -> SquadIndex:
+    faiss = pytest.importorskip("faiss", reason="pip install faiss-cpu")
+    pytest.importorskip(
+        "llama_index.vector_stores.faiss", reason="pip install llama-index-vector-stores-faiss"
+    )
+    pytest.importorskip(
+        "llama_index.embeddings.huggingface",
+        reason="pip install llama-index-embeddings-huggingface",
+    )
+    from llama_index.core import StorageContext, VectorStoreIndex
+    from llama_index.embeddings.huggingface import HuggingFaceEmbedding
+    from llama_index.vector_stores.faiss import FaissVectorStore
+
+    from craft_rag.datasets import load_squad
+    from craft_rag.retrieval import Embedder, embed_passages
+
+    try:
+        embedder = Embedder()
+    except FileNotFoundError as exc:
+        pytest.skip(str(exc))
+    squad = load_squad()
+    passages = squad.passages[:CORPUS_SIZE]
+    # Passage vectors come from craft-rag's on-disk embedding cache (same MiniLM weights), so
+    # only the first run pays the encoder; query vectors come from LlamaIndex's embed model.
+    vectors = embed_passages(passages, embedder, show_progress=False)
+    nodes = [
+        TextNode(id_=p.id, text=p.content, embedding=vectors[i].tolist())
+        for i, p in enumerate(passages)
+    ]
+    store = FaissVectorStore(faiss_index=faiss.IndexFlatIP(vectors.shape[1]))
+    embed_model = HuggingFaceEmbedding(model_name=str(embedder.model_dir), device="cpu")
+    index = VectorStoreIndex(
+        nodes,
+        storage_context=StorageContext.from_defaults(vector_store=store),
+        embed_model=embed_model,
+    )
+    ids = {p.id for p in passages}
+    questions = tuple(
+        q.question for q in squad.questions if q.passage_ids and q.passage_ids[0] in ids
+    )
+    return SquadIndex(index, embed_model, questions[:200], tuple(p.id for p in passages))
