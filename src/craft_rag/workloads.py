@@ -28,7 +28,7 @@ import re
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, TypeVar
+from typing import TypeVar
 
 from craft_rag.chunk import Chunk
 from craft_rag.datasets import (
@@ -42,11 +42,9 @@ from craft_rag.datasets import (
     load_dataset,
     passage_corpus,
 )
+from craft_rag.retrieval import INDEX_KINDS, Embedder, Retriever, check_k
 from craft_rag.trace import TraceRequest
 from craft_rag.types import ChunkKey
-
-if TYPE_CHECKING:
-    from craft_rag.retrieval import Embedder, Retriever
 
 T = TypeVar("T")
 
@@ -187,8 +185,6 @@ class TraceConfig:
             _bad("corpus", self.corpus, "one of " + ", ".join(CORPUS_CHOICES))
         if self.concurrency < 1:
             _bad("concurrency", self.concurrency, "an int >= 1")
-        from craft_rag.retrieval.index import INDEX_KINDS
-
         if self.index not in INDEX_KINDS:
             _bad("index", self.index, "one of " + ", ".join(INDEX_KINDS))
 
@@ -305,8 +301,6 @@ def single_turn_trace(
     """A single-turn trace: :func:`plan_queries` then top-``top_k`` retrieval for each distinct
     query text. ``answer`` is the question's canonical gold answer. Cost: one encoder call per
     distinct text (~10 ms each on CPU) plus the index scans."""
-    from craft_rag.retrieval import check_k
-
     check_k(top_k)
     plan = plan_queries(
         questions,
@@ -425,8 +419,6 @@ def retrieved_conversation_trace(
     """Conversations (ShareGPT) as a trace with top-``top_k`` retrieval per user turn, the
     user's message as the query; ``answer`` = the assistant's reply. Only the first
     ``requests`` turns of the stream are retrieved."""
-    from craft_rag.retrieval import check_k
-
     check_k(top_k)
     picked = _conversation_turns(conversations, requests, interleave_seed, concurrency)
     found = _retrieve_unique(retriever, [t.question for _, t in picked], top_k, show_progress)
@@ -444,8 +436,6 @@ def retrieved_conversation_trace(
 
 
 # --------------------------------------------------------------------------- entry point
-
-RetrieverFactory = Callable[[Sequence[Passage]], "Retriever"]
 
 
 def _corpus_for(config: TraceConfig, dataset: Dataset, data_dir: Path | None) -> list[Passage]:
@@ -502,7 +492,7 @@ def _sharegpt(
 
 
 WorkloadBuilder = Callable[
-    [TraceConfig, Dataset, Callable[[], "Retriever"], bool], list[TraceRequest]
+    [TraceConfig, Dataset, Callable[[], Retriever], bool], list[TraceRequest]
 ]
 
 WORKLOADS: Mapping[str, WorkloadBuilder] = {
@@ -534,8 +524,6 @@ def build_trace(
 
     def get_retriever() -> Retriever:
         if not built:
-            from craft_rag.retrieval import Retriever
-
             built.append(
                 Retriever.build(
                     _corpus_for(config, dataset, data_dir),

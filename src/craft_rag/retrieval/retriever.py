@@ -95,6 +95,15 @@ class Retriever:
         index, info = build_index(vectors, kind, nlist=nlist, nprobe=nprobe)
         return cls(passages, vectors, index, info, embedder)
 
+    def _check_invariants(self) -> None:
+        """Assert row alignment, id uniqueness and unit-norm rows. O(n·d)."""
+        n = len(self.passages)
+        assert self.embeddings.shape == (n, self.info.dim), self.embeddings.shape
+        assert self._index.ntotal == n == self.info.n_vectors
+        assert len({p.id for p in self.passages}) == n, "duplicate passage ids"
+        norms = np.linalg.norm(self.embeddings, axis=1)
+        assert np.allclose(norms, 1.0, atol=1e-3), "embeddings must be L2-normalised"
+
     def __len__(self) -> int:
         return len(self.passages)
 
