@@ -109,6 +109,8 @@ class ManagedBackend(EngineBackend, Protocol):
 
     def reset_prefix_cache(self) -> bool: ...
 
+    def published_batches(self) -> int | None: ...
+
     def shutdown(self) -> None: ...
 
 
@@ -226,11 +228,13 @@ class CraftEngine:
         return self._backend.block_size
 
     def reset_prefix_cache(self) -> bool:
-        """Drop vLLM's whole prefix cache (its ``AllBlocksCleared`` event then empties the
-        CP-Tree; without KV events the planner is told directly). False if requests are
-        running and hold blocks."""
+        """Drop vLLM's whole prefix cache and empty the CP-Tree. False (nothing changed) if
+        running requests hold blocks."""
         done = self._driver.exclusive(self._backend.reset_prefix_cache)
-        if done and self.kv_events is None:
+        if done:
+            # vLLM publishes AllBlocksCleared only at its next step; clear now so the next
+            # plan sees the empty cache. The event, applied before the next commit (event
+            # barrier), clears an already-empty tree.
             self._planner.on_all_blocks_cleared()
         return done
 
@@ -254,6 +258,7 @@ class CraftEngine:
             msg = "question must be a non-empty string"
             raise ValueError(msg)
         planner = self._planner
+        self._event_barrier()
         plan: PlanLike = planner.plan(list(chunks), conversation_id)
         rendered = self.conversations.render(
             plan.ordered,
@@ -283,6 +288,8 @@ class CraftEngine:
         if self.block_hasher is not None:
             hashes = self.block_hasher.block_hashes(prompt.token_ids)
             block_hashes = self.block_hasher.per_chunk(hashes, prompt.chunk_spans)
+        # Evictions published up to now reach the CP-Tree before this commit, not after it.
+        self._event_barrier()
         try:
             flight.planner.commit(
                 plan,
@@ -322,7 +329,17 @@ class CraftEngine:
             token_ids=tuple(state.token_ids),
             finish_reason=state.finish_reason,
             report=report,
+            prompt_token_ids=prompt.token_ids,
         )
+
+    def _event_barrier(self) -> None:
+        """Wait until every KV event batch the engine has published so far was applied to the
+        planner (usually already true: microseconds; at most 2 s if a batch was lost)."""
+        if self.kv_events is None:
+            return
+        published = self._backend.published_batches()
+        if published is not None:
+            self.kv_events.wait_through(published - 1)
 
     def _abandon(self, flight: _InFlight) -> None:
         """The caller stopped waiting: abort the request; nothing is committed."""

@@ -241,6 +241,7 @@ class KVEventStats:
     nodes_removed: int = 0
     gaps: int = 0
     undecodable: int = 0
+    barrier_timeouts: int = 0
     last_seq: int = -1
     last_event_time: float = 0.0
 
@@ -321,14 +322,10 @@ class KVEventSync:
             events = decode_event_batch(payload)
         except ValueError:
             self.stats.undecodable += 1
-            return
+            events = []
         with self._cond:
             listener = self._listener
         stats = self.stats
-        if stats.last_seq >= 0 and seq > stats.last_seq + 1:
-            stats.gaps += 1
-        stats.last_seq = max(stats.last_seq, seq)
-        stats.batches += 1
         for event in events:
             if isinstance(event, BlocksStored):
                 stats.blocks_stored += len(event.hashes)
@@ -340,7 +337,12 @@ class KVEventSync:
                 stats.clears += 1
                 if listener is not None:
                     listener.on_all_blocks_cleared()
+        # Advance the sequence only once the batch is applied: wait_through relies on it.
         with self._cond:
+            if stats.last_seq >= 0 and seq > stats.last_seq + 1:
+                stats.gaps += 1
+            stats.last_seq = max(stats.last_seq, seq)
+            stats.batches += 1
             self._recent.events.extend(events)
             stats.last_event_time = self._clock()
             self._cond.notify_all()
@@ -362,6 +364,20 @@ class KVEventSync:
             while not predicate(list(self._recent.events)):
                 remaining = deadline - self._clock()
                 if remaining <= 0:
+                    return False
+                self._cond.wait(remaining)
+            return True
+
+    def wait_through(self, seq: int, timeout: float = 2.0) -> bool:
+        """Block until the batch with sequence number ``seq`` (and every earlier one still on
+        the wire) has been applied, or ``timeout`` passes (counted in ``barrier_timeouts``).
+        ``seq < 0`` returns at once."""
+        deadline = self._clock() + timeout
+        with self._cond:
+            while self.stats.last_seq < seq:
+                remaining = deadline - self._clock()
+                if remaining <= 0:
+                    self.stats.barrier_timeouts += 1
                     return False
                 self._cond.wait(remaining)
             return True

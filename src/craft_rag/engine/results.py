@@ -96,12 +96,13 @@ class ReuseReport:
 
 @dataclass(frozen=True, slots=True)
 class GenerationResult:
-    """A finished request: the reply and its :class:`ReuseReport`."""
+    """A finished request: the reply, its :class:`ReuseReport` and the exact prompt ids sent."""
 
     text: str
     token_ids: tuple[int, ...]
     finish_reason: str | None
     report: ReuseReport
+    prompt_token_ids: tuple[int, ...] = ()
 
 
 @dataclass(frozen=True, slots=True)

@@ -165,6 +165,31 @@ class VLLMBackend:
         tokenizer = self.llm.get_tokenizer()
         eos = getattr(tokenizer, "eos_token_id", None)
         self.eos_token_ids = frozenset([eos] if isinstance(eos, int) else [])
+        self._published: int | None = None
+        self._count_published_batches()
+
+    def _count_published_batches(self) -> None:
+        """Count the KV event batches the in-process scheduler publishes, so the engine can
+        wait until its subscriber has seen all of them (an event barrier before plan and
+        commit). The publisher is reachable only with an in-process engine core; otherwise
+        the count stays ``None`` and the barrier is skipped."""
+        try:
+            publisher = self.engine.engine_core.engine_core.scheduler.kv_event_publisher
+            original = publisher.publish
+        except AttributeError:
+            return
+        self._published = 0
+
+        def publish(batch: Any) -> None:
+            original(batch)
+            assert self._published is not None
+            self._published += 1  # only the stepping thread publishes
+
+        publisher.publish = publish
+
+    def published_batches(self) -> int | None:
+        """KV event batches published so far (``None`` when not countable)."""
+        return self._published
 
     def add_request(
         self, request_id: str, token_ids: Sequence[int], sampling: SamplingRequest

@@ -1,0 +1,251 @@
+"""CraftEngine request logic against a fake backend: plan -> render -> generate -> commit."""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+from collections.abc import Callable
+
+import pytest
+from engine_fakes import FakeBackend, make_chunks
+
+from craft_rag.engine.engine import CraftEngine, EngineFailure, reused_chunk_count
+from craft_rag.engine.results import RagRequest, SamplingRequest
+from craft_rag.planner import CraftPlanner
+from craft_rag.types import ConversationId
+
+Factory = Callable[..., tuple[CraftEngine, FakeBackend]]
+
+
+def planner_of(engine: CraftEngine) -> CraftPlanner:
+    planner = engine.planner
+    assert isinstance(planner, CraftPlanner)
+    return planner
+
+
+def test_reused_chunk_count_is_block_granular() -> None:
+    spans = [(10, 40), (40, 70), (70, 100)]
+    assert reused_chunk_count(spans, 0, 16) == 0
+    assert reused_chunk_count(spans, 32, 16) == 1  # chunk 1's full blocks end at 16, 32
+    assert reused_chunk_count(spans, 64, 16) == 2  # chunk 2's partial tail (64-70) not needed
+    assert reused_chunk_count(spans, 80, 16) == 2
+    assert reused_chunk_count(spans, 96, 16) == 3
+    assert reused_chunk_count([], 96, 16) == 0
+
+
+def test_craft_order_reuses_the_whole_chunk_prefix_retriever_order_does_not(
+    make_fake_engine: Factory,
+) -> None:
+    chunks = make_chunks(5)
+    orders = [chunks, [chunks[3], chunks[0], chunks[4], chunks[1], chunks[2]]]
+    reused = {}
+    for policy in ("tree", "retriever"):
+        engine, _ = make_fake_engine(policy=policy)
+        first = engine.generate(orders[0], "Which?", max_tokens=2)
+        second = engine.generate(orders[1], "Which one?", max_tokens=2)
+        assert first.report.cached_tokens == 0
+        reused[policy] = second.report
+    tree, retriever = reused["tree"], reused["retriever"]
+    assert tree.reused_chunks == 5
+    assert tree.chunk_order == tuple(c.key for c in chunks)
+    # Everything but the question (and the block it shares with the last chunk) was a hit.
+    assert tree.prompt_tokens - tree.cached_tokens < 32
+    assert retriever.reused_chunks == 0
+    assert retriever.cached_tokens < tree.cached_tokens
+
+
+def test_report_fields_and_commit(make_fake_engine: Factory) -> None:
+    engine, backend = make_fake_engine()
+    chunks = make_chunks(3)
+    dup = chunks[1]
+    result = engine.generate([*chunks, dup], "What?", max_tokens=3)
+    report = result.report
+    assert result.token_ids == (101, 102, 103)
+    assert result.text == "t101 t102 t103 "
+    assert result.finish_reason == "length"
+    assert report.prompt_tokens == len(backend.added[0][1])
+    assert report.output_tokens == 3
+    assert report.repeated_in_request == (dup.key,)
+    assert report.turn == 1 and report.dropped_turns == 0
+    assert 0 <= report.ttft_ms <= report.latency_ms
+    assert planner_of(engine).stats.commits == 1
+
+
+def test_engine_failure_raises_and_commits_nothing(make_fake_engine: Factory) -> None:
+    engine, backend = make_fake_engine()
+    planner = planner_of(engine)
+    chunks = make_chunks(3)
+    engine.generate(chunks, "first?", conversation_id="c", max_tokens=2)
+    history = engine.conversations.history_tokens("c")
+    table_before = planner.access_table.to_json()
+    tree_before = planner.prefix_tree.to_json()
+
+    backend.fail_on_step = True
+    with pytest.raises(EngineFailure, match="simulated engine crash"):
+        engine.generate(make_chunks(2, prefix="new"), "second?", conversation_id="c")
+    assert planner.stats.commits == 1
+    assert planner.access_table.to_json() == table_before
+    assert planner.prefix_tree.to_json() == tree_before
+    assert engine.conversations.history_tokens("c") == history
+    assert planner.conversations.turn_count(ConversationId("c")) == 1
+
+    # The engine keeps serving, and the conversation continues from turn 2.
+    backend.fail_on_step = False
+    again = engine.generate(make_chunks(2, prefix="new"), "second?", conversation_id="c")
+    assert again.report.turn == 2
+    planner._check_invariants()
+    engine.conversations._check_invariants()
+
+
+def test_bad_inputs(make_fake_engine: Factory) -> None:
+    engine, backend = make_fake_engine(FakeBackend(max_model_len=200))
+    with pytest.raises(ValueError, match="question"):
+        engine.generate(make_chunks(1), "  ")
+    # Empty chunks are fine.
+    assert engine.generate([], "Anything?", max_tokens=1).report.chunk_order == ()
+    # Too long even alone: a clear error, nothing sent, nothing committed.
+    sent = len(backend.added)
+    with pytest.raises(ValueError, match="max_model_len 200"):
+        engine.generate(make_chunks(12, words=30), "Why?", max_tokens=4)
+    assert len(backend.added) == sent
+    assert planner_of(engine).stats.commits == 1
+    with pytest.raises(ValueError, match="max_tokens"):
+        SamplingRequest(max_tokens=0)
+
+
+def test_second_turn_appends_to_the_first_and_dedups(make_fake_engine: Factory) -> None:
+    engine, backend = make_fake_engine()
+    chunks = make_chunks(4)
+    first = engine.generate(chunks[:3], "Q1?", conversation_id="conv", max_tokens=4)
+    second = engine.generate(chunks[1:], "Q2?", conversation_id="conv", max_tokens=4)
+    prompt1, prompt2 = backend.added[0][1], backend.added[1][1]
+
+    assert prompt2[: len(prompt1)] == prompt1
+    reply_and_close = prompt2[len(prompt1) : second.report.prefix_tokens]
+    assert reply_and_close[:4] == first.token_ids
+    assert second.report.turn == 2
+    assert set(second.report.removed_duplicates) == {chunks[1].key, chunks[2].key}
+    assert second.report.chunk_order == (chunks[3].key,)
+    # Everything up to turn 1's last full block (prompt + reply) was a hit.
+    assert second.report.cached_tokens == (len(prompt1) + 4) // 16 * 16
+
+
+def test_oldest_turns_are_dropped_whole_when_the_context_fills(make_fake_engine: Factory) -> None:
+    engine, backend = make_fake_engine(FakeBackend(max_model_len=260))
+    reports = []
+    for turn in range(6):
+        chunks = make_chunks(2, words=25, prefix=f"t{turn}", seed=turn)
+        reports.append(
+            engine.generate(chunks, f"Q{turn}?", conversation_id="long", max_tokens=4).report
+        )
+        prompt = backend.added[-1][1]
+        assert len(prompt) + 4 <= 260
+        # This turn's chunks are in the prompt whole.
+        chunk_ids = [engine.assembler.chunk_ids(c) for c in chunks]
+        joined = tuple(i for ids in chunk_ids for i in ids)
+        start = reports[-1].prefix_tokens
+        assert prompt[start : start + len(joined)] == joined
+    assert reports[0].dropped_turns == 0
+    assert sum(r.dropped_turns for r in reports) > 0
+    dropped_at = next(i for i, r in enumerate(reports) if r.dropped_turns)
+    after = backend.added[dropped_at][1]
+    # The head stays; the oldest turn is gone.
+    assert after[: len(engine.assembler.head_ids)] == engine.assembler.head_ids
+    engine.conversations._check_invariants()
+
+
+def test_closing_a_stream_early_aborts_and_commits_nothing(make_fake_engine: Factory) -> None:
+    engine, backend = make_fake_engine(FakeBackend(step_delay=0.02))
+    stream = engine.stream(make_chunks(2), "Q?", conversation_id="s", max_tokens=8)
+    first = next(stream)
+    assert first.token_ids == (101,) and not first.finished
+    stream.close()
+    assert backend.aborted
+    assert planner_of(engine).stats.commits == 0
+    assert engine.conversations.history_tokens("s") == 0
+    # The conversation is not stuck in flight.
+    engine.generate(make_chunks(1), "again?", conversation_id="s", max_tokens=1)
+
+
+def test_stream_yields_deltas_then_the_result(make_fake_engine: Factory) -> None:
+    engine, _ = make_fake_engine()
+    pieces = list(engine.stream(make_chunks(2), "Q?", max_tokens=3))
+    assert [p.token_ids for p in pieces[:-1]] == [(101,), (102,), (103,)]
+    final = pieces[-1].result
+    assert final is not None and final.token_ids == (101, 102, 103)
+    assert pieces[0].elapsed_ms == pytest.approx(final.report.ttft_ms)
+    assert planner_of(engine).stats.commits == 1
+
+
+def test_astream_yields_deltas_and_cancellation_aborts(make_fake_engine: Factory) -> None:
+    engine, backend = make_fake_engine(FakeBackend(step_delay=0.02))
+
+    async def consume(limit: int | None) -> list[tuple[int, ...]]:
+        got = []
+        gen = engine.astream(make_chunks(2), "Q?", max_tokens=4)
+        async for piece in gen:
+            got.append(piece.token_ids)
+            if limit is not None and len(got) >= limit:
+                await gen.aclose()
+                break
+        return got
+
+    full = asyncio.run(consume(None))
+    assert full[:4] == [(101,), (102,), (103,), (104,)] and full[4] == ()
+    assert asyncio.run(consume(1)) == [(101,)]
+    assert backend.aborted
+    assert planner_of(engine).stats.commits == 1
+
+
+def test_batch_results_in_order_and_conversation_once_per_batch(
+    make_fake_engine: Factory,
+) -> None:
+    engine, _ = make_fake_engine()
+    requests = [RagRequest(make_chunks(2, prefix=f"b{i}"), f"Q{i}?") for i in range(3)]
+    results = engine.generate_batch(requests, max_tokens=2)
+    assert [r.report.chunk_order[0] for r in results] == ["b0-0", "b1-0", "b2-0"]
+    with pytest.raises(ValueError, match="at most once per batch"):
+        engine.generate_batch(
+            [RagRequest([], "a?", "same"), RagRequest([], "b?", "same")], max_tokens=1
+        )
+
+
+def test_one_turn_in_flight_per_conversation(make_fake_engine: Factory) -> None:
+    gate = threading.Event()
+    engine, _ = make_fake_engine(FakeBackend(step_gate=gate))
+    stream = engine.stream(make_chunks(1), "Q?", conversation_id="busy", max_tokens=2)
+    worker = threading.Thread(target=lambda: list(stream))
+    worker.start()
+    try:
+        for _ in range(100):
+            if engine._driver.in_flight():
+                break
+            threading.Event().wait(0.01)
+        with pytest.raises(RuntimeError, match="in flight"):
+            engine.generate([], "next?", conversation_id="busy")
+    finally:
+        gate.set()
+        worker.join(5)
+
+
+def test_no_cache_baseline_reads_nothing_and_keeps_the_tree(make_fake_engine: Factory) -> None:
+    engine, _ = make_fake_engine()
+    chunks = make_chunks(3)
+    for _ in range(3):
+        engine.generate(chunks, "Q?", max_tokens=1)
+    tree_size = len(planner_of(engine).prefix_tree)
+    assert tree_size > 0
+    cold = engine.generate(chunks, "Q?", max_tokens=1, read_prefix_cache=False)
+    assert cold.report.cached_tokens == 0 and not cold.report.read_prefix_cache
+    assert len(planner_of(engine).prefix_tree) == tree_size
+
+
+def test_reset_prefix_cache_without_events_clears_the_tree(make_fake_engine: Factory) -> None:
+    engine, _ = make_fake_engine()
+    chunks = make_chunks(3)
+    engine.generate(chunks, "Q?", max_tokens=1)
+    engine.generate(chunks, "Q?", max_tokens=1)
+    assert len(planner_of(engine).prefix_tree) > 0
+    assert engine.reset_prefix_cache()
+    assert len(planner_of(engine).prefix_tree) == 0
+    assert engine.generate(chunks, "Q?", max_tokens=1).report.cached_tokens == 0
