@@ -1,1 +1,43 @@
-"""Engine side of craft-rag: an in-process vLLM engine that serves CRAFT-ordered prompts."""
+"""Engine side of craft-rag: an in-process vLLM engine that serves CRAFT-ordered prompts.
+
+Importing this package is cheap: vLLM, torch and transformers load only when an engine starts
+or the embedded model is converted. See docs/engine.md.
+"""
+
+from craft_rag.engine.chat_format import derive_chat_format
+from craft_rag.engine.conversation_prompts import ConversationPrompts, RenderedTurn
+from craft_rag.engine.driver import EngineFailure, RequestCancelled
+from craft_rag.engine.engine import CraftEngine, PlannerLike, reused_chunk_count
+from craft_rag.engine.kv_events import BlockHasher, KVEventSync
+from craft_rag.engine.model import PreparedModel, prepare_default_model, resolve_model
+from craft_rag.engine.results import (
+    GenerationResult,
+    RagRequest,
+    ReuseReport,
+    SamplingRequest,
+    StreamChunk,
+)
+from craft_rag.engine.vllm_backend import EngineSettings, EngineStartError
+
+__all__ = [
+    "BlockHasher",
+    "ConversationPrompts",
+    "CraftEngine",
+    "EngineFailure",
+    "EngineSettings",
+    "EngineStartError",
+    "GenerationResult",
+    "KVEventSync",
+    "PlannerLike",
+    "PreparedModel",
+    "RagRequest",
+    "RenderedTurn",
+    "RequestCancelled",
+    "ReuseReport",
+    "SamplingRequest",
+    "StreamChunk",
+    "derive_chat_format",
+    "prepare_default_model",
+    "resolve_model",
+    "reused_chunk_count",
+]

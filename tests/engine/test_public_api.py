@@ -1,0 +1,49 @@
+"""The engine package's public names are pinned, and importing it stays cheap."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import craft_rag.engine as engine_pkg
+
+EXPECTED = {
+    "BlockHasher",
+    "ConversationPrompts",
+    "CraftEngine",
+    "EngineFailure",
+    "EngineSettings",
+    "EngineStartError",
+    "GenerationResult",
+    "KVEventSync",
+    "PlannerLike",
+    "PreparedModel",
+    "RagRequest",
+    "RenderedTurn",
+    "RequestCancelled",
+    "ReuseReport",
+    "SamplingRequest",
+    "StreamChunk",
+    "derive_chat_format",
+    "prepare_default_model",
+    "resolve_model",
+    "reused_chunk_count",
+}
+
+
+def test_all_is_pinned() -> None:
+    assert set(engine_pkg.__all__) == EXPECTED
+    for name in EXPECTED:
+        assert getattr(engine_pkg, name) is not None
+
+
+def test_import_loads_no_heavy_framework() -> None:
+    code = (
+        "import sys, craft_rag.engine, craft_rag.engine.cli_commands; "
+        "print(sorted(m for m in ('vllm', 'torch', 'transformers', 'zmq') if m in sys.modules))"
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, check=True,
+        env={"PYTHONPATH": ":".join(sys.path)},
+    ).stdout.strip()
+    assert out == "[]"
