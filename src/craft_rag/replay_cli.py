@@ -107,6 +107,11 @@ def format_table(results: list[ReplayResult]) -> str:
         )
     widths = [max(len(row[i]) for row in rows) for i in range(len(header))]
     lines = ["  ".join(cell.rjust(w) for cell, w in zip(row, widths, strict=True)) for row in rows]
+    for r in results:
+        lines.append(
+            f"  {r.policy}: {r.prompt_tokens} prompt tokens, {r.cached_tokens} cached, "
+            f"{r.prompt_tokens - r.cached_tokens} computed"
+        )
     if results:
         r = results[0]
         lines.append(
