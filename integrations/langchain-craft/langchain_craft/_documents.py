@@ -30,11 +30,12 @@ class CraftDocuments(list[Document]):
     A plain ``list`` for every LangChain consumer; the extra attributes say what happened:
     ``plan`` (``None`` for an empty input), ``removed_duplicates`` (sent in an earlier turn of
     the conversation), ``repeated_in_request`` (same key twice in this request; the first one is
-    kept) and ``committed`` (whether the planner already recorded this request). Every input
+    kept), ``committed`` (whether the planner already recorded this request) and ``planner``
+    (the planner that made the plan). Every input
     document is in exactly one of the list, ``removed_duplicates`` and ``repeated_in_request``.
     """
 
-    __slots__ = ("committed", "plan", "removed_duplicates", "repeated_in_request")
+    __slots__ = ("committed", "plan", "planner", "removed_duplicates", "repeated_in_request")
 
     def __init__(
         self,
@@ -44,9 +45,11 @@ class CraftDocuments(list[Document]):
         removed_duplicates: Sequence[Document] = (),
         repeated_in_request: Sequence[Document] = (),
         committed: bool = False,
+        planner: object | None = None,
     ) -> None:
         super().__init__(documents)
         self.plan = plan
+        self.planner = planner
         self.removed_duplicates: tuple[Document, ...] = tuple(removed_duplicates)
         self.repeated_in_request: tuple[Document, ...] = tuple(repeated_in_request)
         self.committed = committed
@@ -108,7 +111,12 @@ def documents_to_chunks(documents: Sequence[Any], id_key: str | None) -> list[Ch
 
 
 def apply_plan(
-    documents: Sequence[Document], chunks: Sequence[Chunk], plan: Plan, *, committed: bool
+    documents: Sequence[Document],
+    chunks: Sequence[Chunk],
+    plan: Plan,
+    *,
+    committed: bool,
+    planner: object | None = None,
 ) -> CraftDocuments:
     """Map a plan over ``chunks`` (built from ``documents``, same order) back to the documents.
 
@@ -122,6 +130,7 @@ def apply_plan(
         removed_duplicates=[by_chunk[id(c)] for c in plan.removed_duplicates],
         repeated_in_request=[by_chunk[id(c)] for c in plan.repeated_in_request],
         committed=committed,
+        planner=planner,
     )
 
 

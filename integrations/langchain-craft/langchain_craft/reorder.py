@@ -111,7 +111,7 @@ class CraftReorder(
         plan = self.planner.plan(chunks, conversation_id or self.conversation_id)
         if self.commit:
             self.planner.commit(plan)
-        return apply_plan(documents, chunks, plan, committed=self.commit)
+        return apply_plan(documents, chunks, plan, committed=self.commit, planner=self.planner)
 
     def _conversation(self, config: RunnableConfig | None) -> str | None:
         return conversation_id_from_config(config, self.conversation_keys)

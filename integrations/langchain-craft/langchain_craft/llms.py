@@ -1,0 +1,145 @@
+"""``CraftVLLM``: a LangChain completion LLM served by craft-rag's in-process vLLM engine.
+
+A prompt string is the question; ``documents=`` (and ``conversation_id=``) on the call make it a
+RAG request that the engine plans, serves token-exactly and commits, as for ``ChatCraftVLLM``.
+(A completion LLM sees prompts as plain strings, so ``CraftRAGPrompt``'s structured context
+cannot reach it; use ``ChatCraftVLLM`` in LCEL RAG chains.) Each request streams from the engine:
+``on_llm_new_token`` fires per token, and ``generation_info["craft"]`` is the reuse report.
+"""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator, Iterator
+from typing import Any
+
+from langchain_core.callbacks import AsyncCallbackManagerForLLMRun, CallbackManagerForLLMRun
+from langchain_core.language_models import BaseLLM, LangSmithParams
+from langchain_core.outputs import Generation, GenerationChunk, LLMResult
+
+from langchain_craft._engine import CraftEngineParams, EngineRequest, final_metadata, usage_metadata
+from langchain_craft.prompt import build_context
+
+
+class CraftVLLM(CraftEngineParams, BaseLLM):
+    """Completion LLM over a ``CraftEngine`` (in-process vLLM with prefix caching and CRAFT).
+
+    ``llm.invoke("Who wrote Hamlet?", documents=docs, conversation_id="s1")``; the final
+    generation's ``generation_info`` holds ``craft`` (the reuse report), ``usage`` and
+    ``finish_reason``. Same per-call arguments as ``ChatCraftVLLM``.
+    """
+
+    streaming: bool = False
+    """Accepted for compatibility; every call streams from the engine anyway."""
+
+    @property
+    def _llm_type(self) -> str:
+        return "craft-vllm"
+
+    @property
+    def _identifying_params(self) -> dict[str, Any]:
+        return {
+            "model_name": self.served_model_name(),
+            "max_tokens": self.max_tokens,
+            "temperature": self.temperature,
+            "top_p": self.top_p,
+            "seed": self.seed,
+            "stop": self.stop,
+        }
+
+    def _get_ls_params(self, stop: list[str] | None = None, **kwargs: Any) -> LangSmithParams:
+        params = super()._get_ls_params(stop=stop, **kwargs)
+        params["ls_provider"] = "craft_vllm"
+        params["ls_model_name"] = kwargs.get("model") or self.served_model_name()
+        return params
+
+    def _request(
+        self, prompt: str, stop: list[str] | None, kwargs: dict[str, Any]
+    ) -> EngineRequest:
+        if not isinstance(prompt, str) or not prompt.strip():
+            msg = f"prompt must be a non-empty string, got {prompt!r}"
+            raise ValueError(msg)
+        conversation_id = kwargs.get("conversation_id")
+        documents = kwargs.get("documents")
+        chunks: tuple[Any, ...] = ()
+        if documents is not None:
+            context = build_context(documents, prompt, conversation_id=conversation_id)
+            chunks = context.chunks
+        return self._engine_request(chunks, prompt, conversation_id, stop, kwargs)
+
+    def _to_chunk(self, piece: Any) -> GenerationChunk:
+        if piece.result is None:
+            return GenerationChunk(text=piece.text)
+        info = final_metadata(piece.result, self.served_model_name())
+        info["usage"] = dict(usage_metadata(piece.result))
+        return GenerationChunk(text=piece.text, generation_info=info)
+
+    def _stream(
+        self,
+        prompt: str,
+        stop: list[str] | None = None,
+        run_manager: CallbackManagerForLLMRun | None = None,
+        **kwargs: Any,
+    ) -> Iterator[GenerationChunk]:
+        request = self._request(prompt, stop, kwargs)
+        engine = self.get_engine()
+        for piece in engine.stream(request.chunks, request.question, **request.kwargs()):
+            chunk = self._to_chunk(piece)
+            if run_manager is not None and piece.text:
+                run_manager.on_llm_new_token(piece.text, chunk=chunk)
+            yield chunk
+
+    async def _astream(
+        self,
+        prompt: str,
+        stop: list[str] | None = None,
+        run_manager: AsyncCallbackManagerForLLMRun | None = None,
+        **kwargs: Any,
+    ) -> AsyncIterator[GenerationChunk]:
+        request = self._request(prompt, stop, kwargs)
+        engine = self.get_engine()
+        async for piece in engine.astream(request.chunks, request.question, **request.kwargs()):
+            chunk = self._to_chunk(piece)
+            if run_manager is not None and piece.text:
+                await run_manager.on_llm_new_token(piece.text, chunk=chunk)
+            yield chunk
+
+    def _generate(
+        self,
+        prompts: list[str],
+        stop: list[str] | None = None,
+        run_manager: CallbackManagerForLLMRun | None = None,
+        **kwargs: Any,
+    ) -> LLMResult:
+        generations = [
+            [_merge(list(self._stream(p, stop, run_manager, **kwargs)))] for p in prompts
+        ]
+        return _result(generations)
+
+    async def _agenerate(
+        self,
+        prompts: list[str],
+        stop: list[str] | None = None,
+        run_manager: AsyncCallbackManagerForLLMRun | None = None,
+        **kwargs: Any,
+    ) -> LLMResult:
+        generations = []
+        for p in prompts:
+            chunks = [c async for c in self._astream(p, stop, run_manager, **kwargs)]
+            generations.append([_merge(chunks)])
+        return _result(generations)
+
+
+def _merge(chunks: list[GenerationChunk]) -> Generation:
+    assert chunks and chunks[-1].generation_info, "engine stream ended early"
+    text = "".join(c.text for c in chunks)
+    return Generation(text=text, generation_info=chunks[-1].generation_info)
+
+
+def _result(generations: list[list[Generation]]) -> LLMResult:
+    usage = [g[0].generation_info["usage"] for g in generations if g[0].generation_info]
+    token_usage = {
+        "prompt_tokens": sum(u["input_tokens"] for u in usage),
+        "completion_tokens": sum(u["output_tokens"] for u in usage),
+        "cached_tokens": sum(u["input_token_details"]["cache_read"] for u in usage),
+    }
+    return LLMResult(generations=generations, llm_output={"token_usage": token_usage})

@@ -1,0 +1,272 @@
+"""ChatCraftVLLM and CraftVLLM over the real CraftEngine with a fake forward pass (fast)."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+from langchain_core.callbacks import AsyncCallbackHandler, BaseCallbackHandler
+from langchain_core.documents import Document
+from langchain_core.messages import AIMessage, AIMessageChunk, HumanMessage, SystemMessage
+from langchain_core.runnables import RunnableLambda, RunnablePassthrough
+from langchain_craft import ChatCraftVLLM, CraftRAGPrompt, CraftReorder, CraftVLLM
+from lc_craft_fakes import FakeBackend, make_fake_engine
+
+from craft_rag.engine.engine import CraftEngine
+
+REPLY = "t101 t102 t103 t104 "
+
+
+@pytest.fixture
+def fake() -> Iterator[tuple[CraftEngine, FakeBackend]]:
+    engine, backend = make_fake_engine()
+    yield engine, backend
+    engine.close()
+
+
+def docs(*ids: str) -> list[Document]:
+    return [Document(page_content=f"{i} " * 24, id=i, metadata={"src": i}) for i in ids]
+
+
+class TokenCounter(BaseCallbackHandler):
+    def __init__(self) -> None:
+        self.tokens: list[str] = []
+
+    def on_llm_new_token(self, token: str, **kwargs: Any) -> None:
+        self.tokens.append(token)
+
+
+class AsyncTokenCounter(AsyncCallbackHandler):
+    def __init__(self) -> None:
+        self.tokens: list[str] = []
+
+    async def on_llm_new_token(self, token: str, **kwargs: Any) -> None:
+        self.tokens.append(token)
+
+
+def test_invoke_reports_usage_and_reuse(fake: tuple[CraftEngine, FakeBackend]) -> None:
+    model = ChatCraftVLLM(engine=fake[0], max_tokens=4)
+    msg = model.invoke("Hello")
+    assert isinstance(msg, AIMessage) and msg.content == REPLY
+    assert msg.usage_metadata is not None
+    assert msg.usage_metadata["output_tokens"] == 4
+    assert msg.usage_metadata["input_token_details"] == {"cache_read": 0}
+    craft = msg.response_metadata["craft"]
+    assert craft["prompt_tokens"] == msg.usage_metadata["input_tokens"]
+    assert craft["ttft_ms"] >= 0 and craft["chunk_order"] == []
+    assert msg.response_metadata["model_name"] == "SmolLM2-135M-Instruct"
+    assert msg.response_metadata["finish_reason"] == "length"
+    again = model.invoke("Hello")
+    assert again.usage_metadata is not None
+    assert again.usage_metadata["input_token_details"]["cache_read"] > 0
+
+
+def test_callbacks_fire_per_token_on_invoke_and_stream(
+    fake: tuple[CraftEngine, FakeBackend],
+) -> None:
+    model = ChatCraftVLLM(engine=fake[0], max_tokens=4)
+    counter = TokenCounter()
+    model.invoke("Hi", {"callbacks": [counter]})
+    assert counter.tokens == ["t101 ", "t102 ", "t103 ", "t104 "]
+    counter.tokens.clear()
+    list(model.stream("Hi", {"callbacks": [counter]}))
+    # LangChain's stream() fires the callback itself, plus once for the closing empty chunk.
+    assert [t for t in counter.tokens if t] == ["t101 ", "t102 ", "t103 ", "t104 "]
+
+
+def test_stream_yields_tokens_then_a_last_chunk_with_usage(
+    fake: tuple[CraftEngine, FakeBackend],
+) -> None:
+    chunks = list(ChatCraftVLLM(engine=fake[0], max_tokens=3).stream("Hi"))
+    assert [c.content for c in chunks[:-1]] == ["t101 ", "t102 ", "t103 "]
+    assert chunks[-1].chunk_position == "last" and chunks[-1].usage_metadata is not None
+    full = chunks[0]
+    for c in chunks[1:]:
+        full = full + c
+    assert isinstance(full, AIMessageChunk)
+    assert full.text == "t101 t102 t103 " and full.response_metadata["craft"]["output_tokens"] == 3
+
+
+async def test_async_paths_match_sync(fake: tuple[CraftEngine, FakeBackend]) -> None:
+    model = ChatCraftVLLM(engine=fake[0], max_tokens=4)
+    counter = AsyncTokenCounter()
+    msg = await model.ainvoke("Hello", {"callbacks": [counter]})
+    assert msg.content == REPLY and len(counter.tokens) == 4
+    chunks = [c async for c in model.astream("Hello")]
+    assert "".join(c.text for c in chunks) == REPLY
+    assert chunks[-1].response_metadata["craft"]["cached_tokens"] > 0
+
+
+def test_rag_chain_is_token_exact_and_aligns_shared_chunks(
+    fake: tuple[CraftEngine, FakeBackend],
+) -> None:
+    engine, backend = fake
+    retrieved = iter([docs("a", "b", "c"), docs("c", "b", "a")])
+    chain = (
+        {"context": RunnableLambda(lambda _: next(retrieved)), "question": RunnablePassthrough()}
+        | CraftRAGPrompt()
+        | ChatCraftVLLM(engine=engine, max_tokens=2)
+    )
+    first = chain.invoke("What is a?")
+    second = chain.invoke("What is c?")
+    order = first.response_metadata["craft"]["chunk_order"]
+    assert second.response_metadata["craft"]["chunk_order"] == order  # CRAFT kept the prefix
+    assert second.response_metadata["craft"]["reused_chunks"] == 3
+    # The engine got token-exact segments: both prompts share the chunk-prefix token ids.
+    (_, ids1, _), (_, ids2, _) = backend.added
+    prefix = engine.assembler.head_ids + tuple(
+        t for d in docs(*order) for t in engine.assembler.chunk_ids(_chunk(d))
+    )
+    assert ids1[: len(prefix)] == ids2[: len(prefix)] == prefix
+
+
+def _chunk(doc: Document) -> Any:
+    from craft_rag import make_chunk
+
+    return make_chunk(doc.page_content, id=doc.id)
+
+
+def test_documents_kwarg_and_conversation_dedup(fake: tuple[CraftEngine, FakeBackend]) -> None:
+    model = ChatCraftVLLM(engine=fake[0], max_tokens=2)
+    one = model.invoke("q1", documents=docs("a", "b"), conversation_id="c1")
+    two = model.invoke("q2", documents=docs("b", "c", "a"), conversation_id="c1")
+    assert one.response_metadata["craft"]["turn"] == 1
+    craft = two.response_metadata["craft"]
+    assert craft["turn"] == 2 and craft["chunk_order"] == ["c"]
+    assert craft["removed_duplicates"] == ["b", "a"]
+    assert craft["cached_tokens"] >= one.response_metadata["craft"]["prompt_tokens"] // 16 * 16
+
+
+def test_reorder_step_previews_the_engine_order(fake: tuple[CraftEngine, FakeBackend]) -> None:
+    model = ChatCraftVLLM(engine=fake[0], max_tokens=2)
+    preview = model.reorder_step()
+    chain = (
+        {"context": preview, "question": RunnableLambda(lambda _: "q")}
+        | CraftRAGPrompt()
+        | model
+    )
+    chain.invoke(docs("a", "b"))
+    ordered = preview.invoke(docs("x", "b", "a"))
+    msg = chain.invoke(docs("x", "b", "a"))
+    assert msg.response_metadata["craft"]["chunk_order"] == [d.id for d in ordered]
+    assert fake[0].planner.stats.commits == 2  # type: ignore[attr-defined]
+
+
+def test_committed_documents_on_the_engine_planner_are_refused(
+    fake: tuple[CraftEngine, FakeBackend],
+) -> None:
+    engine = fake[0]
+    reorder = CraftReorder(planner=engine.planner)  # type: ignore[arg-type]
+    chain = (
+        {"context": reorder, "question": RunnableLambda(lambda _: "q")}
+        | CraftRAGPrompt()
+        | ChatCraftVLLM(engine=engine, max_tokens=2)
+    )
+    with pytest.raises(ValueError, match="commit=False"):
+        chain.invoke(docs("a"))
+    # A committed step on a *different* planner is fine: the engine plans on its own.
+    other = (
+        {"context": CraftReorder(), "question": RunnableLambda(lambda _: "q")}
+        | CraftRAGPrompt()
+        | ChatCraftVLLM(engine=engine, max_tokens=2)
+    )
+    assert other.invoke(docs("a")).response_metadata["craft"]["chunk_order"] == ["a"]
+
+
+def test_plain_conversations_become_a_transcript(fake: tuple[CraftEngine, FakeBackend]) -> None:
+    engine, backend = fake
+    model = ChatCraftVLLM(engine=engine, max_tokens=2)
+    model.invoke([SystemMessage("Be nice."), HumanMessage("hello")])
+    model.invoke([HumanMessage("hello"), AIMessage("hi"), HumanMessage("how are you")])
+    assert len(backend.added) == 2
+
+
+def test_stop_and_sampling_reach_the_engine(fake: tuple[CraftEngine, FakeBackend]) -> None:
+    engine, backend = fake
+    ChatCraftVLLM(engine=engine, max_tokens=2, stop=["x"], temperature=0.5).invoke("hi")
+    ChatCraftVLLM(engine=engine, max_tokens=2).invoke("hi", stop=["y"], max_tokens=3, seed=7)
+    first, second = backend.added[0][2], backend.added[1][2]
+    assert first.stop == ("x",) and first.temperature == 0.5
+    assert second.stop == ("y",) and second.max_tokens == 3 and second.seed == 7
+
+
+def test_no_cache_baseline(fake: tuple[CraftEngine, FakeBackend]) -> None:
+    model = ChatCraftVLLM(engine=fake[0], max_tokens=2)
+    model.invoke("same prompt")
+    msg = model.invoke("same prompt", read_prefix_cache=False)
+    assert msg.response_metadata["craft"]["cached_tokens"] == 0
+    assert msg.response_metadata["craft"]["read_prefix_cache"] is False
+
+
+def test_bad_input_is_a_clear_error(fake: tuple[CraftEngine, FakeBackend]) -> None:
+    model = ChatCraftVLLM(engine=fake[0], max_tokens=2)
+    with pytest.raises(ValueError, match="unsupported call arguments"):
+        model.invoke("hi", frequency_penalty=1.0)
+    with pytest.raises(ValueError, match="serves 'SmolLM2-135M-Instruct', not 'gpt-4'"):
+        model.invoke("hi", model="gpt-4")
+    with pytest.raises(ValueError, match="text only"):
+        model.invoke([HumanMessage(content=[{"type": "image", "url": "http://x/y.png"}])])
+    with pytest.raises(ValueError, match="no text"):
+        model.invoke([HumanMessage("  ")])
+    with pytest.raises(ValueError, match=r"documents\[0\] is a str"):
+        model.invoke("hi", documents=["not a document"])
+    assert fake[1].added == []  # nothing reached the engine
+
+
+def test_cache_salt_needs_engine_support(fake: tuple[CraftEngine, FakeBackend]) -> None:
+    model = ChatCraftVLLM(engine=fake[0], max_tokens=2, cache_salt="tenant-a")
+    with pytest.raises(NotImplementedError, match="cache_salt"):
+        model.invoke("hi")
+    with pytest.raises(ValueError, match="cache_salt must be"):
+        ChatCraftVLLM(engine=fake[0]).invoke("hi", cache_salt="")
+
+
+def test_engine_failure_propagates_and_commits_nothing() -> None:
+    from craft_rag.engine.driver import EngineFailure
+
+    engine, backend = make_fake_engine()
+    try:
+        backend.step = _crash  # type: ignore[method-assign]
+        with pytest.raises(EngineFailure):
+            ChatCraftVLLM(engine=engine, max_tokens=2).invoke("hi", documents=docs("a"))
+        assert engine.planner.stats.commits == 0  # type: ignore[attr-defined]
+    finally:
+        engine.close()
+
+
+def _crash() -> list[Any]:
+    raise RuntimeError("simulated engine crash")
+
+
+# ---- CraftVLLM ------------------------------------------------------------------------------
+
+
+def test_llm_invoke_stream_and_generation_info(fake: tuple[CraftEngine, FakeBackend]) -> None:
+    llm = CraftVLLM(engine=fake[0], max_tokens=4)
+    counter = TokenCounter()
+    assert llm.invoke("Hello", {"callbacks": [counter]}) == REPLY
+    assert len(counter.tokens) == 4
+    assert "".join(llm.stream("Hello")) == REPLY
+    result = llm.generate(["a question", "another question"], documents=docs("a", "b"))
+    info = result.generations[0][0].generation_info
+    assert info is not None and info["craft"]["chunk_order"] == ["a", "b"]
+    assert info["usage"]["output_tokens"] == 4
+    assert result.generations[1][0].generation_info["craft"]["reused_chunks"] == 2  # type: ignore[index]
+    assert result.llm_output is not None
+    assert result.llm_output["token_usage"]["completion_tokens"] == 8
+
+
+async def test_llm_async(fake: tuple[CraftEngine, FakeBackend]) -> None:
+    llm = CraftVLLM(engine=fake[0], max_tokens=4)
+    assert await llm.ainvoke("Hello") == REPLY
+    assert "".join([c async for c in llm.astream("Hello")]) == REPLY
+    with pytest.raises(ValueError, match="prompt must be a non-empty string"):
+        await llm.ainvoke(" ")
+
+
+def test_models_do_not_start_an_engine_until_used() -> None:
+    model = ChatCraftVLLM(max_tokens=2)
+    assert model._owned_engine is None
+    assert model._get_ls_params()["ls_model_name"] == "SmolLM2-135M-Instruct"
+    model.close()  # nothing to close

@@ -1,0 +1,166 @@
+"""CraftConversation over the real CraftEngine with a fake forward pass (fast)."""
+
+from __future__ import annotations
+
+import warnings
+from collections.abc import Iterator, Sequence
+from typing import Any
+
+import pytest
+from langchain_core.documents import Document
+from langchain_core.messages import AIMessage, BaseMessage
+from langchain_core.runnables import RunnableLambda
+from langchain_craft import ChatCraftVLLM, CraftConversation
+from lc_craft_fakes import FakeBackend, make_fake_engine
+
+from craft_rag.engine.engine import CraftEngine
+
+
+class ListHistory:
+    """A store that is not a BaseChatMessageHistory (which is deprecated since core 1.6.4)."""
+
+    def __init__(self) -> None:
+        self.messages: list[BaseMessage] = []
+
+    def add_messages(self, messages: Sequence[BaseMessage]) -> None:
+        self.messages.extend(messages)
+
+    def clear(self) -> None:
+        self.messages = []
+
+
+@pytest.fixture
+def fake() -> Iterator[tuple[CraftEngine, FakeBackend]]:
+    engine, backend = make_fake_engine()
+    yield engine, backend
+    engine.close()
+
+
+def docs(*ids: str) -> list[Document]:
+    return [Document(page_content=f"{i} " * 24, id=i) for i in ids]
+
+
+def make_conversation(
+    engine: CraftEngine, retrieved: Sequence[list[Document]], store: dict[str, Any]
+) -> CraftConversation:
+    results = iter(retrieved)
+    return CraftConversation(
+        llm=ChatCraftVLLM(engine=engine, max_tokens=2),
+        retriever=RunnableLambda(lambda _: next(results)),
+        get_session_history=lambda sid: store.setdefault(sid, ListHistory()),
+    )
+
+
+def craft(msg: Any) -> dict[str, Any]:
+    return msg.response_metadata["craft"]  # type: ignore[no-any-return]
+
+
+def test_turns_are_append_only_and_deduplicated(fake: tuple[CraftEngine, FakeBackend]) -> None:
+    store: dict[str, Any] = {}
+    conv = make_conversation(fake[0], [docs("a", "b"), docs("c", "b", "a"), docs("a")], store)
+    config: Any = {"configurable": {"session_id": "s1"}}
+    replies = [conv.invoke(q, config) for q in ("q1", "q2", "q3")]
+    reports = [craft(r) for r in replies]
+    assert [r["turn"] for r in reports] == [1, 2, 3]
+    assert [r["chunk_order"] for r in reports] == [["a", "b"], ["c"], []]
+    assert reports[1]["removed_duplicates"] == ["b", "a"]
+    cached = [r["cached_tokens"] for r in reports]
+    assert cached[0] < cached[1] < cached[2]  # rising reuse across turns
+    # Each turn's prompt starts with the previous prompt (append-only).
+    prompts = [added[1] for added in fake[1].added]
+    assert prompts[1][: len(prompts[0])] == prompts[0]
+    assert [m.type for m in store["s1"].messages] == ["human", "ai"] * 3
+    assert store["s1"].messages[2].content == "q2"
+
+
+def test_sessions_are_separate(fake: tuple[CraftEngine, FakeBackend]) -> None:
+    store: dict[str, Any] = {}
+    conv = make_conversation(fake[0], [docs("a"), docs("a")], store)
+    conv.invoke("q", {"configurable": {"session_id": "s1"}})
+    other = conv.invoke("q", {"configurable": {"thread_id": "s2"}})
+    assert craft(other)["turn"] == 1 and craft(other)["chunk_order"] == ["a"]
+    assert set(store) == {"s1", "s2"}
+
+
+def test_documents_in_the_input_and_no_history(fake: tuple[CraftEngine, FakeBackend]) -> None:
+    conv = CraftConversation(llm=ChatCraftVLLM(engine=fake[0], max_tokens=2))
+    config: Any = {"configurable": {"conversation_id": "c"}}
+    conv.invoke({"question": "q1", "documents": docs("a")}, config)
+    msg = conv.invoke({"question": "q2", "documents": docs("a", "b")}, config)
+    assert craft(msg)["chunk_order"] == ["b"] and craft(msg)["removed_duplicates"] == ["a"]
+
+
+def test_stream_records_the_turn_when_complete(fake: tuple[CraftEngine, FakeBackend]) -> None:
+    store: dict[str, Any] = {}
+    conv = make_conversation(fake[0], [docs("a"), docs("a", "b")], store)
+    config: Any = {"configurable": {"session_id": "s"}}
+    chunks = list(conv.stream("q1", config))
+    assert "".join(c.text for c in chunks) == "t101 t102 "
+    assert [m.type for m in store["s"].messages] == ["human", "ai"]
+    assert isinstance(store["s"].messages[1], AIMessage)
+    assert store["s"].messages[1].response_metadata["craft"]["turn"] == 1
+
+
+async def test_async_invoke_and_stream(fake: tuple[CraftEngine, FakeBackend]) -> None:
+    store: dict[str, Any] = {}
+    conv = make_conversation(fake[0], [docs("a"), docs("a", "b")], store)
+    config: Any = {"configurable": {"session_id": "s"}}
+    first = await conv.ainvoke("q1", config)
+    chunks = [c async for c in conv.astream("q2", config)]
+    assert craft(first)["turn"] == 1
+    assert chunks[-1].response_metadata["craft"]["chunk_order"] == ["b"]
+    assert len(store["s"].messages) == 4
+
+
+def test_resumes_a_session_the_engine_forgot(fake: tuple[CraftEngine, FakeBackend]) -> None:
+    store: dict[str, Any] = {}
+    conv = make_conversation(fake[0], [docs("a"), docs("a")], store)
+    config: Any = {"configurable": {"session_id": "s"}}
+    conv.invoke("first question", config)
+    fake[0].end_conversation("s")  # e.g. the process restarted; the history survived
+    msg = conv.invoke("second question", config)
+    assert craft(msg)["turn"] == 1 and craft(msg)["chunk_order"] == ["a"]
+    last_prompt = fake[1].added[-1][1]
+    assert len(last_prompt) > len(fake[1].added[0][1])  # carries the earlier turn as text
+    assert [m.content for m in store["s"].messages][2] == "second question"
+    assert conv.end_session("s", clear_history=True) is True
+    assert store["s"].messages == []
+
+
+def test_base_chat_message_history_works(fake: tuple[CraftEngine, FakeBackend]) -> None:
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # deprecated since langchain-core 1.6.4
+        from langchain_core.chat_history import InMemoryChatMessageHistory
+
+        history = InMemoryChatMessageHistory()
+    conv = CraftConversation(
+        llm=ChatCraftVLLM(engine=fake[0], max_tokens=2),
+        retriever=RunnableLambda(lambda _: docs("a")),
+        get_session_history=lambda _: history,
+    )
+    conv.invoke("q", {"configurable": {"session_id": "s"}})
+    assert [m.type for m in history.messages] == ["human", "ai"]
+
+
+@pytest.mark.parametrize(
+    ("input", "config", "match"),
+    [
+        ("q", {}, "needs a session id"),
+        ({"documents": []}, {"configurable": {"session_id": "s"}}, "needs a 'question'"),
+        ("  ", {"configurable": {"session_id": "s"}}, "non-empty string"),
+        (3, {"configurable": {"session_id": "s"}}, "question str or dict"),
+    ],
+)
+def test_bad_input_is_a_clear_error(
+    fake: tuple[CraftEngine, FakeBackend], input: Any, config: Any, match: str
+) -> None:
+    conv = make_conversation(fake[0], [docs("a")], {})
+    with pytest.raises(ValueError, match=match):
+        conv.invoke(input, config)
+    assert fake[1].added == []
+
+
+def test_empty_retrieval_still_answers(fake: tuple[CraftEngine, FakeBackend]) -> None:
+    conv = make_conversation(fake[0], [[]], {})
+    msg = conv.invoke("q", {"configurable": {"session_id": "s"}})
+    assert craft(msg)["chunk_order"] == [] and msg.content
