@@ -75,7 +75,8 @@ class CraftReorderPostprocessor(BaseNodePostprocessor):
 
     Pass ``planner=`` to share one planner (and its CA-Table/CP-Tree) between postprocessors,
     retrievers, the synthesizer and the chat engine; ``policy``/``window``/``threshold`` then
-    default to the planner's settings and must agree with them.
+    default to the planner's settings and must agree with them. ``handoff=`` is where
+    ``commit_mode="engine"`` parks plans (``CraftVLLM.reorderer()`` passes the engine's).
 
     Cost per call: O(total node text) to build chunks (text hashing only with
     ``key_source="content_hash"``) plus the planner's O(k log k).
@@ -112,7 +113,12 @@ class CraftReorderPostprocessor(BaseNodePostprocessor):
     _planner: CraftPlanner = PrivateAttr()
     _handoff: PlanHandoff = PrivateAttr()
 
-    def __init__(self, planner: CraftPlanner | None = None, **data: Any) -> None:
+    def __init__(
+        self,
+        planner: CraftPlanner | None = None,
+        handoff: PlanHandoff | None = None,
+        **data: Any,
+    ) -> None:
         if planner is not None:
             if not isinstance(planner, CraftPlanner):
                 msg = f"planner must be a craft_rag.CraftPlanner, got {type(planner).__name__}"
@@ -130,7 +136,7 @@ class CraftReorderPostprocessor(BaseNodePostprocessor):
         self._planner = planner or CraftPlanner(
             PlannerConfig(policy=self.policy, window=self.window, threshold=self.threshold)
         )
-        self._handoff = PlanHandoff()
+        self._handoff = handoff if handoff is not None else PlanHandoff()
 
     @field_validator("policy")
     @classmethod
