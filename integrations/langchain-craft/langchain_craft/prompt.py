@@ -82,10 +82,16 @@ def build_context(
         if documents.committed:
             return CraftContext(plan.ordered, question, conversation_id, None, documents.planner)
         return CraftContext(plan.ordered, question, conversation_id, plan)
+    # Repeated ids stay in: the engine's planner keeps the first and reports the rest.
+    chunks = tuple(documents_to_chunks(documents, id_key))
+    return CraftContext(chunks, question, conversation_id, None)
+
+
+def _first_per_key(context: CraftContext) -> list[Chunk]:
     unique: dict[str, Chunk] = {}
-    for chunk in documents_to_chunks(documents, id_key):
+    for chunk in context.chunks:
         unique.setdefault(chunk.key, chunk)
-    return CraftContext(tuple(unique.values()), question, conversation_id, None)
+    return list(unique.values())
 
 
 class CraftRAGPrompt(RunnableSerializable[dict[str, Any], ChatPromptValue]):
@@ -140,7 +146,7 @@ class CraftRAGPrompt(RunnableSerializable[dict[str, Any], ChatPromptValue]):
         )
         text = (
             self.instructions
-            + "".join(self.document_template.format(text=c.text) for c in context.chunks)
+            + "".join(self.document_template.format(text=c.text) for c in _first_per_key(context))
             + self.question_template.format(question=context.question)
         )
         message = HumanMessage(content=text, additional_kwargs={CRAFT_CONTEXT_KEY: context})
