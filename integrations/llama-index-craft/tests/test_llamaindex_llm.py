@@ -6,11 +6,11 @@ from collections.abc import Iterator
 from typing import Any
 
 import pytest
+from llama_index.core.base.llms.types import ChatMessage, ImageBlock, MessageRole, TextBlock
+from llama_index.llms.craft_vllm import REUSE_KEY, CraftVLLM, HandoffPlanner
+
 from craft_rag import CraftPlanner, make_chunk
 from craft_rag.engine.results import GenerationResult, ReuseReport
-from llama_index.core.base.llms.types import ChatMessage, ImageBlock, MessageRole, TextBlock
-
-from llama_index.llms.craft_vllm import REUSE_KEY, CraftVLLM, HandoffPlanner
 
 pytestmark = pytest.mark.engine
 
@@ -115,7 +115,7 @@ def test_bad_input_raises_clear_errors(llm: CraftVLLM) -> None:
         CraftVLLM(llm.engine, engine_settings=llm.engine.settings)
     with pytest.raises(ValueError, match="CraftEngine"):
         CraftVLLM(engine="not an engine")  # type: ignore[arg-type]
-    with pytest.raises(ValueError, match="set by CraftVLLM.reorderer"):
+    with pytest.raises(ValueError, match=r"set by CraftVLLM\.reorderer"):
         llm.reorderer(commit_mode="postprocess")
 
 
