@@ -123,28 +123,37 @@ def test_sync_forwards_evictions_and_counts_gaps(tmp_path: Path) -> None:
     pub = ctx.socket(zmq.PUB)
     pub.bind(endpoint)
     try:
-        time.sleep(0.3)  # let the subscription reach the publisher
+        # PUB drops messages until the subscription arrives: probe until one gets through.
+        deadline = time.monotonic() + 10
+        while sync.stats.batches == 0 and time.monotonic() < deadline:
+            pub.send_multipart((b"", (0).to_bytes(8, "big"), _payload([])))
+            time.sleep(0.05)
+        assert sync.stats.batches >= 1
+        probes = sync.stats.batches
         batches = [
             [{"type": "BlockStored", "block_hashes": [b"a"], "parent_block_hash": None,
               "token_ids": [1], "block_size": 1}],
             [{"type": "BlockRemoved", "block_hashes": [b"a", b"b"]}],
             [{"type": "AllBlocksCleared"}],
         ]
-        for seq, batch in zip((0, 1, 5), batches, strict=True):
+        for seq, batch in zip((1, 2, 6), batches, strict=True):
             pub.send_multipart((b"", seq.to_bytes(8, "big"), _payload(batch)))
         assert sync.wait_for(lambda events: any(isinstance(e, AllCleared) for e in events))
         assert listener.removed == [BlockHash(b"a"), BlockHash(b"b")]
         assert listener.clears == 1
         stats = sync.stats
-        assert (stats.batches, stats.blocks_stored, stats.blocks_removed) == (3, 1, 2)
-        assert stats.nodes_removed == 2 and stats.gaps == 1 and stats.last_seq == 5
+        assert (stats.batches - probes, stats.blocks_stored, stats.blocks_removed) == (3, 1, 2)
+        assert stats.nodes_removed == 2 and stats.gaps == 1 and stats.last_seq == 6
+        assert sync.wait_through(6, timeout=0.1)
+        assert not sync.wait_through(7, timeout=0.05) and stats.barrier_timeouts == 1
 
-        pub.send_multipart((b"", (6).to_bytes(8, "big"), b"\xc1garbage"))
+        pub.send_multipart((b"", (7).to_bytes(8, "big"), b"\xc1garbage"))
         pub.send_multipart((b"only-one-frame",))
         deadline = time.monotonic() + 5
         while sync.stats.undecodable < 2 and time.monotonic() < deadline:
             time.sleep(0.01)
         assert sync.stats.undecodable == 2
+        assert sync.stats.last_seq == 7  # an undecodable batch still advances the barrier
     finally:
         sync.close()
         pub.close(linger=0)

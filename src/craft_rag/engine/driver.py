@@ -186,8 +186,22 @@ class EngineDriver:
                         if out.finished
                         else self._states.get(out.request_id)
                     )
-                if state is not None:
+                if state is None:
+                    continue
+                try:
                     state._deliver(out, now)
+                except Exception as exc:  # a consumer's callback broke: fail only that request
+                    self._drop(state, exc, now)
+
+    def _drop(self, state: RequestState, error: BaseException, now: float) -> None:
+        """Stop one request on the driver's side (its consumer failed) and fail it."""
+        with self._cond:
+            running = self._states.pop(state.request_id, None) is not None
+        if running:
+            with self._engine_lock:
+                self._backend.abort([state.request_id])
+        if not state.done.is_set():
+            state._fail(error, now)
 
     def _fail_all(self, exc: Exception) -> None:
         with self._cond:

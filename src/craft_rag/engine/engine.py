@@ -165,6 +165,22 @@ class CraftEngine:
         self.kv_events: KVEventSync | None = None
         model_path = resolve_model(self.settings.model) if backend is None else None
 
+        # Prompt pieces first: they are cheap and fail fast, before vLLM takes seconds and RAM.
+        if prompt_format is None:
+            if model_path is None:
+                msg = "pass prompt_format= when passing a custom backend"
+                raise ValueError(msg)
+            prompt_format = derive_chat_format(
+                model_path, system_prompt=system_prompt, instructions=instructions
+            )
+        if tokenizer is None:
+            if model_path is None:
+                msg = "pass tokenizer= when passing a custom backend"
+                raise ValueError(msg)
+            tokenizer = _model_tokenizer(model_path)
+        self.prompt_format = prompt_format
+        self.assembler = PromptAssembler(tokenizer, prompt_format)
+
         if backend is None:
             assert model_path is not None
             vllm_backend = VLLMBackend(self.settings, model_path)
@@ -182,21 +198,6 @@ class CraftEngine:
                 block_hasher = BlockHasher.from_engine(vllm_backend.vllm_config)
         self._backend: ManagedBackend = backend
         self.block_hasher = block_hasher
-
-        if prompt_format is None:
-            if model_path is None:
-                msg = "pass prompt_format= when passing a custom backend"
-                raise ValueError(msg)
-            prompt_format = derive_chat_format(
-                model_path, system_prompt=system_prompt, instructions=instructions
-            )
-        if tokenizer is None:
-            if model_path is None:
-                msg = "pass tokenizer= when passing a custom backend"
-                raise ValueError(msg)
-            tokenizer = _model_tokenizer(model_path)
-        self.prompt_format = prompt_format
-        self.assembler = PromptAssembler(tokenizer, prompt_format)
         self.conversations = ConversationPrompts(
             self.assembler,
             max_model_len=backend.max_model_len,
