@@ -16,7 +16,7 @@ from typing import Any
 import pytest
 
 from craft_rag.chunk import Chunk, make_chunk
-from craft_rag.engine.engine import CraftEngine, EngineFailure
+from craft_rag.engine.engine import CraftEngine, EngineFailure, EngineSettings
 from craft_rag.engine.kv_events import AllCleared, BlocksRemoved, BlocksStored, KVEventSync
 from craft_rag.planner import CraftPlanner, PlannerConfig
 
@@ -233,3 +233,39 @@ def test_engine_failure_raises_and_commits_nothing(
     ok = fresh.generate(make_chunks(2), "Q?", conversation_id="fail", max_tokens=1)
     assert ok.report.turn == 1
     assert planner.stats.commits == 1
+
+
+def test_settings_map_onto_vllm_engine_args_and_engine_kwargs_win(tmp_path: Any) -> None:
+    from craft_rag.engine.vllm_backend import VLLMBackend
+
+    backend = VLLMBackend(
+        EngineSettings(
+            block_size=64,
+            max_model_len=1024,
+            num_gpu_blocks_override=40,
+            kv_events_endpoint=f"ipc://{tmp_path}/x.sock",
+            engine_kwargs={"enforce_eager": False, "max_model_len": 512},
+        ),
+        "/some/model",
+    )
+    kwargs = backend.engine_kwargs
+    assert kwargs["model"] == "/some/model" and kwargs["block_size"] == 64
+    assert kwargs["enable_prefix_caching"] is True and kwargs["dtype"] == "bfloat16"
+    assert kwargs["kv_cache_memory_bytes"] == 1 << 30 and kwargs["num_gpu_blocks_override"] == 40
+    assert kwargs["enforce_eager"] is False and kwargs["max_model_len"] == 512
+    assert kwargs["kv_events_config"].endpoint == f"ipc://{tmp_path}/x.sock"
+    assert backend.kv_events_endpoint == f"ipc://{tmp_path}/x.sock"
+    no_events = VLLMBackend(EngineSettings(prefix_caching=False), "/m")
+    assert "kv_events_config" not in no_events.engine_kwargs
+    assert no_events.kv_events_endpoint is None
+
+
+def test_start_failure_is_one_clear_error(tmp_path: Any) -> None:
+    from craft_rag.engine.vllm_backend import EngineStartError, VLLMBackend
+
+    broken = tmp_path / "broken-model"
+    broken.mkdir()
+    (broken / "config.json").write_text('{"model_type": "no-such-arch"}', encoding="utf-8")
+    backend = VLLMBackend(EngineSettings(kv_events=False), str(broken))
+    with pytest.raises(EngineStartError, match=r"(?s)vLLM failed to start: .* Fix: .*architecture"):
+        backend.start()

@@ -176,6 +176,7 @@ class ConversationPrompts:
             history.turns.append(stored)
             history.tokens = sum(len(t) for t in history.turns)
             history.in_flight = False
+            self._evict_over_bound()
 
     def cancel(self, rendered: RenderedTurn) -> None:
         """The turn was not served (engine failure, abort): keep the history as it was."""
@@ -185,6 +186,7 @@ class ConversationPrompts:
             history = self._histories.get(rendered.conversation_id)
             if history is not None:
                 history.in_flight = False
+                self._evict_over_bound()
 
     def end(self, conversation_id: str) -> bool:
         """Forget a conversation's history. True if it was known."""
@@ -207,6 +209,9 @@ class ConversationPrompts:
             return len(history.turns) if history is not None else 0
 
     def _evict_over_bound(self) -> None:
+        """Drop least recently used idle histories past the bound (caller holds the lock);
+        histories with a turn in flight are never dropped, so the bound may be exceeded while
+        more than ``max_conversations`` turns are in flight."""
         over = len(self._histories) - self.max_conversations
         if over <= 0:
             return

@@ -97,6 +97,8 @@ def _start_hint(exc: BaseException, settings: EngineSettings) -> str:
         )
     if "torchvision" in text or "nms" in text:
         return "uninstall torchvision torchaudio torchcodec (they break the CPU torch build)"
+    if "architecture" in text or "model type" in text:
+        return "the config.json names an architecture this vLLM cannot load; use a supported model"
     if "config.json" in text or "no such file" in text or "not found" in text:
         return "check the model folder, or run `craft-rag model prepare` for the default"
     return "see docs/engine.md (start-up and install quirks)"
