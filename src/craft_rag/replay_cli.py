@@ -8,9 +8,11 @@ import sys
 from typing import Any
 
 from craft_rag.ordering import ORDERING_POLICIES
+from craft_rag.paths import default_model_dir
 from craft_rag.planner import PlannerConfig
+from craft_rag.prompt import PromptFormat
 from craft_rag.replay import DEFAULT_BLOCK_SIZE, DEFAULT_CACHE_TOKENS, ReplayResult, replay
-from craft_rag.tokenizer import HashingTokenizer, Tokenizer, load_tokenizer
+from craft_rag.tokenizer import HashingTokenizer, HFTokenizer, Tokenizer, load_tokenizer
 from craft_rag.trace import read_trace
 
 _COLUMNS = (
@@ -46,6 +48,13 @@ def add_replay_parser(subparsers: Any) -> None:
         default="auto",
         help="auto: the embedded model's tokenizer if prepared, else the hashing fallback",
     )
+    p.add_argument(
+        "--prompt",
+        choices=["auto", "chat", "plain"],
+        default="auto",
+        help="prompt rendering: the embedded model's chat format (as the engine renders it) or "
+        "plain text; auto = chat when the model's tokenizer is used",
+    )
     p.add_argument("--json", action="store_true", help="print one JSON object")
     p.set_defaults(func=run_replay)
 
@@ -56,9 +65,20 @@ def _tokenizer(choice: str) -> Tokenizer:
     return load_tokenizer(fallback=choice == "auto")
 
 
+def _prompt_format(choice: str, tokenizer: Tokenizer) -> PromptFormat | None:
+    use_chat = choice == "chat" or (choice == "auto" and isinstance(tokenizer, HFTokenizer))
+    if not use_chat:
+        return None
+    # Text-only module (jinja2, no vLLM): renders exactly what CraftEngine sends.
+    from craft_rag.engine.chat_format import derive_chat_format
+
+    return derive_chat_format(default_model_dir())
+
+
 def run_replay(args: argparse.Namespace) -> int:
     requests = read_trace(args.trace)
     tokenizer = _tokenizer(args.tokenizer)
+    prompt_format = _prompt_format(args.prompt, tokenizer)
     policies = sorted(ORDERING_POLICIES) if args.policy == "all" else [args.policy]
     results: list[ReplayResult] = []
     for policy in policies:
@@ -74,6 +94,7 @@ def run_replay(args: argparse.Namespace) -> int:
                 requests,
                 config,
                 tokenizer,
+                prompt_format=prompt_format,
                 block_size=args.block_size,
                 cache_tokens=args.cache_tokens,
             )
