@@ -193,6 +193,8 @@ def test_ivf_clamps_nlist_and_scanning_every_list_equals_flat(
     assert info.kind == "ivf"
     assert info.nlist == n // 39 and info.nprobe == info.nlist
     assert info.note is not None and "clamped" in info.note
+    _, default = build_index(retriever.embeddings, "ivf")
+    assert (default.nlist, default.nprobe, default.note) == (n // 39, 1, None)
     ivf = Retriever(corpus[0], retriever.embeddings, index, info, retriever.embedder)
     queries = [q.question for q in corpus[1][:20]]
     exact = retriever.search_batch(queries, k=5)

@@ -63,6 +63,7 @@ def _save_shard(folder: Path, key: str, array: Embeddings, meta: dict[str, objec
     try:
         with os.fdopen(fd, "wb") as handle:
             np.save(handle, array, allow_pickle=False)
+        os.chmod(tmp, 0o644)  # mkstemp makes 0600; the cache is shared like any cache file
         os.replace(tmp, folder / f"{key}.npy")
     except BaseException:
         Path(tmp).unlink(missing_ok=True)

@@ -6,7 +6,8 @@ Kinds, looked up in :data:`INDEX_KINDS`:
 - ``ivf``: ``IndexIVFFlat`` with ``nlist`` k-means lists, of which ``nprobe`` are scanned per
   query; needs training on the vectors. faiss wants >= 39 training points per list, so ``nlist``
   is clamped to ``n // 39``; below 2 lists IVF is pointless and a flat index is built instead.
-  Both adjustments are logged and recorded in :attr:`IndexInfo.note`.
+  Clamping an explicit ``nlist``/``nprobe`` and the flat fallback are logged and recorded in
+  :attr:`IndexInfo.note` (the default ``nlist`` is clamped silently).
 """
 
 from __future__ import annotations
@@ -51,13 +52,15 @@ def _faiss() -> Any:
 
 
 def default_nlist(n: int) -> int:
-    """~4·sqrt(n) lists (a common IVF rule), before clamping to ``n // 39``."""
+    """~4·sqrt(n) lists (a common IVF rule), before clamping to ``n // 39`` (on the 15,065-
+    passage union: 491, clamped to 386)."""
     return max(1, round(4 * math.sqrt(n)))
 
 
 def default_nprobe(nlist: int) -> int:
-    """Scan 1/8 of the lists (at least 1): on the 15k-passage union this keeps recall@5 of
-    the exact search high (see docs/benchmarks.md) at ~1/8 of its cost."""
+    """Scan 1/8 of the lists (at least 1). Measured on the 15,065-passage union (386 lists,
+    nprobe 48, 1,000 SQuAD questions): recall@5 0.97 of the exact top-5 at ~1/6 of the flat
+    scan's time (see docs/workloads.md)."""
     return max(1, nlist // 8)
 
 
@@ -88,7 +91,7 @@ def _build_ivf(
     if usable < 2:
         return _build_flat(vectors, None, None, requested)
     notes: list[str] = []
-    if usable < wanted:
+    if usable < wanted and nlist is not None:  # the default is clamped silently
         notes.append(
             f"nlist {wanted} clamped to {usable} ({n} vectors, >= {MIN_POINTS_PER_LIST} per list)"
         )
