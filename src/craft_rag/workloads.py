@@ -550,7 +550,9 @@ class SharingReport:
     ``sharing_requests``: requests with at least one chunk seen in an earlier request;
     ``identical_sets`` / ``reordered_sets``: requests whose chunk set equals an earlier
     request's, in the same order / in another order; ``shared_chunk_fraction``: of all chunk
-    occurrences, those seen before (the Total-overlap bound on reuse)."""
+    occurrences, those seen in any earlier request (the reuse bound of an unbounded cache; the
+    paper's Total overlap, :func:`craft_rag.metrics.total_overlap`, counts only the best single
+    earlier request, so it is lower)."""
 
     requests: int
     sharing_requests: int
