@@ -44,22 +44,30 @@ class FakeBackend:
     cached_blocks: set[bytes] = field(default_factory=set)
     running: dict[str, _FakeRequest] = field(default_factory=dict)
     added: list[tuple[str, tuple[int, ...], SamplingRequest]] = field(default_factory=list)
+    salts: list[str | None] = field(default_factory=list)
     aborted: list[str] = field(default_factory=list)
     shut_down: bool = False
 
     def add_request(
-        self, request_id: str, token_ids: Sequence[int], sampling: SamplingRequest
+        self,
+        request_id: str,
+        token_ids: Sequence[int],
+        sampling: SamplingRequest,
+        cache_salt: str | None = None,
     ) -> None:
         if len(token_ids) + sampling.max_tokens > self.max_model_len:
             raise ValueError("prompt too long for the fake engine")
+        # As vLLM: the salt is mixed into the first block's hash, so it changes every block's.
+        hashes = self.hasher.raw_hashes(token_ids, cache_salt)
         cached = 0
         if sampling.read_prefix_cache:
-            for h in self.hasher.raw_hashes(token_ids):
+            for h in hashes:
                 if h not in self.cached_blocks:
                     break
                 cached += self.block_size
             cached = min(cached, (len(token_ids) - 1) // self.block_size * self.block_size)
-        self.cached_blocks.update(self.hasher.raw_hashes(token_ids))
+        self.cached_blocks.update(hashes)
+        self.salts.append(cache_salt)
         self.running[request_id] = _FakeRequest(request_id, list(token_ids), sampling, cached)
         self.added.append((request_id, tuple(token_ids), sampling))
 
@@ -107,6 +115,11 @@ class FakeBackend:
     def shutdown(self) -> None:
         self.shut_down = True
 
+
+CHATML = (
+    "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n"
+    "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
 
 FAKE_FORMAT = PromptFormat(
     head="<s>SYS. Answer from the documents.\n",

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 
 import pytest
 from engine_fakes import FakeBackend, make_chunks
@@ -249,3 +249,244 @@ def test_reset_prefix_cache_without_events_clears_the_tree(make_fake_engine: Fac
     assert engine.reset_prefix_cache()
     assert len(planner_of(engine).prefix_tree) == 0
     assert engine.generate(chunks, "Q?", max_tokens=1).report.cached_tokens == 0
+
+
+# ---- cache salts ---------------------------------------------------------------------------
+
+
+def test_salted_requests_reuse_only_within_their_salt(make_fake_engine: Factory) -> None:
+    engine, backend = make_fake_engine()
+    chunks = make_chunks(4)
+    first = engine.generate(chunks, "Q?", max_tokens=1, cache_salt="tenant-a")
+    again = engine.generate(chunks, "Q?", max_tokens=1, cache_salt="tenant-a")
+    other = engine.generate(chunks, "Q?", max_tokens=1, cache_salt="tenant-b")
+    plain = engine.generate(chunks, "Q?", max_tokens=1)
+    assert backend.salts == ["tenant-a", "tenant-a", "tenant-b", None]
+    assert first.report.cached_tokens == 0 and first.report.salted
+    assert again.report.cached_tokens == (again.report.prompt_tokens - 1) // 16 * 16
+    assert again.report.predicted_chunks == 4 and again.report.reused_chunks == 4
+    # Same token ids, other salt: nothing cached, nothing predicted.
+    assert other.prompt_token_ids == first.prompt_token_ids
+    assert other.report.cached_tokens == 0 and other.report.predicted_chunks == 0
+    assert plain.report.cached_tokens == 0 and not plain.report.salted
+    # Each salt has its own planner; the default planner saw only the unsalted request.
+    a, b = engine.planner_for("tenant-a"), engine.planner_for("tenant-b")
+    assert isinstance(a, CraftPlanner) and isinstance(b, CraftPlanner)
+    assert (a.stats.commits, b.stats.commits, planner_of(engine).stats.commits) == (2, 1, 1)
+
+
+def test_salted_commits_record_salted_block_hashes(make_fake_engine: Factory) -> None:
+    engine, backend = make_fake_engine()
+    chunks = make_chunks(3)
+    result = engine.generate(chunks, "Q?", max_tokens=1, cache_salt="s1")
+    salted = backend.hasher.block_hashes(result.prompt_token_ids, "s1")
+    unsalted = backend.hasher.block_hashes(result.prompt_token_ids)
+    assert not set(salted) & set(unsalted)  # the salt changes every chained hash
+    planner = engine.planner_for("s1")
+    assert isinstance(planner, CraftPlanner)
+    # Evicting the salted blocks removes the salted path; unsalted hashes touch nothing.
+    assert engine._namespaces.on_blocks_removed(unsalted) == 0
+    assert len(planner.prefix_tree) == 3
+    assert engine._namespaces.on_blocks_removed(salted) > 0
+    assert len(planner.prefix_tree) < 3
+
+
+def test_a_conversation_keeps_its_salt(make_fake_engine: Factory) -> None:
+    engine, _ = make_fake_engine()
+    engine.generate(make_chunks(2), "Q1?", conversation_id="c", max_tokens=2, cache_salt="a")
+    for wrong in ("b", None):
+        with pytest.raises(ValueError, match="was started with"):
+            engine.generate(make_chunks(1), "Q2?", conversation_id="c", cache_salt=wrong)
+    second = engine.generate(
+        make_chunks(1, prefix="n"), "Q2?", conversation_id="c", max_tokens=2, cache_salt="a"
+    )
+    assert second.report.turn == 2 and second.report.cached_tokens > 0
+    assert engine.end_conversation("c")
+    # Ended: the id may start over under another salt.
+    assert engine.generate([], "Q?", conversation_id="c", cache_salt="b").report.turn == 1
+
+
+def test_salt_namespaces_are_bounded_and_reset_with_the_planner(
+    make_fake_engine: Factory,
+) -> None:
+    engine, _ = make_fake_engine(max_salt_namespaces=2)
+    for salt in ("a", "b", "c"):
+        engine.generate(make_chunks(2), "Q?", max_tokens=1, cache_salt=salt)
+    assert engine._namespaces.salts() == ["b", "c"]
+    engine.set_planner(CraftPlanner())
+    assert engine._namespaces.salts() == []
+
+
+def test_bad_salts_and_backends_without_salts(make_fake_engine: Factory) -> None:
+    engine, backend = make_fake_engine()
+    for bad in ("", "a/b", "x" * 200):
+        with pytest.raises(ValueError, match="cache_salt"):
+            engine.generate([], "Q?", cache_salt=bad)
+    assert backend.added == []
+
+    class NoSaltBackend(FakeBackend):
+        def add_request(  # type: ignore[override]
+            self, request_id: str, token_ids: Sequence[int], sampling: SamplingRequest
+        ) -> None:
+            super().add_request(request_id, token_ids, sampling)
+
+    old, old_backend = make_fake_engine(NoSaltBackend())
+    with pytest.raises(NotImplementedError, match="takes no cache_salt"):
+        old.generate([], "Q?", cache_salt="a")
+    assert old.generate([], "Q?", max_tokens=1).report.prompt_tokens > 0  # unsalted still fine
+    assert old_backend.salts == [None]
+
+
+# ---- caller-made plans (plan=) --------------------------------------------------------------
+
+
+def test_a_given_plan_is_served_in_its_order_and_committed_once(
+    make_fake_engine: Factory,
+) -> None:
+    engine, backend = make_fake_engine()
+    planner = planner_of(engine)
+    chunks = make_chunks(4)
+    plan = planner.plan([chunks[2], chunks[0], chunks[3], chunks[1]])
+    plans_before = planner.stats.plans
+    result = engine.generate(plan.ordered, "Q?", plan=plan, max_tokens=2)
+    assert planner.stats.plans == plans_before  # the engine did not plan again
+    assert planner.stats.commits == 1
+    assert result.report.chunk_order == plan.keys
+    assert result.report.plan_id == plan.plan_id
+    ids = backend.added[-1][1]
+    spans = [engine.assembler.chunk_ids(c) for c in plan.ordered]
+    start = result.report.prefix_tokens
+    assert ids[start : start + sum(map(len, spans))] == tuple(i for s in spans for i in s)
+    with pytest.raises(RuntimeError, match="already committed"):
+        engine.generate(plan.ordered, "Q?", plan=plan)
+    assert planner.stats.commits == 1 and len(backend.added) == 1
+
+
+def test_a_given_plan_through_streams_and_batches(make_fake_engine: Factory) -> None:
+    engine, _ = make_fake_engine()
+    planner = planner_of(engine)
+    p1 = planner.plan(make_chunks(2, prefix="s"))
+    final = list(engine.stream(p1.ordered, "Q?", plan=p1, max_tokens=2))[-1].result
+    assert final is not None and final.report.plan_id == p1.plan_id
+
+    async def consume() -> int | None:
+        p2 = planner.plan(make_chunks(2, prefix="a"), "conv")
+        pieces = [p async for p in engine.astream(p2.ordered, "Q?", plan=p2, max_tokens=2)]
+        result = pieces[-1].result
+        assert result is not None and result.report.conversation_id == "conv"
+        return result.report.plan_id
+
+    assert asyncio.run(consume()) is not None
+    p3, p4 = planner.plan(make_chunks(1, prefix="b")), planner.plan(make_chunks(1, prefix="c"))
+    results = engine.generate_batch(
+        [RagRequest(p3.ordered, "Q?", plan=p3), RagRequest(p4.ordered, "Q?", plan=p4)],
+        max_tokens=1,
+    )
+    assert [r.report.plan_id for r in results] == [p3.plan_id, p4.plan_id]
+    assert planner.stats.commits == 4
+    # The same plan twice in one batch: refused before either runs past planning.
+    p5 = planner.plan(make_chunks(1, prefix="d"))
+    with pytest.raises(RuntimeError, match="already being served"):
+        engine.generate_batch([RagRequest(p5.ordered, "Q?", plan=p5)] * 2, max_tokens=1)
+    assert engine.generate(p5.ordered, "Q?", plan=p5, max_tokens=1).report.plan_id == p5.plan_id
+
+
+def test_a_given_plan_must_fit_the_request(make_fake_engine: Factory) -> None:
+    engine, backend = make_fake_engine()
+    chunks = make_chunks(3)
+    stranger = CraftPlanner().plan(chunks)
+    with pytest.raises(RuntimeError, match="another planner"):
+        engine.generate(chunks, "Q?", plan=stranger)
+    plan = planner_of(engine).plan(chunks, "conv")
+    with pytest.raises(ValueError, match="conversation 'conv', not 'other'"):
+        engine.generate(chunks, "Q?", plan=plan, conversation_id="other")
+    with pytest.raises(ValueError, match="do not match"):
+        engine.generate(chunks[:1], "Q?", plan=plan)
+    # A plan of the default planner is not a plan of a salt's planner.
+    with pytest.raises(RuntimeError, match="planner of this cache_salt"):
+        engine.generate(chunks, "Q?", plan=plan, cache_salt="tenant")
+    with pytest.raises(ValueError, match=r"craft_rag\.planner\.Plan"):
+        engine.generate(chunks, "Q?", plan=object())  # type: ignore[arg-type]
+    assert backend.added == []
+    # The conversation comes from the plan.
+    served = engine.generate(chunks, "Q?", plan=plan, max_tokens=1)
+    assert served.report.conversation_id == "conv" and served.report.turn == 1
+    salted = engine.planner_for("tenant").plan(chunks)
+    assert engine.generate(chunks, "Q?", plan=salted, cache_salt="tenant", max_tokens=1)
+
+
+def test_a_failed_plan_is_not_committed_and_can_be_served_again(
+    make_fake_engine: Factory,
+) -> None:
+    engine, backend = make_fake_engine()
+    planner = planner_of(engine)
+    plan = planner.plan(make_chunks(2), "c")
+    backend.fail_on_step = True
+    with pytest.raises(EngineFailure):
+        engine.generate(plan.ordered, "Q?", plan=plan, max_tokens=1)
+    assert planner.stats.commits == 0
+    backend.fail_on_step = False
+    assert engine.generate(plan.ordered, "Q?", plan=plan, max_tokens=1).report.turn == 1
+    assert planner.stats.commits == 1
+    # A stream closed early releases its plan too.
+    nxt = planner.plan(make_chunks(1, prefix="n"), "c")
+    backend.step_delay = 0.02
+    stream = engine.stream(nxt.ordered, "Q?", plan=nxt, max_tokens=8)
+    next(stream)
+    stream.close()
+    assert engine.generate(nxt.ordered, "Q?", plan=nxt, max_tokens=1).report.turn == 2
+
+
+# ---- prompts without chunks -----------------------------------------------------------------
+
+
+def test_messages_are_served_without_planning_and_reuse_earlier_messages(
+    make_fake_engine: Factory,
+) -> None:
+    engine, backend = make_fake_engine()
+    chat = [("system", "Be brief. " * 8), ("user", "Where does the river flow today?")]
+    first = engine.generate_messages(chat, max_tokens=3)
+    assert first.prompt_token_ids == engine.message_token_ids(chat)
+    assert first.report.chunk_order == () and first.report.plan_id is None
+    assert planner_of(engine).stats.plans == 0
+    longer = [*chat, ("assistant", first.text), ("user", "And tomorrow, where will it go?")]
+    second = engine.generate_messages(longer, max_tokens=1, cache_salt="t")
+    assert second.report.cached_tokens == 0  # another salt
+    third = engine.generate_messages(longer, max_tokens=1, cache_salt="t")
+    assert third.report.cached_tokens == (third.report.prompt_tokens - 1) // 16 * 16
+    fourth = engine.generate_messages(longer, max_tokens=1)
+    bare = engine.message_token_ids(chat)
+    # Unsalted: every full block of the first chat's messages is reused.
+    assert fourth.report.cached_tokens >= (len(bare) - 8) // 16 * 16 > 0
+    assert backend.salts == [None, "t", "t", None]
+
+
+def test_token_and_message_streams(make_fake_engine: Factory) -> None:
+    engine, _ = make_fake_engine()
+    pieces = list(engine.stream_tokens([5, 6, 7], max_tokens=2))
+    assert [p.token_ids for p in pieces[:-1]] == [(101,), (102,)]
+    final = pieces[-1].result
+    assert final is not None and final.prompt_token_ids == (5, 6, 7)
+    assert final.report.prompt_tokens == 3
+
+    async def consume() -> list[tuple[int, ...]]:
+        chat = [("user", "Hi there")]
+        return [p.token_ids async for p in engine.astream_messages(chat, max_tokens=2)]
+
+    assert asyncio.run(consume()) == [(101,), (102,), ()]
+    assert list(engine.stream_messages([("user", "Hi")], max_tokens=1))[-1].finished
+
+
+def test_prompts_without_chunks_bad_input(make_fake_engine: Factory) -> None:
+    engine, backend = make_fake_engine(FakeBackend(max_model_len=64))
+    with pytest.raises(ValueError, match="token_ids must be"):
+        engine.generate_tokens([])
+    with pytest.raises(ValueError, match="token_ids must be"):
+        engine.generate_tokens([1, -2])
+    with pytest.raises(ValueError, match="max_model_len 64"):
+        engine.generate_tokens(list(range(60)), max_tokens=8)
+    with pytest.raises(ValueError, match="messages"):
+        engine.generate_messages([])
+    with pytest.raises(ValueError, match="cache_salt"):
+        engine.generate_tokens([1], cache_salt="")
+    assert backend.added == []

@@ -196,6 +196,13 @@ def _special_tokens(model_dir: Path) -> dict[str, str]:
     return out
 
 
+def model_renderer(model_dir: str | os.PathLike[str]) -> RenderFn:
+    """A :data:`RenderFn` for the chat template of the local model folder ``model_dir`` (its
+    special-token strings included). ``FileNotFoundError`` when it has no template."""
+    folder = Path(model_dir)
+    return jinja_renderer(load_chat_template(folder), _special_tokens(folder))
+
+
 def derive_chat_format(
     model_dir: str | os.PathLike[str],
     *,
@@ -209,9 +216,7 @@ def derive_chat_format(
     Reads the folder's chat template (no tokenizer or model is loaded). ``FileNotFoundError``
     when there is none, ``ValueError`` when it is not append-only. Cost: milliseconds.
     """
-    folder = Path(model_dir)
-    render = jinja_renderer(load_chat_template(folder), _special_tokens(folder))
-    pieces = extract_chat_pieces(render, system_prompt)
+    pieces = extract_chat_pieces(model_renderer(model_dir), system_prompt)
     return format_from_pieces(pieces, instructions=instructions, chunk=chunk, question=question)
 
 

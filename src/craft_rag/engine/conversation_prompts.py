@@ -45,6 +45,8 @@ class _History:
     turns: list[tuple[int, ...]] = field(default_factory=list)
     tokens: int = 0
     in_flight: bool = False
+    cache_salt: str | None = None
+    """The prefix-cache namespace of every turn; fixed for the history's lifetime."""
 
 
 class ConversationPrompts:
@@ -82,14 +84,16 @@ class ConversationPrompts:
         max_tokens: int,
         conversation_id: str | None = None,
         fresh: bool = False,
+        cache_salt: str | None = None,
     ) -> RenderedTurn:
         """The prompt for one turn; with a ``conversation_id`` it continues that conversation
         (``fresh=True`` starts it over, e.g. when the planner no longer knows it) and marks a
-        turn in flight until :meth:`complete` or :meth:`cancel`.
+        turn in flight until :meth:`complete` or :meth:`cancel`. A new conversation takes
+        ``cache_salt`` for all its turns.
 
         ``ValueError`` when the turn cannot fit in ``max_model_len`` with ``max_tokens`` even
-        without earlier turns; ``RuntimeError`` when the conversation already has a turn in
-        flight.
+        without earlier turns, or when a known conversation is sent with another
+        ``cache_salt``; ``RuntimeError`` when the conversation already has a turn in flight.
         """
         with self._lock:
             a = self.assembler
@@ -116,6 +120,8 @@ class ConversationPrompts:
             history: _History | None = None
             if conversation_id is not None:
                 history = self._histories.get(conversation_id)
+                if history is not None:
+                    _check_salt(conversation_id, history, cache_salt)
                 if history is not None and history.in_flight:
                     msg = (
                         f"conversation {conversation_id!r} already has a turn in flight; "
@@ -123,7 +129,7 @@ class ConversationPrompts:
                     )
                     raise RuntimeError(msg)
                 if history is None or fresh:
-                    history = _History()
+                    history = _History(cache_salt=cache_salt)
                     self._histories[conversation_id] = history
                 self._histories.move_to_end(conversation_id)
                 history.in_flight = True
@@ -188,6 +194,23 @@ class ConversationPrompts:
                 history.in_flight = False
                 self._evict_over_bound()
 
+    def check_salt(self, conversation_id: str | None, cache_salt: str | None) -> None:
+        """``ValueError`` when ``conversation_id`` is known with another ``cache_salt`` (its
+        turns live in that salt's cache namespace; a new salt would silently start over).
+        O(1)."""
+        if conversation_id is None:
+            return
+        with self._lock:
+            history = self._histories.get(conversation_id)
+            if history is not None:
+                _check_salt(conversation_id, history, cache_salt)
+
+    def cache_salt(self, conversation_id: str) -> str | None:
+        """The salt of a known conversation (``None``: unsalted or unknown)."""
+        with self._lock:
+            history = self._histories.get(conversation_id)
+            return history.cache_salt if history is not None else None
+
     def end(self, conversation_id: str) -> bool:
         """Forget a conversation's history. True if it was known."""
         with self._lock:
@@ -225,3 +248,13 @@ class ConversationPrompts:
             )
             for history in self._histories.values():
                 assert history.tokens == sum(len(t) for t in history.turns)
+
+
+def _check_salt(conversation_id: str, history: _History, cache_salt: str | None) -> None:
+    if history.cache_salt != cache_salt:
+        known = "no cache_salt" if history.cache_salt is None else "another cache_salt"
+        msg = (
+            f"conversation {conversation_id!r} was started with {known}; send every turn with "
+            "the salt of its first turn, or end_conversation() it before changing the salt"
+        )
+        raise ValueError(msg)

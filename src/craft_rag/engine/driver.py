@@ -26,10 +26,17 @@ T = TypeVar("T")
 
 class EngineBackend(Protocol):
     """The engine operations the driver needs; :class:`craft_rag.engine.vllm_backend.
-    VLLMBackend` implements them over vLLM. None of these is called concurrently."""
+    VLLMBackend` implements them over vLLM. None of these is called concurrently.
+
+    ``add_request`` is called with ``cache_salt=`` only for salted requests, so a backend
+    without salt support still serves unsalted ones (the engine refuses salts for it)."""
 
     def add_request(
-        self, request_id: str, token_ids: Sequence[int], sampling: SamplingRequest
+        self,
+        request_id: str,
+        token_ids: Sequence[int],
+        sampling: SamplingRequest,
+        cache_salt: str | None = None,
     ) -> None: ...
 
     def step(self) -> list[StepOutput]: ...
@@ -120,10 +127,16 @@ class EngineDriver:
         return self._clock
 
     def submit(
-        self, token_ids: Sequence[int], sampling: SamplingRequest, state: RequestState
+        self,
+        token_ids: Sequence[int],
+        sampling: SamplingRequest,
+        state: RequestState,
+        *,
+        cache_salt: str | None = None,
     ) -> None:
-        """Queue a request; its deltas go to ``state``. Errors from the backend's
-        ``add_request`` (e.g. an invalid prompt) propagate here and register nothing."""
+        """Queue a request (``cache_salt``: its prefix-cache namespace); its deltas go to
+        ``state``. Errors from the backend's ``add_request`` (e.g. an invalid prompt)
+        propagate here and register nothing."""
         with self._cond:
             if self._closed:
                 msg = "the engine is closed; create a new CraftEngine"
@@ -136,7 +149,12 @@ class EngineDriver:
         state.submitted_at = self._clock()
         try:
             with self._engine_lock:
-                self._backend.add_request(state.request_id, token_ids, sampling)
+                if cache_salt is None:
+                    self._backend.add_request(state.request_id, token_ids, sampling)
+                else:
+                    self._backend.add_request(
+                        state.request_id, token_ids, sampling, cache_salt=cache_salt
+                    )
         except BaseException:
             with self._cond:
                 self._states.pop(state.request_id, None)

@@ -168,6 +168,9 @@ class BlocksStored:
     parent: BlockHash | None
     token_ids: tuple[int, ...]
     block_size: int
+    extra_keys: tuple[Any, ...] | None = None
+    """Per block, the extra hash keys vLLM published (the ``cache_salt`` of a salted prompt's
+    first block), untagged; ``None`` when the engine sent none."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -211,6 +214,7 @@ def decode_event_batch(payload: bytes) -> list[KVEvent]:
                     parent=as_block_hash(parent) if parent is not None else None,
                     token_ids=tuple(raw.get("token_ids", ())),
                     block_size=int(raw.get("block_size", 0)),
+                    extra_keys=_extra_keys(raw.get("extra_keys")),
                 )
             )
         elif kind == "BlockRemoved":
@@ -220,6 +224,12 @@ def decode_event_batch(payload: bytes) -> list[KVEvent]:
         elif kind == "AllBlocksCleared":
             events.append(AllCleared())
     return events
+
+
+def _extra_keys(raw: object) -> tuple[Any, ...] | None:
+    if not isinstance(raw, list | tuple):
+        return None
+    return tuple(tuple(k) if isinstance(k, list) else k for k in raw)
 
 
 class EvictionListener(Protocol):

@@ -7,6 +7,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from craft_rag.chunk import Chunk
+from craft_rag.engine.planners import PlanLike
 from craft_rag.types import ChunkKey
 
 
@@ -35,11 +36,16 @@ class SamplingRequest:
 
 @dataclass(frozen=True, slots=True)
 class RagRequest:
-    """One request for :meth:`CraftEngine.generate_batch`."""
+    """One request for :meth:`CraftEngine.generate_batch`. ``cache_salt`` isolates its
+    prefix-cache entries (and its planner) from other salts; ``plan`` is a plan made earlier by
+    ``engine.planner_for(cache_salt).plan(...)``, served and committed instead of planning
+    again (see :meth:`CraftEngine.generate`)."""
 
     chunks: Sequence[Chunk]
     question: str
     conversation_id: str | None = None
+    cache_salt: str | None = None
+    plan: PlanLike | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -63,7 +69,10 @@ class ReuseReport:
     from the start of the prompt; ``None`` when unknown). ``reused_chunks`` counts this turn's
     leading chunks lying entirely inside the cached tokens. ``ttft_ms`` runs from submission to
     the first generated token; ``dropped_turns`` are old conversation turns left out to fit the
-    context (paper §4.3).
+    context (paper §4.3). ``plan_id`` is the committed plan's id (``None`` for a prompt
+    without chunks: :meth:`CraftEngine.generate_messages`/``generate_tokens``, which plan and
+    commit nothing); ``salted`` says the request ran under a ``cache_salt`` (the salt itself is
+    not reported: reports end up in logs and traces).
     """
 
     request_id: str
@@ -83,6 +92,8 @@ class ReuseReport:
     conversation_id: str | None
     turn: int
     read_prefix_cache: bool
+    plan_id: int | None = None
+    salted: bool = False
 
     @property
     def cached_fraction(self) -> float:

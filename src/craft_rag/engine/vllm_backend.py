@@ -194,8 +194,14 @@ class VLLMBackend:
         return self._published
 
     def add_request(
-        self, request_id: str, token_ids: Sequence[int], sampling: SamplingRequest
+        self,
+        request_id: str,
+        token_ids: Sequence[int],
+        sampling: SamplingRequest,
+        cache_salt: str | None = None,
     ) -> None:
+        """Queue token ids; ``cache_salt`` goes into vLLM's prompt dict (``TokensPrompt``), so
+        the request's blocks are hashed, stored and matched in that salt's namespace only."""
         params = self._sampling_mod.SamplingParams(
             max_tokens=sampling.max_tokens,
             temperature=sampling.temperature,
@@ -206,7 +212,9 @@ class VLLMBackend:
             output_kind=self._sampling_mod.RequestOutputKind.DELTA,
             **dict(sampling.extra),
         )
-        prompt = {"prompt_token_ids": list(token_ids)}
+        prompt: dict[str, Any] = {"prompt_token_ids": list(token_ids)}
+        if cache_salt is not None:
+            prompt["cache_salt"] = cache_salt
         self.engine.add_request(request_id, prompt, params)
 
     def step(self) -> list[StepOutput]:
