@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import itertools
 import json
+import secrets
 import threading
 import time
 from collections import OrderedDict
@@ -89,6 +90,8 @@ class Plan:
     within this request (the first occurrence is kept). Every input chunk is in exactly one of
     the three. ``matched_chunks``/``matched_tokens`` is the CP-Tree's predicted reusable prefix
     (tokens counted from the start of the prompt; None when spans are unknown).
+    ``planner_token`` names the planner instance that made the plan: plan ids count per
+    instance, so only the maker may commit it.
     """
 
     plan_id: int
@@ -100,6 +103,7 @@ class Plan:
     conversation_id: ConversationId | None
     turn: int
     policy: str
+    planner_token: int = 0
 
     @property
     def keys(self) -> tuple[ChunkKey, ...]:
@@ -158,6 +162,9 @@ class CraftPlanner:
         )
         self.stats = PlannerStats()
         self._plan_ids = itertools.count(1)
+        # Random per instance (and per load): a plan id alone would let planner B, or this
+        # planner reloaded from disk, accept another planner's plan that shares its number.
+        self._token = secrets.randbits(63) | 1
         self._pending: OrderedDict[int, None] = OrderedDict()
 
     # ---- the two steps ------------------------------------------------------------------------
@@ -220,6 +227,7 @@ class CraftPlanner:
             conversation_id=conv,
             turn=turn,
             policy=self._policy.name,
+            planner_token=self._token,
         )
 
     def commit(
@@ -240,7 +248,8 @@ class CraftPlanner:
         cached (block-granular: a chunk counts when all its full blocks were hits); when it is
         smaller than the tree's match, the stale nodes are removed. ``block_hashes[i]`` are the
         engine's hashes of the full blocks ending inside chunk ``i``. ``RuntimeError`` if the
-        plan was already committed (or is too old); ``ValueError`` on mismatched lengths.
+        plan was already committed, is too old, or was made by another planner (or before a
+        load); ``ValueError`` on mismatched lengths.
         O(k) plus the tree's insert.
         """
         k = len(plan.ordered)
@@ -257,6 +266,12 @@ class CraftPlanner:
         keys = plan.keys
 
         with self._lock:
+            if plan.planner_token != self._token:
+                msg = (
+                    f"plan {plan.plan_id} was made by another CraftPlanner (or before this one "
+                    "was loaded); commit a plan on the planner that made it"
+                )
+                raise RuntimeError(msg)
             if plan.plan_id not in self._pending:
                 msg = f"plan {plan.plan_id} was already committed or is too old to commit"
                 raise RuntimeError(msg)

@@ -9,7 +9,6 @@ A sub-prefix of a cached path is reusable too ("prefix slicing"): matching just 
 from __future__ import annotations
 
 import heapq
-import itertools
 import time
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
@@ -119,7 +118,7 @@ class ChunkPrefixTree:
         self._size = 0
         self._by_block: dict[BlockHash, PrefixNode] = {}
         self._leaf_heap: list[tuple[float, int, PrefixNode]] = []
-        self._stamps = itertools.count()
+        self._next_stamp = 0  # push order of leaf-heap entries; persisted with the tree
         self.evictions = 0
 
     def __len__(self) -> int:
@@ -164,7 +163,10 @@ class ChunkPrefixTree:
                 depth, seen = child.depth, child.last_access
                 if depth > best_depth or (
                     depth == best_depth
-                    and (seen > best_time or (seen == best_time and child.path() < best_node.path()))
+                    and (
+                        seen > best_time
+                        or (seen == best_time and child.path() < best_node.path())
+                    )
                 ):
                     best_node, best_depth, best_time = child, depth, seen
                 stack.append(child)
@@ -307,10 +309,16 @@ class ChunkPrefixTree:
                     del self._by_block[h]
             node.block_hashes = tuple(meta.block_hashes)
             for h in node.block_hashes:
+                # A block hash names one KV block, so one node: a later claim takes it from an
+                # earlier owner, which would otherwise keep a hash the index no longer maps.
+                owner = self._by_block.get(h)
+                if owner is not None and owner is not node:
+                    owner.block_hashes = tuple(x for x in owner.block_hashes if x != h)
                 self._by_block[h] = node
 
     def _push_leaf(self, node: PrefixNode) -> None:
-        stamp = next(self._stamps)
+        stamp = self._next_stamp
+        self._next_stamp += 1
         node.heap_stamp = stamp
         heapq.heappush(self._leaf_heap, (node.last_access, stamp, node))
         if len(self._leaf_heap) > 4 * self._size + 64:
@@ -324,9 +332,12 @@ class ChunkPrefixTree:
             if cur.children:
                 stack.extend(cur.children.values())
             else:
-                stamp = next(self._stamps)
-                cur.heap_stamp = stamp
-                heap.append((cur.last_access, stamp, cur))
+                # Keep each leaf's stamp: stamps order leaves with equal access times (a coarse
+                # clock), and fresh ones in walk order would change which of them goes first.
+                if cur.heap_stamp < 0:
+                    cur.heap_stamp = self._next_stamp
+                    self._next_stamp += 1
+                heap.append((cur.last_access, cur.heap_stamp, cur))
         heapq.heapify(heap)
         self._leaf_heap = heap
 
@@ -373,10 +384,16 @@ class ChunkPrefixTree:
                     "blocks": [h.hex() for h in node.block_hashes],
                     "hits": node.hit_count,
                     "last_access": node.last_access,
+                    "stamp": node.heap_stamp,
                 }
             )
             stack.extend((c, index) for c in reversed(list(node.children.values())))
-        return {"format": _FORMAT, "max_nodes": self.max_nodes, "nodes": nodes}
+        return {
+            "format": _FORMAT,
+            "max_nodes": self.max_nodes,
+            "next_stamp": self._next_stamp,
+            "nodes": nodes,
+        }
 
     @classmethod
     def from_json(
@@ -403,12 +420,17 @@ class ChunkPrefixTree:
                 block_hashes=tuple(BlockHash(bytes.fromhex(h)) for h in item["blocks"]),
                 hit_count=int(item["hits"]),
                 last_access=float(item["last_access"]),
+                heap_stamp=int(item.get("stamp", -1)),
             )
             parent.children[key] = node
             for h in node.block_hashes:
                 tree._by_block[h] = node
             tree._size += 1
             built.append(node)
+        # Saved stamps keep the eviction order among equal access times; new ones come after.
+        tree._next_stamp = int(
+            data.get("next_stamp", max((n.heap_stamp for n in built), default=-1) + 1)
+        )
         tree._rebuild_heap()
         return tree
 
@@ -425,6 +447,7 @@ class ChunkPrefixTree:
     def _check_invariants(self) -> None:
         count = 0
         blocks: dict[BlockHash, PrefixNode] = {}
+        leaves: list[PrefixNode] = []
         stack: list[PrefixNode] = [self.root]
         assert self.root.key is None and self.root.depth == 0
         while stack:
@@ -443,6 +466,8 @@ class ChunkPrefixTree:
                     assert child.token_end is not None and child.token_start <= child.token_end
                 for h in child.block_hashes:
                     blocks[h] = child
+                if not child.children:
+                    leaves.append(child)
                 count += 1
                 stack.append(child)
         assert count == self._size, f"size {self._size} != {count} linked nodes"
@@ -450,4 +475,14 @@ class ChunkPrefixTree:
         assert blocks.keys() == self._by_block.keys()
         for h, node in self._by_block.items():
             assert node.alive and h in node.block_hashes
+        # Every leaf has exactly one valid heap entry, keyed by its current last access.
+        valid = {
+            id(node): seen
+            for seen, stamp, node in self._leaf_heap
+            if node.alive and not node.children and node.heap_stamp == stamp
+        }
+        assert len(valid) == len(leaves), "a leaf is missing from the eviction heap"
+        for leaf in leaves:
+            assert valid.get(id(leaf)) == leaf.last_access, "stale eviction-heap entry"
+            assert 0 <= leaf.heap_stamp < self._next_stamp
         assert len(set(map(id, blocks.values()))) <= count
