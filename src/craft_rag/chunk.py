@@ -61,10 +61,12 @@ def make_chunk(
     if text is not None and not isinstance(text, str):
         msg = f"chunk 'text' must be a string, got {type(text).__name__}"
         raise ValueError(msg)
-    if num_tokens is not None and (not isinstance(num_tokens, int) or num_tokens < 0):
+    if num_tokens is not None and (
+        not isinstance(num_tokens, int) or isinstance(num_tokens, bool) or num_tokens < 0
+    ):
         msg = f"chunk 'num_tokens' must be a non-negative int, got {num_tokens!r}"
         raise ValueError(msg)
-    if score is not None and not isinstance(score, (int, float)):
+    if score is not None and (not isinstance(score, (int, float)) or isinstance(score, bool)):
         msg = f"chunk 'score' must be a number, got {type(score).__name__}"
         raise ValueError(msg)
     key = ChunkKey(id) if id is not None else content_key(text or "")

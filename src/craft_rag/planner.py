@@ -140,6 +140,11 @@ class PlannerStats:
 class CraftPlanner:
     """CA-Table + CP-Tree + conversation dedup behind ``plan``/``commit``.
 
+    One planner serves one prompt head: CP-Tree nodes are keyed by chunk keys only, while their
+    token spans and block hashes depend on the tokens before the first chunk (system prompt,
+    instructions) and on the engine's cache salt. Use one planner per head or tenant (the
+    engine keeps one per ``cache_salt``) and pass the same ``prefix_tokens`` on every commit.
+
     Cost per request: O(k log k) ordering + O(k) table/tree/registry updates; the ``tree`` policy
     adds its set match (see :meth:`ChunkPrefixTree.match_subset`).
     """

@@ -7,7 +7,7 @@ import json
 import sys
 from typing import Any
 
-from craft_rag.ordering import ORDERING_POLICIES
+from craft_rag.ordering import DEFAULT_POLICY, ORDERING_POLICIES
 from craft_rag.paths import default_model_dir
 from craft_rag.planner import PlannerConfig
 from craft_rag.prompt import PromptFormat
@@ -100,12 +100,12 @@ def run_replay(args: argparse.Namespace) -> int:
             )
         )
     if args.json:
-        payload: dict[str, Any] = (
-            results[0].to_json()
-            if len(results) == 1
-            else {"policies": {r.policy: r.to_json() for r in results},
-                  "requests": results[0].requests}
-        )
+        # One policy: its fields at the top level. All policies: the default policy's fields at
+        # the top level (so the documented keys are always there) plus every policy by name.
+        main = next((r for r in results if r.policy == DEFAULT_POLICY), results[0])
+        payload: dict[str, Any] = main.to_json()
+        if len(results) > 1:
+            payload["policies"] = {r.policy: r.to_json() for r in results}
         json.dump(payload, sys.stdout, indent=2)
         sys.stdout.write("\n")
     else:
