@@ -3,7 +3,8 @@
 Real-engine tests are marked ``@pytest.mark.engine``; run them alone with ``pytest -m engine``
 or skip them with ``pytest -m "not engine"``. They all share ONE in-process engine (session
 scope): starting vLLM costs seconds and RAM, and the machine may be shared. The engine is sized
-for eviction tests: 256 KV blocks of 32 tokens (8,192 tokens, ~180 MB) and max_model_len 2048.
+for eviction tests: 128 KV blocks of 32 tokens (4,096 tokens; two full-length prompts) and
+max_model_len 2048.
 """
 
 from __future__ import annotations
@@ -30,7 +31,7 @@ if _SRC.is_dir() and str(_SRC) not in sys.path:
 if TYPE_CHECKING:
     from craft_rag.engine.engine import CraftEngine
 
-TEST_ENGINE_BLOCKS = 256
+TEST_ENGINE_BLOCKS = 128
 TEST_BLOCK_SIZE = 32
 TEST_MAX_MODEL_LEN = 2048
 
@@ -50,7 +51,7 @@ def model_dir() -> Path:
 def craft_engine(
     model_dir: Path, tmp_path_factory: pytest.TempPathFactory
 ) -> Iterator[CraftEngine]:
-    """One in-process vLLM engine for the whole run: eager, block 32, 256 blocks, KV events on.
+    """One in-process vLLM engine for the whole run: eager, block 32, 128 blocks, KV events on.
 
     Tests share it, so each test must not assume an empty cache: call
     ``craft_engine.reset_prefix_cache()`` and use fresh planners/conversation ids.

@@ -1,5 +1,5 @@
 """Against the real in-process vLLM engine (session fixture ``craft_engine``, see conftest.py):
-256 blocks of 32 tokens, max_model_len 2048, KV events on. Run alone: ``pytest -m engine``.
+128 blocks of 32 tokens, max_model_len 2048, KV events on. Run alone: ``pytest -m engine``.
 
 Every test starts from a fresh planner and an empty prefix cache (``fresh``), keeps
 ``max_tokens`` tiny (decode is ~0.1 s/token here) and chunks short.
@@ -147,13 +147,18 @@ def test_kv_event_eviction_removes_cp_tree_nodes(fresh: CraftEngine) -> None:
     assert len(tree(fresh)) == 4
     nodes_removed_before = events(fresh).stats.nodes_removed
 
-    # Flood the 256-block cache (8,192 tokens) with unrelated prompts.
-    for round_ in range(7):
+    # Flood the small test cache (TEST_ENGINE_BLOCKS blocks of 32) with unrelated prompts
+    # (~45 blocks each) until vLLM evicts: the first request's chunk blocks are the least
+    # recently used, so they go first.
+    def removed(evs: list[Any]) -> bool:
+        return sum(len(e.hashes) for e in evs if isinstance(e, BlocksRemoved)) > 0
+
+    for round_ in range(12):
         flood = make_chunks(6, repeat=12, prefix=f"flood{round_}")
         fresh.generate(flood, f"Flood question {round_}?", max_tokens=1)
-    assert events(fresh).wait_for(
-        lambda evs: sum(len(e.hashes) for e in evs if isinstance(e, BlocksRemoved)) > 0
-    )
+        if removed(events(fresh).recent_events()):  # applied before the commit returned
+            break
+    assert events(fresh).wait_for(removed)
     assert events(fresh).stats.nodes_removed > nodes_removed_before
     # The flood's own paths may be in the tree, the first request's path is not (whole or
     # partly evicted), and the engine agrees: nothing of it is cached any more.
@@ -233,6 +238,69 @@ def test_engine_failure_raises_and_commits_nothing(
     ok = fresh.generate(make_chunks(2), "Q?", conversation_id="fail", max_tokens=1)
     assert ok.report.turn == 1
     assert planner.stats.commits == 1
+
+
+def test_cache_salt_isolates_tenants_and_salted_hashes_match_blockstored(
+    fresh: CraftEngine,
+) -> None:
+    hasher = fresh.block_hasher
+    assert hasher is not None
+    chunks = make_chunks(3, prefix="salt")
+    first = fresh.generate(chunks, "Who won prizes?", max_tokens=1, cache_salt="tenant-a")
+    ids = first.prompt_token_ids
+    expected = hasher.block_hashes(ids, "tenant-a")
+    assert not set(expected) & set(hasher.block_hashes(ids))  # the salt changes every block
+
+    def stored(evs: list[Any]) -> list[Any]:
+        return [h for e in evs if isinstance(e, BlocksStored) for h in e.hashes]
+
+    assert events(fresh).wait_for(lambda evs: len(stored(evs)) >= len(expected))
+    reported = [e for e in events(fresh).recent_events() if isinstance(e, BlocksStored)]
+    assert stored(reported)[: len(expected)] == expected
+    assert reported[0].extra_keys is not None and reported[0].extra_keys[0] == ("tenant-a",)
+
+    same = fresh.generate(chunks, "Who won prizes?", max_tokens=1, cache_salt="tenant-a")
+    other = fresh.generate(chunks, "Who won prizes?", max_tokens=1, cache_salt="tenant-b")
+    plain = fresh.generate(chunks, "Who won prizes?", max_tokens=1)
+    assert same.report.cached_tokens == (len(ids) - 1) // 32 * 32  # full reuse
+    assert same.report.predicted_chunks == same.report.reused_chunks == 3
+    assert other.prompt_token_ids == ids
+    assert other.report.cached_tokens == 0 and other.report.predicted_chunks == 0
+    assert plain.report.cached_tokens == 0 and plain.report.predicted_chunks == 0
+    assert fresh.reset_prefix_cache()  # clears every salt's tree too
+    assert all(len(p.prefix_tree) == 0 for p in fresh._namespaces.all())
+
+
+def test_a_given_plan_is_served_token_exactly_and_committed_once(fresh: CraftEngine) -> None:
+    planner = fresh.planner
+    assert isinstance(planner, CraftPlanner)
+    chunks = make_chunks(4, prefix="plan")
+    plan = planner.plan([chunks[i] for i in (2, 0, 3, 1)])
+    plans, commits = planner.stats.plans, planner.stats.commits
+    result = fresh.generate(plan.ordered, "Where are castles?", plan=plan, max_tokens=1)
+    assert (planner.stats.plans, planner.stats.commits) == (plans, commits + 1)
+    assert result.report.chunk_order == plan.keys and result.report.plan_id == plan.plan_id
+    segment = [i for c in plan.ordered for i in fresh.assembler.chunk_ids(c)]
+    start = result.report.prefix_tokens
+    assert list(result.prompt_token_ids[start : start + len(segment)]) == segment
+    assert plan.keys in tree(fresh).iter_paths()
+    with pytest.raises(RuntimeError, match="already committed"):
+        fresh.generate(plan.ordered, "Again?", plan=plan, max_tokens=1)
+    with pytest.raises(RuntimeError, match="another planner"):
+        fresh.generate(chunks, "Q?", plan=CraftPlanner().plan(chunks), max_tokens=1)
+    assert planner.stats.commits == commits + 1
+
+
+def test_plain_chat_messages_reuse_earlier_messages(fresh: CraftEngine) -> None:
+    chat = [("user", "What is the capital of France? Answer in one short sentence.")]
+    first = fresh.generate_messages(chat, max_tokens=8)
+    assert "Paris" in first.text
+    assert first.report.chunk_order == () and first.report.plan_id is None
+    longer = [*chat, ("assistant", first.text), ("user", "And the capital of Italy?")]
+    second = fresh.generate_messages(longer, max_tokens=1)
+    assert second.prompt_token_ids[: len(first.prompt_token_ids)] == first.prompt_token_ids
+    assert second.report.cached_tokens >= len(first.prompt_token_ids) // 32 * 32 > 0
+    assert len(tree(fresh)) == 0  # nothing planned or committed
 
 
 def test_settings_map_onto_vllm_engine_args_and_engine_kwargs_win(tmp_path: Any) -> None:
