@@ -9,6 +9,7 @@ import craft_rag.engine as engine_pkg
 
 EXPECTED = {
     "BlockHasher",
+    "ChatTurn",
     "ConversationPrompts",
     "CraftEngine",
     "EngineFailure",
@@ -16,6 +17,7 @@ EXPECTED = {
     "EngineStartError",
     "GenerationResult",
     "KVEventSync",
+    "PlanLike",
     "PlannerLike",
     "PreparedModel",
     "RagRequest",

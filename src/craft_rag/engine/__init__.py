@@ -7,9 +7,11 @@ or the embedded model is converted. See docs/engine.md.
 from craft_rag.engine.chat_format import derive_chat_format
 from craft_rag.engine.conversation_prompts import ConversationPrompts, RenderedTurn
 from craft_rag.engine.driver import EngineFailure, RequestCancelled
-from craft_rag.engine.engine import CraftEngine, PlannerLike, reused_chunk_count
+from craft_rag.engine.engine import CraftEngine, reused_chunk_count
 from craft_rag.engine.kv_events import BlockHasher, KVEventSync
+from craft_rag.engine.messages import ChatTurn
 from craft_rag.engine.model import PreparedModel, prepare_default_model, resolve_model
+from craft_rag.engine.planners import PlanLike, PlannerLike
 from craft_rag.engine.results import (
     GenerationResult,
     RagRequest,
@@ -21,6 +23,7 @@ from craft_rag.engine.vllm_backend import EngineSettings, EngineStartError
 
 __all__ = [
     "BlockHasher",
+    "ChatTurn",
     "ConversationPrompts",
     "CraftEngine",
     "EngineFailure",
@@ -28,6 +31,7 @@ __all__ = [
     "EngineStartError",
     "GenerationResult",
     "KVEventSync",
+    "PlanLike",
     "PlannerLike",
     "PreparedModel",
     "RagRequest",
