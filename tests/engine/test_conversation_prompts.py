@@ -89,3 +89,24 @@ def test_seeded_stress_keeps_invariants() -> None:
                 assert prompt.token_ids[start:end] == cp.assembler.chunk_ids(chunk)
             pending[cid] = rendered
         cp._check_invariants()
+
+
+def test_a_conversation_keeps_the_salt_of_its_first_turn() -> None:
+    cp = make_prompts()
+    first = cp.render(make_chunks(1), "Q1?", max_tokens=4, conversation_id="c", cache_salt="a")
+    cp.complete(first, [5])
+    assert cp.cache_salt("c") == "a" and cp.cache_salt("unknown") is None
+    cp.check_salt("c", "a")
+    cp.check_salt(None, "anything")
+    for wrong in ("b", None):
+        with pytest.raises(ValueError, match="was started with another cache_salt"):
+            cp.check_salt("c", wrong)
+        with pytest.raises(ValueError, match="was started with"):
+            cp.render([], "Q2?", max_tokens=4, conversation_id="c", cache_salt=wrong)
+    # Refused renders marked nothing in flight; a fresh restart keeps the salt rule.
+    again = cp.render([], "Q2?", max_tokens=4, conversation_id="c", cache_salt="a", fresh=True)
+    assert again.kept_turns == 0
+    cp.cancel(again)
+    assert cp.end("c")
+    cp.render([], "Q?", max_tokens=4, conversation_id="c", cache_salt="b")
+    assert cp.cache_salt("c") == "b"

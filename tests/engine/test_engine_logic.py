@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import random
 import threading
 from collections.abc import Callable, Sequence
 
@@ -490,3 +491,72 @@ def test_prompts_without_chunks_bad_input(make_fake_engine: Factory) -> None:
     with pytest.raises(ValueError, match="cache_salt"):
         engine.generate_tokens([1], cache_salt="")
     assert backend.added == []
+
+
+def test_seeded_stress_with_salts_plans_and_failures_keeps_invariants(
+    make_fake_engine: Factory,
+) -> None:
+    """Random requests over 4 salts (2 namespaces kept), conversations with fixed salts, given
+    plans, failures, resets and ends. Oracle: the fake cache never evicts (and, unlike vLLM,
+    caches prompt blocks only), so a request's cached tokens are exactly its longest
+    full-block prefix shared with a prompt sent earlier (since the last reset) under the same
+    salt, capped so the last token is recomputed."""
+    rng = random.Random(7)
+    engine, backend = make_fake_engine(max_salt_namespaces=2)
+    salts = [None, "a", "b", "c"]
+    conv_salt = {f"conv{i}": salts[i] for i in range(4)}
+    since_reset = 0
+    pool = make_chunks(10, words=12)
+
+    def expected_cached(ids: tuple[int, ...], salt: str | None) -> int:
+        sent = zip(backend.added[since_reset:-1], backend.salts[since_reset:-1], strict=True)
+        best = 0
+        for (_, earlier, _), earlier_salt in sent:
+            if earlier_salt != salt:
+                continue
+            n = 0
+            while n < min(len(ids), len(earlier)) and ids[n] == earlier[n]:
+                n += 1
+            best = max(best, n // 16 * 16)
+        return min(best, (len(ids) - 1) // 16 * 16)
+
+    for step in range(150):
+        action = rng.random()
+        chunks = rng.sample(pool, rng.randrange(0, 4))
+        salt = rng.choice(salts)
+        cid = rng.choice([None, *conv_salt]) if action < 0.75 else None
+        if cid is not None and rng.random() < 0.9:
+            salt = conv_salt[cid]
+        use_plan = rng.random() < 0.3
+        backend.fail_on_step = rng.random() < 0.05
+        try:
+            if action < 0.05:
+                assert engine.reset_prefix_cache()
+                since_reset = len(backend.added)
+                continue
+            if action < 0.08 and cid is not None:
+                engine.end_conversation(cid)
+                continue
+            plan = engine.planner_for(salt).plan(chunks, cid) if use_plan else None
+            result = engine.generate(
+                chunks, f"Q{step}?", conversation_id=cid, cache_salt=salt, plan=plan, max_tokens=2
+            )
+        except ValueError as exc:  # a conversation sent with another salt
+            assert cid is not None and salt != conv_salt[cid] and "was started" in str(exc)
+            continue
+        except EngineFailure:
+            assert backend.fail_on_step
+            continue
+        finally:
+            backend.fail_on_step = False
+            engine._namespaces._check_invariants()
+            engine.conversations._check_invariants()
+            for planner in engine._namespaces.all():
+                assert isinstance(planner, CraftPlanner)
+                planner._check_invariants()
+            assert not engine._plans_in_flight
+        ids = result.prompt_token_ids
+        assert result.report.cached_tokens == expected_cached(ids, salt), step
+        assert result.report.salted == (salt is not None)
+        assert backend.added[-1][1] == ids and backend.salts[-1] == salt
+    assert len(engine._namespaces.salts()) == 2
