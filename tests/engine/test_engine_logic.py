@@ -5,13 +5,13 @@ from __future__ import annotations
 import asyncio
 import random
 import threading
-from collections.abc import Callable, Sequence
+from collections.abc import AsyncIterator, Callable, Sequence
 
 import pytest
 from engine_fakes import FakeBackend, make_chunks
 
 from craft_rag.engine.engine import CraftEngine, EngineFailure, reused_chunk_count
-from craft_rag.engine.results import RagRequest, SamplingRequest
+from craft_rag.engine.results import RagRequest, SamplingRequest, StreamChunk
 from craft_rag.planner import CraftPlanner
 from craft_rag.types import ConversationId
 
@@ -560,3 +560,26 @@ def test_seeded_stress_with_salts_plans_and_failures_keeps_invariants(
         assert result.report.salted == (salt is not None)
         assert backend.added[-1][1] == ids and backend.salts[-1] == salt
     assert len(engine._namespaces.salts()) == 2
+
+
+def test_closing_an_async_stream_aborts_at_once(make_fake_engine: Factory) -> None:
+    engine, backend = make_fake_engine(FakeBackend(step_delay=0.02))
+    planner = planner_of(engine)
+
+    async def close_after_first(pieces: AsyncIterator[StreamChunk]) -> None:
+        await anext(pieces)
+        await pieces.aclose()  # type: ignore[attr-defined]
+        # Aborted now, not when the loop shuts down or the generator is collected.
+        assert backend.aborted and not backend.running
+        backend.aborted.clear()
+
+    plan = planner.plan(make_chunks(2), "c")
+
+    async def run() -> None:
+        await close_after_first(engine.astream(plan.ordered, "Q?", plan=plan, max_tokens=8))
+        await close_after_first(engine.astream_tokens([1, 2, 3], max_tokens=8))
+        await close_after_first(engine.astream_messages([("user", "Hi")], max_tokens=8))
+
+    asyncio.run(run())
+    assert planner.stats.commits == 0 and not engine._plans_in_flight
+    assert engine.generate(plan.ordered, "Q?", plan=plan, max_tokens=1).report.turn == 1

@@ -28,6 +28,7 @@ import itertools
 import queue
 import threading
 from collections.abc import AsyncGenerator, AsyncIterator, Callable, Iterator, Sequence
+from contextlib import aclosing
 from dataclasses import dataclass, replace
 from typing import Protocol
 
@@ -545,16 +546,6 @@ class CraftEngine:
             if not finished:
                 self._abandon(flight)
 
-    @staticmethod
-    async def _relay(pieces: AsyncGenerator[StreamChunk, None]) -> AsyncIterator[StreamChunk]:
-        """Yield from ``pieces`` and close it when the consumer stops (an async generator is
-        not closed by the one iterating it, and the abort must not wait for GC)."""
-        try:
-            async for piece in pieces:
-                yield piece
-        finally:
-            await pieces.aclose()
-
     # ---- public API: RAG requests --------------------------------------------------------------
 
     def generate(
@@ -661,10 +652,12 @@ class CraftEngine:
         consumer aborts the request (nothing committed)."""
         params = _sampling(sampling, max_tokens, read_prefix_cache)
         request = RagRequest(chunks, question, conversation_id, cache_salt, plan)
-        async for piece in self._relay(
-            self._aiterate(functools.partial(self._start_rag, request, params))
-        ):
-            yield piece
+        start = functools.partial(self._start_rag, request, params)
+        # aclosing: closing this generator must close the inner one (and abort) at once, not
+        # when the inner generator is garbage-collected.
+        async with aclosing(self._aiterate(start)) as pieces:
+            async for piece in pieces:
+                yield piece
 
     # ---- public API: prompts without chunks ----------------------------------------------------
 
@@ -710,8 +703,9 @@ class CraftEngine:
         """Async :meth:`stream_tokens`."""
         params = _sampling(sampling, max_tokens, read_prefix_cache)
         start = functools.partial(self._start_tokens, token_ids, params, cache_salt)
-        async for piece in self._relay(self._aiterate(start)):
-            yield piece
+        async with aclosing(self._aiterate(start)) as pieces:
+            async for piece in pieces:
+                yield piece
 
     def generate_messages(
         self,
@@ -767,8 +761,9 @@ class CraftEngine:
         params = _sampling(sampling, max_tokens, read_prefix_cache)
         ids = self.message_token_ids(messages)
         start = functools.partial(self._start_tokens, ids, params, cache_salt)
-        async for piece in self._relay(self._aiterate(start)):
-            yield piece
+        async with aclosing(self._aiterate(start)) as pieces:
+            async for piece in pieces:
+                yield piece
 
     @staticmethod
     def _piece(flight: _InFlight, out: StepOutput, now: float) -> StreamChunk | None:
