@@ -1,69 +1,164 @@
-"""``craft-rag bench SUITE``: benchmark suites. Each writes JSON under benchmarks/results/."""
+"""``craft-rag bench SUITE``: benchmark suites, JSON results, PNG plots and a markdown report.
+
+Suites (one module each under ``craft_rag.bench``): ``overlap``, ``sensitivity``,
+``overhead`` (no engine), then ``ttft``, ``kv``, ``quality``, ``topk``, ``load`` (the
+in-process vLLM engine; ONE engine serves them all within a process). ``all`` runs every suite
+in that order. Each suite writes ``<out>/<suite>.json`` and ``<out>/<suite>.png``; the report
+``<out>/report.md`` is regenerated from every JSON result in ``<out>`` after each suite.
+``--quick`` shrinks every size (CI smoke test) and writes under ``benchmarks/results/quick``
+unless ``--out`` is given.
+"""
 
 from __future__ import annotations
 
 import argparse
 import json
-import platform
 import sys
 import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from tqdm import tqdm
-
+from craft_rag.bench.context import BenchContext, machine_info
 from craft_rag.bench.overhead import measure_overhead
 
+DEFAULT_OUT = Path("benchmarks/results")
+QUICK_OUT = DEFAULT_OUT / "quick"
 
-def _suite_overhead(args: argparse.Namespace) -> dict[str, Any]:
-    """Planner plan+commit latency at k=5/20, W=1,000/100,000, after ``--distinct`` chunks."""
-    distinct = 20_000 if args.quick else args.distinct
+Suite = Callable[[BenchContext], dict[str, Any]]
+
+
+def run_overhead(ctx: BenchContext) -> dict[str, Any]:
+    """Planner plan+commit latency at k=5/20, W=1,000/100,000 after ``overhead_distinct``
+    distinct chunks; CA-Table + CP-Tree memory (tracemalloc, a second identical run) for the
+    k=5 cases, where the table and tree hold the most entries per request."""
+    distinct = ctx.sizes.overhead_distinct
     cases = [(k, w) for k in (5, 20) for w in (1000, 100_000)]
     rows = []
-    for k, window in tqdm(cases, desc="overhead", file=sys.stderr):
+    for k, window in ctx.bar(cases, "overhead"):
         for policy in ("frequency", "tree"):
             result = measure_overhead(
-                policy=policy, k=k, window=window, distinct=distinct, trace_memory=not args.quick
+                policy=policy, k=k, window=window, distinct=distinct,
+                trace_memory=ctx.sizes.overhead_memory and k == 5,
             )
             rows.append(result.to_json())
     return {"suite": "overhead", "distinct_chunks": distinct, "rows": rows}
 
 
-SUITES: dict[str, Callable[[argparse.Namespace], dict[str, Any]]] = {
-    "overhead": _suite_overhead,
+def _lazy(module: str) -> Suite:
+    def run(ctx: BenchContext) -> dict[str, Any]:
+        import importlib
+
+        result: dict[str, Any] = importlib.import_module(f"craft_rag.bench.{module}").run(ctx)
+        return result
+
+    return run
+
+
+SUITES: dict[str, Suite] = {
+    "overlap": _lazy("overlap"),
+    "sensitivity": _lazy("sensitivity"),
+    "overhead": run_overhead,
+    "ttft": _lazy("ttft"),
+    "kv": _lazy("kv"),
+    "quality": _lazy("quality"),
+    "topk": _lazy("topk"),
+    "load": _lazy("load"),
 }
+"""Suite name -> function; ``all`` runs them in this order (engine suites last)."""
+
+ENGINE_SUITES = frozenset({"ttft", "kv", "quality", "topk", "load"})
 
 
 def add_bench_parser(subparsers: Any) -> None:
-    p = subparsers.add_parser("bench", help="run a benchmark suite")
+    p = subparsers.add_parser(
+        "bench", help="run a benchmark suite", description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
     p.add_argument("suite", choices=[*SUITES, "all"])
-    p.add_argument("--quick", action="store_true", help="small sizes (CI smoke test)")
-    p.add_argument("--distinct", type=int, default=1_000_000, help="distinct chunks (overhead)")
-    p.add_argument("--out", default="benchmarks/results", help="folder for JSON results")
+    p.add_argument("--quick", action="store_true", help="tiny sizes (CI smoke test, < 5 min)")
+    p.add_argument("--trace", help="replay-format trace to use in every suite (instead of the "
+                   "workloads built from shared/data)")
+    p.add_argument("--distinct", type=int, default=None,
+                   help="distinct chunks for overhead (default 1,000,000; quick 20,000)")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--block-size", type=int, default=32, help="engine KV block size")
+    p.add_argument("--max-model-len", type=int, default=4096)
+    p.add_argument("--out", default=None,
+                   help=f"results folder (default {DEFAULT_OUT}; quick: {QUICK_OUT})")
+    p.add_argument("--no-plots", action="store_true", help="skip the PNG figures")
+    p.add_argument("--no-progress", action="store_true")
     p.add_argument("--json", action="store_true", help="print the results as one JSON object")
     p.set_defaults(func=run_bench)
 
 
 def run_bench(args: argparse.Namespace) -> int:
+    ctx = BenchContext.create(
+        quick=args.quick, seed=args.seed, progress=not args.no_progress,
+        trace_path=Path(args.trace) if args.trace else None,
+        block_size=args.block_size, max_model_len=args.max_model_len,
+    )
+    if args.trace and not Path(args.trace).is_file():
+        msg = f"--trace {args.trace}: no such file"
+        raise FileNotFoundError(msg)
+    if args.distinct is not None:
+        ctx.with_sizes(overhead_distinct=args.distinct)
+    out = Path(args.out) if args.out else (QUICK_OUT if args.quick else DEFAULT_OUT)
     names = list(SUITES) if args.suite == "all" else [args.suite]
-    results: dict[str, Any] = {}
-    for name in names:
-        started = time.time()
-        result = SUITES[name](args)
-        result["seconds"] = round(time.time() - started, 1)
-        result["machine"] = {"python": platform.python_version(), "cpu": platform.processor()}
-        result["date"] = time.strftime("%Y-%m-%d %H:%M:%S")
-        results[name] = result
-        out = Path(args.out)
-        out.mkdir(parents=True, exist_ok=True)
-        (out / f"{name}.json").write_text(json.dumps(result, indent=2) + "\n")
+    started = time.perf_counter()
+    try:
+        results = run_suites(ctx, names, out, plots=not args.no_plots)
+    finally:
+        ctx.close()
+    total = time.perf_counter() - started
     if args.json:
-        json.dump(results, sys.stdout, indent=2)
+        json.dump({"results": results, "seconds": round(total, 1)}, sys.stdout, indent=2)
         sys.stdout.write("\n")
     else:
         for name, result in results.items():
-            print(f"== {name} ({result['seconds']} s)")
-            for row in result.get("rows", []):
-                print("  " + ", ".join(f"{k}={v}" for k, v in row.items()))
+            print(f"== {name}: {result['seconds']} s -> {out / (name + '.json')}")
+        print(f"report: {out / 'report.md'} ({total:.0f} s in all)")
     return 0
+
+
+def run_suites(
+    ctx: BenchContext, names: list[str], out: Path, *, plots: bool = True
+) -> dict[str, dict[str, Any]]:
+    """Run ``names`` in order on ``ctx``; write each JSON (and PNG) to ``out`` and refresh the
+    report after each. Returns suite -> result."""
+    out.mkdir(parents=True, exist_ok=True)
+    results: dict[str, dict[str, Any]] = {}
+    for name in names:
+        started = time.perf_counter()
+        result = SUITES[name](ctx)
+        result["seconds"] = round(time.perf_counter() - started, 1)
+        result["quick"] = ctx.quick
+        result["trace"] = str(ctx.trace_path) if ctx.trace_path else None
+        result["machine"] = machine_info()
+        result["date"] = result["machine"]["date"]
+        if plots:
+            from craft_rag.bench.plots import PLOTTERS
+
+            PLOTTERS[name](result, out / f"{name}.png")
+            result["png"] = f"{name}.png"
+        (out / f"{name}.json").write_text(json.dumps(result, indent=1) + "\n")
+        results[name] = result
+        write_report(out)
+    return results
+
+
+def write_report(out: Path) -> Path:
+    """Regenerate ``out/report.md`` from every suite JSON in ``out``."""
+    from craft_rag.bench.report import render_report
+
+    loaded: dict[str, dict[str, Any]] = {}
+    for name in SUITES:
+        path = out / f"{name}.json"
+        if path.is_file():
+            loaded[name] = json.loads(path.read_text())
+    any_result = next(iter(loaded.values()), {})
+    meta = {"machine": any_result.get("machine", {}).get("cpu"),
+            "generated": time.strftime("%Y-%m-%d %H:%M:%S %Z")}
+    path = out / "report.md"
+    path.write_text(render_report(loaded, meta))
+    return path

@@ -1,0 +1,135 @@
+"""Suite ``kv`` (paper Fig. 12; issue 4's simulator agreement and block-size choice).
+
+KV computation = prompt tokens - vLLM's ``num_cached_tokens``, summed over a run, from the
+ENGINE. The reduction is relative to vLLM prefix caching with the retriever's order and no
+dedup (the deployed baseline), split into
+
+- ``cross_request``: CRAFT's reordering (CRAFT without dedup vs the baseline), and
+- ``conversation``: conversation-scoped dedup on top (CRAFT with dedup vs without),
+
+on the single-turn trace (dedup does nothing there) and on MTRAG. Also reported against no
+prefix caching at all (every prompt token computed).
+
+Simulator agreement: the same trace replayed by :func:`craft_rag.replay.replay` with the same
+planner settings, tokenizer, chat format, block size and KV capacity, and (``cache_model``) the
+engine's exact prompt ids fed through :class:`SimulatedPrefixCache`; on MTRAG the replay's
+history uses the engine's replies (the trace's reference answers are not what was served).
+
+Block size: the simulator's reuse at 32/64/128 on both traces (the engine runs at one block
+size per process; its TTFT is ~proportional to computed tokens here, docs/engine.md).
+"""
+
+from __future__ import annotations
+
+from dataclasses import replace
+from typing import TYPE_CHECKING, Any
+
+from craft_rag.bench.context import BenchContext, engine_kv_tokens
+from craft_rag.bench.overlap import replay_policy
+from craft_rag.bench.serving import SYSTEMS, served
+from craft_rag.bench.ttft import WORKLOADS, workload_requests
+from craft_rag.prefix_cache_sim import SimulatedPrefixCache
+from craft_rag.trace import TraceRequest
+
+if TYPE_CHECKING:
+    from craft_rag.engine import GenerationResult
+
+BASELINE = "prefix_cache_nodedup"
+SINGLE_TURN_SYSTEMS = ("no_cache", "prefix_cache", "craft_frequency", "craft_tree")
+MULTI_TURN_SYSTEMS = (
+    "no_cache", "prefix_cache_nodedup", "craft_frequency_nodedup", "craft_frequency",
+    "craft_tree_nodedup", "craft_tree", "prefix_cache",
+)
+AGREEMENT_SYSTEMS = ("prefix_cache", "craft_frequency", "craft_tree")
+
+
+def _totals(results: list[GenerationResult]) -> tuple[int, int]:
+    prompt = sum(r.report.prompt_tokens for r in results)
+    cached = sum(r.report.cached_tokens for r in results)
+    return prompt, cached
+
+
+def _reduction(results: dict[str, list[GenerationResult]], multi_turn: bool) -> dict[str, Any]:
+    computed = {n: p - c for n, (p, c) in ((n, _totals(rs)) for n, rs in results.items())}
+    no_cache_prompt = _totals(results["no_cache"])[0]
+    base_name = BASELINE if multi_turn else "prefix_cache"
+    base = computed[base_name]
+    out: dict[str, Any] = {"baseline": base_name, "computed_tokens": computed,
+                           "no_cache_tokens": no_cache_prompt}
+    for policy in ("frequency", "tree"):
+        full = computed[f"craft_{policy}"]
+        reorder_only = computed[f"craft_{policy}_nodedup"] if multi_turn else full
+        out[policy] = {
+            "cross_request": (base - reorder_only) / base if base else 0.0,
+            "conversation": (reorder_only - full) / base if base else 0.0,
+            "total_vs_prefix_cache": (base - full) / base if base else 0.0,
+            "total_vs_no_cache": (no_cache_prompt - full) / no_cache_prompt
+            if no_cache_prompt else 0.0,
+        }
+    if multi_turn:
+        with_dedup = computed["prefix_cache"]
+        out["prefix_cache_with_dedup_vs_baseline"] = (base - with_dedup) / base if base else 0.0
+    return out
+
+
+def _agreement(
+    ctx: BenchContext,
+    workload: str,
+    trace: list[TraceRequest],
+    results: list[GenerationResult],
+    system_name: str,
+) -> dict[str, Any]:
+    engine = ctx.get_engine()
+    system = SYSTEMS[system_name]
+    if any(r.conversation_id for r in trace):
+        trace = [replace(r, answer=g.text) for r, g in zip(trace, results, strict=True)]
+    capacity = engine_kv_tokens(engine)
+    sim = replay_policy(ctx, trace, system.config, block_size=engine.block_size,
+                        cache_tokens=capacity)
+    prompt, cached = _totals(results)
+    cache = SimulatedPrefixCache(engine.block_size, capacity or (1 << 20))
+    model_cached = sum(cache.serve(list(r.prompt_token_ids)) for r in results)
+    engine_fraction = cached / prompt if prompt else 0.0
+    return {
+        "workload": workload,
+        "system": system_name,
+        "engine_reused_token_fraction": engine_fraction,
+        "replay_reused_token_fraction": sim.reused_token_fraction,
+        "cache_model_reused_token_fraction": model_cached / prompt if prompt else 0.0,
+        "difference_points": 100 * (sim.reused_token_fraction - engine_fraction),
+        "engine_prompt_tokens": prompt,
+        "replay_prompt_tokens": sim.prompt_tokens,
+        "kv_capacity_tokens": capacity,
+    }
+
+
+def run(ctx: BenchContext) -> dict[str, Any]:
+    engine = ctx.get_engine()
+    max_tokens = ctx.sizes.ttft_max_tokens
+    out: dict[str, Any] = {"suite": "kv", "block_size": engine.block_size,
+                           "max_tokens": max_tokens, "workloads": {}, "agreement": [],
+                           "block_sizes": []}
+    for workload in ctx.workloads(WORKLOADS):
+        n = workload_requests(ctx, workload)
+        trace = ctx.trace(workload, n)
+        multi_turn = any(r.conversation_id for r in trace)
+        names = MULTI_TURN_SYSTEMS if multi_turn else SINGLE_TURN_SYSTEMS
+        results = {name: served(ctx, workload, n, name, max_tokens=max_tokens)
+                   for name in names}
+        out["workloads"][workload] = {
+            "requests": len(trace),
+            "multi_turn": multi_turn,
+            **_reduction(results, multi_turn),
+        }
+        for name in AGREEMENT_SYSTEMS:
+            out["agreement"].append(_agreement(ctx, workload, trace, results[name], name))
+        for block in ctx.sizes.block_sizes:
+            for name in ("prefix_cache", "craft_tree"):
+                sim = replay_policy(ctx, trace, SYSTEMS[name].config, block_size=block,
+                                    cache_tokens=engine_kv_tokens(engine))
+                out["block_sizes"].append({
+                    "workload": workload, "system": name, "block_size": block,
+                    "reused_token_fraction": sim.reused_token_fraction,
+                    "computed_tokens": sim.prompt_tokens - sim.cached_tokens,
+                })
+    return out
