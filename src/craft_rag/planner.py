@@ -235,6 +235,11 @@ class CraftPlanner:
             planner_token=self._token,
         )
 
+    def is_pending(self, plan: Plan) -> bool:
+        """True if ``plan`` was made by this planner and can still be committed. O(1)."""
+        with self._lock:
+            return plan.planner_token == self._token and plan.plan_id in self._pending
+
     def commit(
         self,
         plan: Plan,

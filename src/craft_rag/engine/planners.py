@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import threading
 from collections import OrderedDict
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from typing import Any, NewType, Protocol
 
 from craft_rag.chunk import Chunk
@@ -215,11 +215,6 @@ def _plan_pending(planner: PlannerLike, plan: PlanLike) -> bool | None:
     is_pending = getattr(planner, "is_pending", None)
     if callable(is_pending):
         return bool(is_pending(plan))
-    # CraftPlanner has no public query yet; its pending-plan ids are the ground truth that
-    # commit() itself checks, so reading them here only moves that check before the request.
-    pending = getattr(planner, "_pending", None)
-    if isinstance(pending, Mapping):
-        return plan.plan_id in pending
     return None
 
 
