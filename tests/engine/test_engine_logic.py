@@ -155,6 +155,33 @@ def test_oldest_turns_are_dropped_whole_when_the_context_fills(make_fake_engine:
     engine.conversations._check_invariants()
 
 
+@pytest.mark.parametrize("salt", [None, "tenant"])
+def test_a_conversation_whose_history_was_evicted_starts_over_in_the_planner_too(
+    make_fake_engine: Factory, salt: str | None
+) -> None:
+    """The prompt history keeps max_conversations=1: starting "b" evicts "a"'s history. The
+    planner must forget "a" too, else a's next turn is planned as turn 2 (c0 removed as sent)
+    but rendered without turn 1, and c0 silently vanishes from the prompt."""
+    engine, backend = make_fake_engine(max_conversations=1)
+    c0, c1, c2 = make_chunks(3)
+    engine.generate([c0, c1], "Q1?", conversation_id="a", max_tokens=2, cache_salt=salt)
+    engine.generate([c2], "Q?", conversation_id="b", max_tokens=2, cache_salt=salt)
+    assert engine.conversations.turn_count("a") == 0  # evicted by "b"
+    again = engine.generate([c0, c2], "Q2?", conversation_id="a", max_tokens=2, cache_salt=salt)
+    assert again.report.turn == 1 and again.report.removed_duplicates == ()
+    assert set(again.report.chunk_order) == {c0.key, c2.key}
+    prompt = backend.added[-1][1]
+    c0_ids = engine.assembler.chunk_ids(c0)
+    assert any(
+        prompt[i : i + len(c0_ids)] == c0_ids for i in range(len(prompt) - len(c0_ids) + 1)
+    )
+    # Explicitly ending a conversation also forgets it in its salt's planner.
+    planner = engine.planner_for(salt)
+    assert engine.end_conversation("a")
+    assert planner.plan([c0], "a").turn == 1  # type: ignore[union-attr]
+    engine.conversations._check_invariants()
+
+
 def test_closing_a_stream_early_aborts_and_commits_nothing(make_fake_engine: Factory) -> None:
     engine, backend = make_fake_engine(FakeBackend(step_delay=0.02))
     stream = engine.stream(make_chunks(2), "Q?", conversation_id="s", max_tokens=8)

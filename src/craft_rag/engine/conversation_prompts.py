@@ -16,13 +16,16 @@ from __future__ import annotations
 
 import threading
 from collections import OrderedDict
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 from craft_rag.chunk import Chunk
 from craft_rag.prompt import AssembledPrompt, PromptAssembler
 
 DEFAULT_MAX_CONVERSATIONS = 1024
+
+OnForget = Callable[[str, str | None], object]
+"""Called with ``(conversation_id, cache_salt)`` when a history is evicted or ended."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -57,6 +60,13 @@ class ConversationPrompts:
     in flight); at most one turn in flight per conversation. Thread-safe (one lock, which also
     guards the assembler's chunk cache). Cost of ``render``: O(prompt tokens) to concatenate
     plus tokenizing uncached segments.
+
+    ``on_forget(conversation_id, cache_salt)`` runs, under the lock, for every history dropped
+    by the LRU bound or :meth:`end`. The engine uses it to end the conversation in its salt's
+    planner: a planner that still knew the conversation would plan the next turn as a later
+    turn (earlier turns' chunks removed as already sent) for a prompt rendered without those
+    turns, and the removed chunks would silently vanish. Lock order: this lock, then the
+    planners' locks (never the reverse).
     """
 
     def __init__(
@@ -65,6 +75,7 @@ class ConversationPrompts:
         *,
         max_model_len: int,
         max_conversations: int = DEFAULT_MAX_CONVERSATIONS,
+        on_forget: OnForget | None = None,
     ) -> None:
         if max_conversations < 1:
             msg = f"max_conversations must be >= 1, got {max_conversations}"
@@ -74,6 +85,7 @@ class ConversationPrompts:
         self.max_conversations = max_conversations
         self._lock = threading.Lock()
         self._histories: OrderedDict[str, _History] = OrderedDict()
+        self._on_forget = on_forget
         self._close_ids = assembler.answer_ids("")
 
     def render(
@@ -212,9 +224,13 @@ class ConversationPrompts:
             return history.cache_salt if history is not None else None
 
     def end(self, conversation_id: str) -> bool:
-        """Forget a conversation's history. True if it was known."""
+        """Forget a conversation's history (``on_forget`` runs). True if it was known."""
         with self._lock:
-            return self._histories.pop(conversation_id, None) is not None
+            history = self._histories.pop(conversation_id, None)
+            if history is None:
+                return False
+            self._forgotten(conversation_id, history)
+            return True
 
     def clear(self) -> None:
         with self._lock:
@@ -239,7 +255,11 @@ class ConversationPrompts:
         if over <= 0:
             return
         for cid in [c for c, h in self._histories.items() if not h.in_flight][:over]:
-            del self._histories[cid]
+            self._forgotten(cid, self._histories.pop(cid))
+
+    def _forgotten(self, conversation_id: str, history: _History) -> None:
+        if self._on_forget is not None:
+            self._on_forget(conversation_id, history.cache_salt)
 
     def _check_invariants(self) -> None:
         with self._lock:

@@ -219,6 +219,7 @@ class CraftEngine:
             self.assembler,
             max_model_len=backend.max_model_len,
             max_conversations=max_conversations,
+            on_forget=self._forget_planned,
         )
         self._driver = EngineDriver(backend)
 
@@ -266,6 +267,15 @@ class CraftEngine:
         """Forget a conversation in the planners and the prompt history (its salt too)."""
         known = self._namespaces.end_conversation(conversation_id)
         return self.conversations.end(conversation_id) or known
+
+    def _forget_planned(self, conversation_id: str, cache_salt: str | None) -> None:
+        """The prompt history of a conversation was dropped (LRU bound or ended): its salt's
+        planner must forget it too, so its next turn is planned as a fresh first turn with
+        nothing removed as "already sent" (the chunks sent earlier are no longer in the
+        prompt). A salt whose planner was dropped has nothing to forget."""
+        planner = self._namespaces.peek(CacheSalt(cache_salt) if cache_salt is not None else None)
+        if planner is not None:
+            planner.end_conversation(conversation_id)
 
     def message_token_ids(self, messages: Sequence[ChatTurn]) -> tuple[int, ...]:
         """The token ids :meth:`generate_messages` sends for ``messages``: the chat template's
