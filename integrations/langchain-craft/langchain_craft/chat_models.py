@@ -5,16 +5,21 @@ What reaches the engine:
 * a last ``HumanMessage`` carrying a :class:`~langchain_craft.prompt.CraftContext` (from
   :class:`~langchain_craft.CraftRAGPrompt` or :class:`~langchain_craft.CraftConversation`): its
   chunks and question, as separately tokenized segments; the engine plans them (order, dedup
-  within the conversation), serves them, and commits the plan with what vLLM reused. With a
+  within the conversation), serves them, and commits the plan with what vLLM reused. A context
+  holding a pending plan of the engine's own planner (``reorder_step()``) is served as that
+  plan: the previewed order is the order served, and that plan is the one committed. With a
   conversation id the engine keeps the conversation's prompt append-only, so earlier messages
   of the list are not re-sent: the engine's history is the conversation;
-* any other message list: the question is the last human message when it is the only
-  non-system message, else a plain transcript of the messages (stateless; no chunks).
+* any other message list: a plain chat, rendered with the model's chat template (one
+  tokenized segment per message, ``CraftEngine.stream_messages``), so a chat re-sent with more
+  messages reuses the earlier messages' KV. Stateless: the list is the conversation, nothing
+  is planned or committed, and ``conversation_id`` is not used.
 
 Every request streams from the engine (one path for invoke and stream, sync and async), so
 ``on_llm_new_token`` fires per token either way. The last chunk carries ``usage_metadata`` (with
 ``input_token_details.cache_read`` = vLLM's cached tokens) and ``response_metadata["craft"]``:
-the engine's reuse report (prompt/cached/predicted tokens, TTFT, chunk order, dedup removals).
+the engine's reuse report (prompt/cached/predicted tokens, TTFT, chunk order, dedup removals,
+``plan_id``, ``salted``).
 """
 
 from __future__ import annotations
@@ -28,17 +33,24 @@ from langchain_core.messages import (
     AIMessage,
     AIMessageChunk,
     BaseMessage,
+    ChatMessage,
     HumanMessage,
-    SystemMessage,
 )
 from langchain_core.outputs import ChatGeneration, ChatGenerationChunk, ChatResult
 
 from craft_rag import CraftPlanner
 from langchain_craft._engine import CraftEngineParams, EngineRequest, final_metadata, usage_metadata
-from langchain_craft.prompt import build_context, craft_context
+from langchain_craft.prompt import CraftContext, build_context, craft_context
 from langchain_craft.reorder import CraftReorder
 
-_ROLES = {"human": "User", "ai": "Assistant", "system": "System", "tool": "Tool"}
+_ROLES = {"human": "user", "ai": "assistant", "system": "system", "tool": "tool"}
+"""LangChain message types -> chat-template roles (a ``ChatMessage`` brings its own role)."""
+
+
+def _role(message: BaseMessage) -> str:
+    if isinstance(message, ChatMessage):
+        return message.role
+    return _ROLES.get(message.type, message.type)
 
 
 def _text(message: BaseMessage, index: int) -> str:
@@ -78,33 +90,23 @@ class ChatCraftVLLM(CraftEngineParams, BaseChatModel):
     def _llm_type(self) -> str:
         return "craft-vllm-chat"
 
-    @property
-    def _identifying_params(self) -> dict[str, Any]:
-        return {
-            "model_name": self.served_model_name(),
-            "max_tokens": self.max_tokens,
-            "temperature": self.temperature,
-            "top_p": self.top_p,
-            "seed": self.seed,
-            "stop": self.stop,
-        }
-
     def _get_ls_params(self, stop: list[str] | None = None, **kwargs: Any) -> LangSmithParams:
-        params = super()._get_ls_params(stop=stop, **kwargs)
-        params["ls_provider"] = "craft_vllm"
-        params["ls_model_name"] = kwargs.get("model") or self.served_model_name()
+        params = self._craft_ls_params(super()._get_ls_params(stop=stop, **kwargs), kwargs)
         if stop or self.stop:
             params["ls_stop"] = stop or self.stop
-        return params
+        return params  # type: ignore[no-any-return]
 
-    def _planner(self) -> object:
-        return self.get_engine().planner
+    def _planner(self, cache_salt: str | None) -> object:
+        return self.get_engine().planner_for(cache_salt)
 
     def reorder_step(self, **kwargs: Any) -> CraftReorder:
         """A ``CraftReorder`` previewing this engine's order without committing
-        (``commit=False`` on the engine's planner): put it in front of this model to see the
-        order before generation; the engine commits its own plan with what vLLM reused."""
-        planner = self.get_engine().planner
+        (``commit=False`` on the planner of this model's ``cache_salt``): put it in front of
+        this model to see the order before generation; the engine then serves exactly the
+        previewed plan (``plan=``) and commits it with what vLLM reused. A per-call
+        ``cache_salt`` other than the model's makes the engine refuse the plan
+        (``RuntimeError``: it belongs to another salt's planner)."""
+        planner = self.get_engine().planner_for(self.cache_salt)
         if not isinstance(planner, CraftPlanner):
             msg = f"the engine's planner is a {type(planner).__name__}, not a CraftPlanner"
             raise TypeError(msg)
@@ -128,34 +130,41 @@ class ChatCraftVLLM(CraftEngineParams, BaseChatModel):
                 raise ValueError(msg)
             context = build_context(documents, texts[-1], conversation_id=conversation_id)
         if context is not None:
-            if context.committed_by is not None and context.committed_by is self._planner():
-                msg = (
-                    "these documents were already committed to the engine's planner by "
-                    "CraftReorder(commit=True); in front of ChatCraftVLLM use "
-                    "CraftReorder(planner=engine.planner, commit=False) (see "
-                    "ChatCraftVLLM.reorder_step()) or no reorder step: the engine plans and "
-                    "commits with what vLLM actually reused"
-                )
-                raise ValueError(msg)
-            return self._engine_request(
-                context.chunks,
-                context.question,
-                conversation_id or context.conversation_id,
-                stop,
-                kwargs,
-            )
-        dialogue = [(m, t) for m, t in zip(messages, texts, strict=True)]
-        turns = [(m, t) for m, t in dialogue if not isinstance(m, SystemMessage)]
-        if len(turns) == 1 and isinstance(turns[0][0], HumanMessage):
-            system = [t for m, t in dialogue if isinstance(m, SystemMessage)]
-            question = "\n\n".join([*system, turns[0][1]])
-        else:
-            lines = [f"{_ROLES.get(m.type, m.type.title())}: {t}" for m, t in dialogue]
-            question = "\n".join(lines)
-        if not question.strip():
+            return self._context_request(context, conversation_id, stop, kwargs)
+        if not any(t.strip() for t in texts):
             msg = "the messages hold no text to answer"
             raise ValueError(msg)
-        return self._engine_request((), question, conversation_id, stop, kwargs)
+        chat = [(_role(m), t) for m, t in zip(messages, texts, strict=True)]
+        return self._engine_request((), "", None, stop, kwargs, messages=chat)
+
+    def _context_request(
+        self,
+        context: CraftContext,
+        conversation_id: str | None,
+        stop: list[str] | None,
+        kwargs: dict[str, Any],
+    ) -> EngineRequest:
+        planner = self._planner(kwargs.get("cache_salt", self.cache_salt))
+        if context.committed_by is not None and context.committed_by is planner:
+            msg = (
+                "these documents were already committed to the engine's planner by "
+                "CraftReorder(commit=True); in front of ChatCraftVLLM use "
+                "CraftReorder(planner=engine.planner, commit=False) (see "
+                "ChatCraftVLLM.reorder_step()) or no reorder step: the engine plans and "
+                "commits with what vLLM actually reused"
+            )
+            raise ValueError(msg)
+        # A pending plan of this request's planner is served as is (the previewed order) and
+        # committed by the engine; another planner's plan is only an order hint.
+        plan = context.plan if context.planned_by is planner else None
+        return self._engine_request(
+            context.chunks,
+            context.question,
+            conversation_id or context.conversation_id,
+            stop,
+            kwargs,
+            plan=plan,
+        )
 
     # ---- streaming is the one path -------------------------------------------------------------
 
@@ -167,12 +176,7 @@ class ChatCraftVLLM(CraftEngineParams, BaseChatModel):
         **kwargs: Any,
     ) -> Iterator[ChatGenerationChunk]:
         request = self._request(messages, stop, kwargs)
-        engine = self.get_engine()
-        for piece in engine.stream(request.chunks, request.question, **request.kwargs()):
-            chunk = self._to_chunk(piece)
-            if run_manager is not None and piece.text:
-                run_manager.on_llm_new_token(piece.text, chunk=chunk)
-            yield chunk
+        yield from self._engine_stream(request, self._to_chunk, run_manager)
 
     async def _astream(
         self,
@@ -182,11 +186,7 @@ class ChatCraftVLLM(CraftEngineParams, BaseChatModel):
         **kwargs: Any,
     ) -> AsyncIterator[ChatGenerationChunk]:
         request = self._request(messages, stop, kwargs)
-        engine = self.get_engine()
-        async for piece in engine.astream(request.chunks, request.question, **request.kwargs()):
-            chunk = self._to_chunk(piece)
-            if run_manager is not None and piece.text:
-                await run_manager.on_llm_new_token(piece.text, chunk=chunk)
+        async for chunk in self._engine_astream(request, self._to_chunk, run_manager):
             yield chunk
 
     def _to_chunk(self, piece: Any) -> ChatGenerationChunk:

@@ -19,7 +19,7 @@ turn served carries the earlier questions and answers as text, so the model keep
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator, Callable, Iterator, Mapping, Sequence
+from collections.abc import AsyncIterator, Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol, cast
 
@@ -73,7 +73,10 @@ class CraftConversation(RunnableSerializable[ConversationInput, AIMessage]):
     Input: a question string, or a dict with ``question`` and optionally ``documents`` (use
     them instead of calling ``retriever``). Config: ``{"configurable": {"session_id": ...}}``
     (or ``conversation_id``/``thread_id``), required; ``cache_salt`` there (or the ``cache_salt``
-    field) isolates the session's prefix-cache entries where the engine supports salts.
+    field) isolates the session's prefix-cache entries and planner from other salts (vLLM
+    reuses KV only between requests with the same salt). A session keeps the salt of its first
+    turn: a later turn with another salt (or none) raises ``ValueError`` from the engine;
+    :meth:`end_session` first to change it.
     Output: the reply ``AIMessage`` (``response_metadata["craft"]`` is the reuse report). Turns
     of one session must not overlap (the engine refuses a second turn in flight). Cost per
     turn: one retrieval plus one engine request whose uncached part is the new chunks, the
@@ -144,73 +147,19 @@ class CraftConversation(RunnableSerializable[ConversationInput, AIMessage]):
         return [HumanMessage(content=question, additional_kwargs={CRAFT_CONTEXT_KEY: context})]
 
     @staticmethod
-    def _record(turn: _Turn, reply: AIMessage) -> None:
+    def _record(turn: _Turn, chunks: Sequence[AIMessageChunk]) -> None:
         if turn.history is not None:
-            turn.history.add_messages([HumanMessage(content=turn.question), reply])
+            turn.history.add_messages([HumanMessage(content=turn.question), _aggregate(chunks)])
 
     @staticmethod
     def _child(config: RunnableConfig, run_manager: Any) -> RunnableConfig:
         return patch_config(config, callbacks=run_manager.get_child())
 
-    @staticmethod
-    def _aggregate(chunks: Sequence[AIMessageChunk]) -> AIMessage:
-        full = chunks[0]
-        for chunk in chunks[1:]:
-            full = full + chunk
-        return AIMessage(
-            content=full.text,
-            usage_metadata=full.usage_metadata,
-            response_metadata=dict(full.response_metadata),
-            id=full.id,
-        )
+    # ---- one turn: invoke is the aggregated stream ------------------------------------------
 
-    # ---- invoke -----------------------------------------------------------------------------
-
-    def _invoke(
-        self,
-        input: ConversationInput,
-        run_manager: CallbackManagerForChainRun,
-        config: RunnableConfig,
-    ) -> AIMessage:
-        turn = self._prepare(input, config)
-        child = self._child(config, run_manager)
-        documents = turn.documents
-        if documents is None:
-            assert self.retriever is not None
-            documents = self.retriever.invoke(turn.question, child)
-        reply = self.llm.invoke(self._prompt(turn, documents), child, **turn.llm_kwargs)
-        assert isinstance(reply, AIMessage)
-        self._record(turn, reply)
-        return reply
-
-    async def _ainvoke(
-        self,
-        input: ConversationInput,
-        run_manager: AsyncCallbackManagerForChainRun,
-        config: RunnableConfig,
-    ) -> AIMessage:
-        turn = self._prepare(input, config)
-        child = self._child(config, run_manager)
-        documents = turn.documents
-        if documents is None:
-            assert self.retriever is not None
-            documents = await self.retriever.ainvoke(turn.question, child)
-        reply = await self.llm.ainvoke(self._prompt(turn, documents), child, **turn.llm_kwargs)
-        assert isinstance(reply, AIMessage)
-        self._record(turn, reply)
-        return reply
-
-    def invoke(
-        self, input: ConversationInput, config: RunnableConfig | None = None, **kwargs: Any
-    ) -> AIMessage:
-        return self._call_with_config(self._invoke, input, config)
-
-    async def ainvoke(
-        self, input: ConversationInput, config: RunnableConfig | None = None, **kwargs: Any
-    ) -> AIMessage:
-        return await self._acall_with_config(self._ainvoke, input, config)
-
-    # ---- stream -----------------------------------------------------------------------------
+    def _retriever(self) -> Runnable[str, list[Document]]:
+        assert self.retriever is not None, "_prepare checks documents or a retriever"
+        return self.retriever
 
     def _stream_turn(
         self,
@@ -222,14 +171,12 @@ class CraftConversation(RunnableSerializable[ConversationInput, AIMessage]):
         child = self._child(config, run_manager)
         documents = turn.documents
         if documents is None:
-            assert self.retriever is not None
-            documents = self.retriever.invoke(turn.question, child)
+            documents = self._retriever().invoke(turn.question, child)
         chunks: list[AIMessageChunk] = []
         for chunk in self.llm.stream(self._prompt(turn, documents), child, **turn.llm_kwargs):
-            assert isinstance(chunk, AIMessageChunk)
-            chunks.append(chunk)
-            yield chunk
-        self._record(turn, self._aggregate(chunks))
+            chunks.append(_ai_chunk(chunk))
+            yield chunks[-1]
+        self._record(turn, chunks)
 
     async def _astream_turn(
         self,
@@ -237,20 +184,28 @@ class CraftConversation(RunnableSerializable[ConversationInput, AIMessage]):
         run_manager: AsyncCallbackManagerForChainRun,
         config: RunnableConfig,
     ) -> AsyncIterator[AIMessageChunk]:
-        items = [item async for item in inputs]
-        turn = self._prepare(_single(iter(items)), config)
+        turn = self._prepare(_single([item async for item in inputs]), config)
         child = self._child(config, run_manager)
         documents = turn.documents
         if documents is None:
-            assert self.retriever is not None
-            documents = await self.retriever.ainvoke(turn.question, child)
+            documents = await self._retriever().ainvoke(turn.question, child)
         chunks: list[AIMessageChunk] = []
         prompt = self._prompt(turn, documents)
         async for chunk in self.llm.astream(prompt, child, **turn.llm_kwargs):
-            assert isinstance(chunk, AIMessageChunk)
-            chunks.append(chunk)
-            yield chunk
-        self._record(turn, self._aggregate(chunks))
+            chunks.append(_ai_chunk(chunk))
+            yield chunks[-1]
+        self._record(turn, chunks)
+
+    def invoke(
+        self, input: ConversationInput, config: RunnableConfig | None = None, **kwargs: Any
+    ) -> AIMessage:
+        """One turn; the reply ``AIMessage``. Runs :meth:`stream` and joins the chunks."""
+        return _aggregate(list(self.stream(input, config, **kwargs)))
+
+    async def ainvoke(
+        self, input: ConversationInput, config: RunnableConfig | None = None, **kwargs: Any
+    ) -> AIMessage:
+        return _aggregate([c async for c in self.astream(input, config, **kwargs)])
 
     def stream(
         self, input: ConversationInput, config: RunnableConfig | None = None, **kwargs: Any
@@ -280,9 +235,29 @@ class CraftConversation(RunnableSerializable[ConversationInput, AIMessage]):
         return bool(known)
 
 
-def _single(inputs: Iterator[ConversationInput]) -> ConversationInput:
+def _single(inputs: Iterable[ConversationInput]) -> ConversationInput:
     items = list(inputs)
     if len(items) != 1:
         msg = f"CraftConversation streams one question at a time, got {len(items)} inputs"
         raise ValueError(msg)
     return items[0]
+
+
+def _ai_chunk(chunk: BaseMessage) -> AIMessageChunk:
+    assert isinstance(chunk, AIMessageChunk), "ChatCraftVLLM streams AIMessageChunks"
+    return chunk
+
+
+def _aggregate(chunks: Sequence[AIMessageChunk]) -> AIMessage:
+    if not chunks:
+        msg = "the reply stream ended without a chunk (closed early?)"
+        raise RuntimeError(msg)
+    full = chunks[0]
+    for chunk in chunks[1:]:
+        full = full + chunk
+    return AIMessage(
+        content=full.text,
+        usage_metadata=full.usage_metadata,
+        response_metadata=dict(full.response_metadata),
+        id=full.id,
+    )

@@ -35,22 +35,10 @@ class CraftVLLM(CraftEngineParams, BaseLLM):
     def _llm_type(self) -> str:
         return "craft-vllm"
 
-    @property
-    def _identifying_params(self) -> dict[str, Any]:
-        return {
-            "model_name": self.served_model_name(),
-            "max_tokens": self.max_tokens,
-            "temperature": self.temperature,
-            "top_p": self.top_p,
-            "seed": self.seed,
-            "stop": self.stop,
-        }
-
     def _get_ls_params(self, stop: list[str] | None = None, **kwargs: Any) -> LangSmithParams:
-        params = super()._get_ls_params(stop=stop, **kwargs)
-        params["ls_provider"] = "craft_vllm"
-        params["ls_model_name"] = kwargs.get("model") or self.served_model_name()
-        return params
+        return self._craft_ls_params(  # type: ignore[no-any-return]
+            super()._get_ls_params(stop=stop, **kwargs), kwargs
+        )
 
     def _request(
         self, prompt: str, stop: list[str] | None, kwargs: dict[str, Any]
@@ -81,12 +69,7 @@ class CraftVLLM(CraftEngineParams, BaseLLM):
         **kwargs: Any,
     ) -> Iterator[GenerationChunk]:
         request = self._request(prompt, stop, kwargs)
-        engine = self.get_engine()
-        for piece in engine.stream(request.chunks, request.question, **request.kwargs()):
-            chunk = self._to_chunk(piece)
-            if run_manager is not None and piece.text:
-                run_manager.on_llm_new_token(piece.text, chunk=chunk)
-            yield chunk
+        yield from self._engine_stream(request, self._to_chunk, run_manager)
 
     async def _astream(
         self,
@@ -96,11 +79,7 @@ class CraftVLLM(CraftEngineParams, BaseLLM):
         **kwargs: Any,
     ) -> AsyncIterator[GenerationChunk]:
         request = self._request(prompt, stop, kwargs)
-        engine = self.get_engine()
-        async for piece in engine.astream(request.chunks, request.question, **request.kwargs()):
-            chunk = self._to_chunk(piece)
-            if run_manager is not None and piece.text:
-                await run_manager.on_llm_new_token(piece.text, chunk=chunk)
+        async for chunk in self._engine_astream(request, self._to_chunk, run_manager):
             yield chunk
 
     def _generate(

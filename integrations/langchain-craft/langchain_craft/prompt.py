@@ -40,10 +40,12 @@ class CraftContext:
     """The structured RAG request behind a prompt message (in-process only).
 
     ``chunks`` are in render order. ``plan`` is the pending plan of a ``CraftReorder(commit=
-    False)`` step (its ``ordered`` chunks are ``chunks``): a preview of what the engine, planning
-    with the same planner state, will do; the engine's own plan is the one committed.
-    ``committed_by`` is the planner that already recorded these documents
-    (``CraftReorder(commit=True)``): the engine refuses to record them again in that planner.
+    False)`` step (its ``ordered`` chunks are ``chunks``).
+    ``planned_by`` is the planner that made ``plan``: when it is the engine's planner for the
+    request's salt, ``ChatCraftVLLM`` serves that very plan (``plan=``) and the engine commits
+    it; a plan of another planner is only an order. ``committed_by`` is the planner that
+    already recorded these documents (``CraftReorder(commit=True)``): the engine refuses to
+    record them again in that planner.
     """
 
     chunks: tuple[Chunk, ...]
@@ -51,6 +53,7 @@ class CraftContext:
     conversation_id: str | None = None
     plan: Plan | None = None
     committed_by: object | None = None
+    planned_by: object | None = None
 
 
 def craft_context(message: BaseMessage) -> CraftContext | None:
@@ -81,7 +84,9 @@ def build_context(
             conversation_id = plan.conversation_id
         if documents.committed:
             return CraftContext(plan.ordered, question, conversation_id, None, documents.planner)
-        return CraftContext(plan.ordered, question, conversation_id, plan)
+        return CraftContext(
+            plan.ordered, question, conversation_id, plan, planned_by=documents.planner
+        )
     # Repeated ids stay in: the engine's planner keeps the first and reports the rest.
     chunks = tuple(documents_to_chunks(documents, id_key))
     return CraftContext(chunks, question, conversation_id, None)

@@ -116,6 +116,17 @@ class CraftReorder(
     def _conversation(self, config: RunnableConfig | None) -> str | None:
         return conversation_id_from_config(config, self.conversation_keys)
 
+    def _planned(
+        self, documents: Sequence[Document], config: RunnableConfig | None
+    ) -> tuple[CraftDocuments, dict[str, Any] | None]:
+        """:meth:`plan_documents` with the config's conversation id, plus the ``craft_plan``
+        event payload (``None`` when nothing was planned). Every hook below goes through this;
+        they differ only in how they dispatch the event (sync or async manager)."""
+        result = self.plan_documents(documents, self._conversation(config))
+        if result.plan is None:
+            return result, None
+        return result, plan_summary(result.plan, committed=result.committed)
+
     # ---- Runnable ----------------------------------------------------------------------------
 
     def invoke(
@@ -140,12 +151,10 @@ class CraftReorder(
         run_manager: CallbackManagerForChainRun,
         config: RunnableConfig,
     ) -> list[Document]:
-        result = self.plan_documents(documents, self._conversation(config))
-        if result.plan is not None:
+        result, event = self._planned(documents, config)
+        if event is not None:
             run_manager.get_child().on_custom_event(
-                CRAFT_PLAN_EVENT,
-                plan_summary(result.plan, committed=result.committed),
-                run_id=run_manager.run_id,
+                CRAFT_PLAN_EVENT, event, run_id=run_manager.run_id
             )
         return result
 
@@ -155,12 +164,10 @@ class CraftReorder(
         run_manager: AsyncCallbackManagerForChainRun,
         config: RunnableConfig,
     ) -> list[Document]:
-        result = self.plan_documents(documents, self._conversation(config))
-        if result.plan is not None:
+        result, event = self._planned(documents, config)
+        if event is not None:
             await run_manager.get_child().on_custom_event(
-                CRAFT_PLAN_EVENT,
-                plan_summary(result.plan, committed=result.committed),
-                run_id=run_manager.run_id,
+                CRAFT_PLAN_EVENT, event, run_id=run_manager.run_id
             )
         return result
 
@@ -190,17 +197,9 @@ class CraftReorder(
         """Compressor hook for ``ContextualCompressionRetriever``. The compressor API carries no
         config, so the conversation id comes from the enclosing chain's config (context
         variable) or the ``conversation_id`` field."""
-        result = self.plan_documents(documents, self._conversation(ensure_config()))
-        if (
-            result.plan is not None
-            and isinstance(callbacks, CallbackManager)
-            and callbacks.parent_run_id is not None
-        ):
-            callbacks.on_custom_event(
-                CRAFT_PLAN_EVENT,
-                plan_summary(result.plan, committed=result.committed),
-                run_id=callbacks.parent_run_id,
-            )
+        result, event = self._planned(documents, ensure_config())
+        if event is not None and isinstance(callbacks, CallbackManager) and callbacks.parent_run_id:
+            callbacks.on_custom_event(CRAFT_PLAN_EVENT, event, run_id=callbacks.parent_run_id)
         return result
 
     async def acompress_documents(
@@ -209,15 +208,11 @@ class CraftReorder(
         query: str,
         callbacks: Callbacks | None = None,
     ) -> Sequence[Document]:
-        result = self.plan_documents(documents, self._conversation(ensure_config()))
+        result, event = self._planned(documents, ensure_config())
         if (
-            result.plan is not None
+            event is not None
             and isinstance(callbacks, AsyncCallbackManager)
-            and callbacks.parent_run_id is not None
+            and callbacks.parent_run_id
         ):
-            await callbacks.on_custom_event(
-                CRAFT_PLAN_EVENT,
-                plan_summary(result.plan, committed=result.committed),
-                run_id=callbacks.parent_run_id,
-            )
+            await callbacks.on_custom_event(CRAFT_PLAN_EVENT, event, run_id=callbacks.parent_run_id)
         return result

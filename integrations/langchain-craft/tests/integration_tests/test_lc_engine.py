@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import itertools
 import uuid
+from collections.abc import Sequence
 from typing import Any
 
 import pytest
@@ -17,7 +18,6 @@ from langchain_core.documents import Document
 from langchain_core.messages import AIMessageChunk, BaseMessage
 from langchain_core.runnables import RunnableLambda, RunnablePassthrough
 from langchain_craft import ChatCraftVLLM, CraftConversation, CraftRAGPrompt, CraftVLLM
-from langchain_craft._engine import SALT_NEEDS, engine_supports_salt
 
 pytestmark = pytest.mark.engine
 
@@ -41,7 +41,7 @@ class History:
     def __init__(self) -> None:
         self.messages: list[BaseMessage] = []
 
-    def add_messages(self, messages: list[BaseMessage]) -> None:
+    def add_messages(self, messages: Sequence[BaseMessage]) -> None:
         self.messages.extend(messages)
 
     def clear(self) -> None:
@@ -94,18 +94,26 @@ def test_rising_cached_tokens_across_turns(craft_engine: Any) -> None:
 
 
 def test_sessions_with_different_salts_share_nothing(craft_engine: Any) -> None:
-    if not engine_supports_salt(craft_engine):
-        pytest.skip(SALT_NEEDS)
     tag = uuid.uuid4().hex[:8]
     docs = passages(tag, 3)
     conv = CraftConversation(
         llm=ChatCraftVLLM(engine=craft_engine, max_tokens=2),
         retriever=RunnableLambda(lambda _: docs),
     )
-    a = conv.invoke("q", {"configurable": {"session_id": f"a-{tag}", "cache_salt": "tenant-a"}})
-    b = conv.invoke("q", {"configurable": {"session_id": f"b-{tag}", "cache_salt": "tenant-b"}})
-    assert craft(a)["cached_tokens"] == 0 or craft(b)["cached_tokens"] < craft_engine.block_size
-    assert craft(b)["cached_tokens"] < craft_engine.block_size
+
+    def ask(session: str, salt: str) -> dict[str, Any]:
+        config: Any = {"configurable": {"session_id": f"{session}-{tag}", "cache_salt": salt}}
+        return craft(conv.invoke("q", config))
+
+    a = ask("a", f"tenant-a-{tag}")
+    b = ask("b", f"tenant-b-{tag}")  # the very same prompt under another salt
+    assert a["salted"] and b["salted"]
+    assert a["cached_tokens"] == 0 and b["cached_tokens"] == 0
+    # Within one salt, another session reuses the shared prompt prefix.
+    a2 = ask("a2", f"tenant-a-{tag}")
+    assert a2["cached_tokens"] >= a2["prompt_tokens"] - 2 * craft_engine.block_size
+    for session in ("a", "b", "a2"):
+        assert conv.end_session(f"{session}-{tag}")
 
 
 async def test_async_streaming_with_ttft(craft_engine: Any) -> None:

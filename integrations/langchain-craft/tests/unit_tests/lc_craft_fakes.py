@@ -2,9 +2,10 @@
 streaming code runs as in production, only the forward pass is simulated (no vLLM, no model).
 
 The backend caches prompts at block granularity (cached = the longest prefix of full blocks
-seen before, capped so the last prompt token is recomputed) and replies ``t101 t102 ...``, one
-token per step. (Named uniquely, not ``conftest``/``fakes``: the repository runs every test
-folder in one pytest session.)
+seen before, capped so the last prompt token is recomputed; a ``cache_salt`` is mixed into the
+first block's hash, and so into every chained one, as vLLM does) and replies ``t101 t102 ...``,
+one token per step. Plain chats are rendered with a ChatML template. (Named uniquely, not
+``conftest``/``fakes``: the repository runs every test folder in one pytest session.)
 """
 
 from __future__ import annotations
@@ -15,12 +16,17 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from craft_rag import CraftPlanner, PlannerConfig
+from craft_rag.engine.chat_format import jinja_renderer
 from craft_rag.engine.engine import CraftEngine
 from craft_rag.engine.results import SamplingRequest, StepOutput
 from craft_rag.prompt import PromptFormat
 from craft_rag.tokenizer import HashingTokenizer
 
 FAKE_BLOCK = 16
+CHATML = (
+    "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n"
+    "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
 FAKE_FORMAT = PromptFormat(
     head="<s>SYS. Answer from the documents.\n",
     chunk="Doc: {text}\n",
@@ -30,9 +36,12 @@ FAKE_FORMAT = PromptFormat(
 )
 
 
-def _block_hashes(token_ids: Sequence[int], block: int) -> list[bytes]:
+def _block_hashes(
+    token_ids: Sequence[int], block: int, cache_salt: str | None = None
+) -> list[bytes]:
     out: list[bytes] = []
-    parent = b""
+    # Like vLLM: the salt goes into the first block's hash; every later hash chains on it.
+    parent = b"" if cache_salt is None else b"salt:" + cache_salt.encode()
     for start in range(0, len(token_ids) - block + 1, block):
         digest = hashlib.sha256(parent + repr(tuple(token_ids[start : start + block])).encode())
         parent = digest.digest()
@@ -58,13 +67,18 @@ class FakeBackend:
     cached_blocks: set[bytes] = field(default_factory=set)
     running: dict[str, _Running] = field(default_factory=dict)
     added: list[tuple[str, tuple[int, ...], SamplingRequest]] = field(default_factory=list)
+    salts: list[str | None] = field(default_factory=list)
 
     def add_request(
-        self, request_id: str, token_ids: Sequence[int], sampling: SamplingRequest
+        self,
+        request_id: str,
+        token_ids: Sequence[int],
+        sampling: SamplingRequest,
+        cache_salt: str | None = None,
     ) -> None:
         if len(token_ids) + sampling.max_tokens > self.max_model_len:
             raise ValueError("prompt too long for the fake engine")
-        hashes = _block_hashes(token_ids, self.block_size)
+        hashes = _block_hashes(token_ids, self.block_size, cache_salt)
         cached = 0
         if sampling.read_prefix_cache:
             for h in hashes:
@@ -73,6 +87,7 @@ class FakeBackend:
                 cached += self.block_size
             cached = min(cached, (len(token_ids) - 1) // self.block_size * self.block_size)
         self.cached_blocks.update(hashes)
+        self.salts.append(cache_salt)
         self.running[request_id] = _Running(list(token_ids), sampling, cached)
         self.added.append((request_id, tuple(token_ids), sampling))
 
@@ -107,16 +122,23 @@ class FakeBackend:
         self.cached_blocks.clear()
         return True
 
+    def published_batches(self) -> int | None:
+        return None
+
     def shutdown(self) -> None:
         pass
 
 
-def make_fake_engine(**backend_kwargs: Any) -> tuple[CraftEngine, FakeBackend]:
+def make_fake_engine(
+    engine_kwargs: dict[str, Any] | None = None, **backend_kwargs: Any
+) -> tuple[CraftEngine, FakeBackend]:
     backend = FakeBackend(**backend_kwargs)
     engine = CraftEngine(
         planner=CraftPlanner(PlannerConfig(policy="tree")),
         backend=backend,
         tokenizer=HashingTokenizer(),
         prompt_format=FAKE_FORMAT,
+        chat_renderer=jinja_renderer(CHATML),
+        **(engine_kwargs or {}),
     )
     return engine, backend

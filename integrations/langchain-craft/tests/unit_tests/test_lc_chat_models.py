@@ -8,11 +8,18 @@ from typing import Any
 import pytest
 from langchain_core.callbacks import AsyncCallbackHandler, BaseCallbackHandler
 from langchain_core.documents import Document
-from langchain_core.messages import AIMessage, AIMessageChunk, HumanMessage, SystemMessage
+from langchain_core.messages import (
+    AIMessage,
+    AIMessageChunk,
+    ChatMessage,
+    HumanMessage,
+    SystemMessage,
+)
 from langchain_core.runnables import RunnableLambda, RunnablePassthrough
-from langchain_craft import ChatCraftVLLM, CraftRAGPrompt, CraftReorder, CraftVLLM
+from langchain_craft import ChatCraftVLLM, CraftDocuments, CraftRAGPrompt, CraftReorder, CraftVLLM
 from lc_craft_fakes import FakeBackend, make_fake_engine
 
+from craft_rag import CraftPlanner
 from craft_rag.engine.engine import CraftEngine
 
 REPLY = "t101 t102 t103 t104 "
@@ -31,17 +38,19 @@ def docs(*ids: str) -> list[Document]:
 
 class TokenCounter(BaseCallbackHandler):
     def __init__(self) -> None:
-        self.tokens: list[str] = []
+        self.tokens: list[Any] = []
 
-    def on_llm_new_token(self, token: str, **kwargs: Any) -> None:
+    def on_llm_new_token(self, token: str | list[str | dict[str, Any]], **kwargs: Any) -> None:
         self.tokens.append(token)
 
 
 class AsyncTokenCounter(AsyncCallbackHandler):
     def __init__(self) -> None:
-        self.tokens: list[str] = []
+        self.tokens: list[Any] = []
 
-    async def on_llm_new_token(self, token: str, **kwargs: Any) -> None:
+    async def on_llm_new_token(
+        self, token: str | list[str | dict[str, Any]], **kwargs: Any
+    ) -> None:
         self.tokens.append(token)
 
 
@@ -138,19 +147,69 @@ def test_documents_kwarg_and_conversation_dedup(fake: tuple[CraftEngine, FakeBac
     assert craft["cached_tokens"] >= one.response_metadata["craft"]["prompt_tokens"] // 16 * 16
 
 
-def test_reorder_step_previews_the_engine_order(fake: tuple[CraftEngine, FakeBackend]) -> None:
-    model = ChatCraftVLLM(engine=fake[0], max_tokens=2)
+def test_reorder_step_previews_the_plan_the_engine_serves_and_commits(
+    fake: tuple[CraftEngine, FakeBackend],
+) -> None:
+    engine = fake[0]
+    model = ChatCraftVLLM(engine=engine, max_tokens=2)
     preview = model.reorder_step()
+    seen: list[CraftDocuments] = []
+
+    def keep(documents: list[Document]) -> list[Document]:
+        assert isinstance(documents, CraftDocuments)
+        seen.append(documents)
+        return documents
+
     chain = (
-        {"context": preview, "question": RunnableLambda(lambda _: "q")}
+        {"context": preview | RunnableLambda(keep), "question": RunnableLambda(lambda _: "q")}
         | CraftRAGPrompt()
         | model
     )
     chain.invoke(docs("a", "b"))
-    ordered = preview.invoke(docs("x", "b", "a"))
     msg = chain.invoke(docs("x", "b", "a"))
-    assert msg.response_metadata["craft"]["chunk_order"] == [d.id for d in ordered]
-    assert fake[0].planner.stats.commits == 2  # type: ignore[attr-defined]
+    plan = seen[-1].plan
+    assert plan is not None
+    craft = msg.response_metadata["craft"]
+    # The engine served the previewed plan itself: same order, same plan id, no second plan.
+    assert craft["chunk_order"] == [d.id for d in seen[-1]] == list(plan.keys)
+    assert craft["plan_id"] == plan.plan_id
+    planner = engine.planner
+    assert isinstance(planner, CraftPlanner)
+    assert planner.stats.plans == planner.stats.commits == 2
+    assert not planner.is_pending(plan)
+
+
+def test_reorder_step_uses_the_planner_of_the_models_salt(
+    fake: tuple[CraftEngine, FakeBackend],
+) -> None:
+    engine = fake[0]
+    model = ChatCraftVLLM(engine=engine, max_tokens=2, cache_salt="tenant-a")
+    preview = model.reorder_step()
+    assert preview.planner is engine.planner_for("tenant-a")
+    assert preview.planner is not engine.planner
+    chain = (
+        {"context": preview, "question": RunnableLambda(lambda _: "q")} | CraftRAGPrompt() | model
+    )
+    msg = chain.invoke(docs("a", "b"))
+    assert msg.response_metadata["craft"]["salted"] is True
+    assert preview.planner.stats.commits == 1
+    assert engine.planner.stats.commits == 0  # type: ignore[attr-defined]
+
+
+def test_a_preview_from_another_planner_is_only_an_order(
+    fake: tuple[CraftEngine, FakeBackend],
+) -> None:
+    engine = fake[0]
+    foreign = CraftReorder(commit=False)  # its own planner, not the engine's
+    chain = (
+        {"context": foreign, "question": RunnableLambda(lambda _: "q")}
+        | CraftRAGPrompt()
+        | ChatCraftVLLM(engine=engine, max_tokens=2)
+    )
+    msg = chain.invoke(docs("a", "b"))
+    assert msg.response_metadata["craft"]["chunk_order"] == ["a", "b"]
+    assert engine.planner.stats.plans == 1  # type: ignore[attr-defined]  # the engine planned
+    assert foreign.planner.stats.commits == 0
 
 
 def test_committed_documents_on_the_engine_planner_are_refused(
@@ -174,12 +233,34 @@ def test_committed_documents_on_the_engine_planner_are_refused(
     assert other.invoke(docs("a")).response_metadata["craft"]["chunk_order"] == ["a"]
 
 
-def test_plain_conversations_become_a_transcript(fake: tuple[CraftEngine, FakeBackend]) -> None:
+def test_plain_chats_use_the_chat_template_and_reuse_earlier_messages(
+    fake: tuple[CraftEngine, FakeBackend],
+) -> None:
     engine, backend = fake
     model = ChatCraftVLLM(engine=engine, max_tokens=2)
-    model.invoke([SystemMessage("Be nice."), HumanMessage("hello")])
-    model.invoke([HumanMessage("hello"), AIMessage("hi"), HumanMessage("how are you")])
-    assert len(backend.added) == 2
+    system = "Be nice and answer in one short sentence about the weather. " * 2
+    first_chat = [SystemMessage(system), HumanMessage("hello there, what is the weather today?")]
+    first = model.invoke(first_chat)
+    chat = [("system", system), ("user", "hello there, what is the weather today?")]
+    assert backend.added[0][1] == engine.message_token_ids(chat)  # no RAG instructions
+    longer = [*first_chat, AIMessage(first.text), HumanMessage("and tomorrow?")]
+    second = model.invoke(longer, conversation_id="ignored")
+    longer_chat = [*chat, ("assistant", first.text), ("user", "and tomorrow?")]
+    assert backend.added[1][1] == engine.message_token_ids(longer_chat)
+    craft = second.response_metadata["craft"]
+    # Every full block of the first chat's messages is reused; nothing is planned.
+    assert craft["cached_tokens"] >= (len(engine.message_token_ids(chat)) - 8) // 16 * 16 > 0
+    assert craft["plan_id"] is None and craft["chunk_order"] == [] and craft["turn"] == 1
+    assert engine.planner.stats.plans == 0  # type: ignore[attr-defined]
+    assert engine.conversations.turn_count("ignored") == 0
+
+
+async def test_plain_chats_async_and_custom_roles(fake: tuple[CraftEngine, FakeBackend]) -> None:
+    engine, backend = fake
+    model = ChatCraftVLLM(engine=engine, max_tokens=2)
+    chunks = [c async for c in model.astream([ChatMessage(role="critic", content="Hmm.")])]
+    assert "".join(c.text for c in chunks) == "t101 t102 "
+    assert backend.added[0][1] == engine.message_token_ids([("critic", "Hmm.")])
 
 
 def test_stop_and_sampling_reach_the_engine(fake: tuple[CraftEngine, FakeBackend]) -> None:
@@ -214,12 +295,38 @@ def test_bad_input_is_a_clear_error(fake: tuple[CraftEngine, FakeBackend]) -> No
     assert fake[1].added == []  # nothing reached the engine
 
 
-def test_cache_salt_needs_engine_support(fake: tuple[CraftEngine, FakeBackend]) -> None:
-    model = ChatCraftVLLM(engine=fake[0], max_tokens=2, cache_salt="tenant-a")
-    with pytest.raises(NotImplementedError, match="cache_salt"):
-        model.invoke("hi")
-    with pytest.raises(ValueError, match="cache_salt must be"):
-        ChatCraftVLLM(engine=fake[0]).invoke("hi", cache_salt="")
+def test_cache_salts_isolate_the_prefix_cache(fake: tuple[CraftEngine, FakeBackend]) -> None:
+    engine, backend = fake
+    tenant_a = ChatCraftVLLM(engine=engine, max_tokens=2, cache_salt="tenant-a")
+    first = tenant_a.invoke("q", documents=docs("a", "b"))
+    same = tenant_a.invoke("q", documents=docs("a", "b"))
+    other = tenant_a.invoke("q", documents=docs("a", "b"), cache_salt="tenant-b")
+    bare = ChatCraftVLLM(engine=engine, max_tokens=2).invoke("q", documents=docs("a", "b"))
+    cached = [m.response_metadata["craft"]["cached_tokens"] for m in (first, same, other, bare)]
+    assert cached[0] == 0 and cached[1] > 0
+    assert cached[2] == 0 and cached[3] == 0  # same token ids, another salt (or none)
+    assert backend.salts == ["tenant-a", "tenant-a", "tenant-b", None]
+    assert [m.response_metadata["craft"]["salted"] for m in (first, other, bare)] == [
+        True,
+        True,
+        False,
+    ]
+    # Each salt has its own planner: tenant-b's first request was planned from scratch.
+    assert other.response_metadata["craft"]["predicted_tokens"] in (None, 0)
+    assert engine.planner_for("tenant-a").stats.commits == 2  # type: ignore[attr-defined]
+    # Plain chats are salted too.
+    chat = tenant_a.invoke([HumanMessage("hello " * 20)])
+    assert chat.response_metadata["craft"]["salted"] is True and backend.salts[-1] == "tenant-a"
+
+
+def test_bad_cache_salts_are_refused_before_the_engine(
+    fake: tuple[CraftEngine, FakeBackend],
+) -> None:
+    model = ChatCraftVLLM(engine=fake[0], max_tokens=2)
+    for bad in ("", "a/b", "x" * 200):
+        with pytest.raises(ValueError, match="cache_salt"):
+            model.invoke("hi", cache_salt=bad)
+    assert fake[1].added == []
 
 
 def test_engine_failure_propagates_and_commits_nothing() -> None:

@@ -164,3 +164,43 @@ def test_empty_retrieval_still_answers(fake: tuple[CraftEngine, FakeBackend]) ->
     conv = make_conversation(fake[0], [[]], {})
     msg = conv.invoke("q", {"configurable": {"session_id": "s"}})
     assert craft(msg)["chunk_order"] == [] and msg.content
+
+
+def test_a_session_keeps_its_salt_and_salts_share_nothing(
+    fake: tuple[CraftEngine, FakeBackend],
+) -> None:
+    engine, backend = fake
+    conv = CraftConversation(
+        llm=ChatCraftVLLM(engine=engine, max_tokens=2),
+        retriever=RunnableLambda(lambda _: docs("a", "b")),
+        cache_salt="tenant-a",
+    )
+    a1 = conv.invoke("q", {"configurable": {"session_id": "a1"}})
+    a2 = conv.invoke("q", {"configurable": {"session_id": "a2"}})
+    b1 = conv.invoke("q", {"configurable": {"session_id": "b1", "cache_salt": "tenant-b"}})
+    assert craft(a1)["cached_tokens"] == 0 and craft(a2)["cached_tokens"] > 0
+    assert craft(b1)["cached_tokens"] == 0  # same prompt, another salt
+    assert backend.salts == ["tenant-a", "tenant-a", "tenant-b"]
+    # A session keeps the salt of its first turn; end it to change the salt.
+    with pytest.raises(ValueError, match="was started with"):
+        conv.invoke("q2", {"configurable": {"session_id": "a1", "cache_salt": "tenant-b"}})
+    assert len(backend.added) == 3
+    assert conv.end_session("a1")
+    again = conv.invoke("q2", {"configurable": {"session_id": "a1", "cache_salt": "tenant-b"}})
+    assert craft(again)["turn"] == 1 and craft(again)["salted"]
+
+
+def test_an_evicted_session_starts_over_with_its_chunks() -> None:
+    """The engine keeps one conversation's prompt (max_conversations=1): when another session
+    evicts s1, s1's next turn is a fresh first turn, its documents all in the prompt."""
+    engine, _ = make_fake_engine({"max_conversations": 1})
+    try:
+        store: dict[str, Any] = {}
+        conv = make_conversation(engine, [docs("a"), docs("b"), docs("a", "c")], store)
+        conv.invoke("q1", {"configurable": {"session_id": "s1"}})
+        conv.invoke("q", {"configurable": {"session_id": "s2"}})
+        msg = conv.invoke("q2", {"configurable": {"session_id": "s1"}})
+        assert craft(msg)["turn"] == 1 and craft(msg)["removed_duplicates"] == []
+        assert sorted(craft(msg)["chunk_order"]) == ["a", "c"]
+    finally:
+        engine.close()

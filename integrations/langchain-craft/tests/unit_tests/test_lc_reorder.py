@@ -38,8 +38,8 @@ class AsyncEventRecorder(AsyncCallbackHandler):
         self.events.append((name, data))
 
 
-def ids(docs: Sequence[Document]) -> list[str | None]:
-    return [d.id for d in docs]
+def ids(docs: Sequence[Document]) -> list[str]:
+    return [d.id or "" for d in docs]
 
 
 def test_is_runnable_transformer_and_compressor() -> None:
@@ -51,7 +51,11 @@ def test_is_runnable_transformer_and_compressor() -> None:
 
 def test_lcel_keeps_document_objects_metadata_and_ids() -> None:
     docs = make_docs("a", "b", "c")
-    out = (RunnableLambda(lambda _: docs) | CraftReorder()).invoke("q")
+
+    def retrieve(_: str) -> list[Document]:
+        return docs
+
+    out = (RunnableLambda(retrieve) | CraftReorder()).invoke("q")
     assert isinstance(out, CraftDocuments)
     assert sorted(map(id, out)) == sorted(map(id, docs))  # the very same objects
     assert {d.id: d.metadata for d in out} == {d.id: d.metadata for d in docs}
@@ -64,6 +68,7 @@ def test_shared_chunks_move_into_the_served_prefix() -> None:
     # The tree policy puts the served path {a, b} first, then the rest.
     second = reorder.invoke(make_docs("d", "b", "a"))
     assert ids(second) == ["a", "b", "d"]
+    assert isinstance(second, CraftDocuments)
     assert second.plan is not None and second.plan.matched_chunks == 2
 
 
@@ -91,6 +96,7 @@ def test_conversation_dedup_from_config_reports_removed() -> None:
     assert out.plan is not None and out.plan.turn == 2
     # Another session sees everything.
     other = reorder.invoke(make_docs("b", "c", "a"), {"configurable": {"session_id": "s2"}})
+    assert isinstance(other, CraftDocuments)
     assert len(other) == 3 and other.removed_duplicates == ()
 
 
