@@ -48,6 +48,7 @@ class BenchSizes:
     windows: tuple[int | None, ...] = (100, 300, 1000, 3000, None)
     thresholds: tuple[int, ...] = (1, 2, 3, 5)
     block_sizes: tuple[int, ...] = (32, 64, 128)
+    block_check_requests: int = 20
     ttft_requests: int = 48
     mtrag_turns: int = 16
     ttft_max_tokens: int = 4
@@ -71,6 +72,7 @@ QUICK = BenchSizes(
     windows=(10, 100, None),
     thresholds=(1, 2, 5),
     block_sizes=(32, 128),
+    block_check_requests=3,
     ttft_requests=5,
     mtrag_turns=2,
     ttft_max_tokens=2,
@@ -225,6 +227,11 @@ class BenchContext:
             print(f"[bench] engine started in {time.perf_counter() - started:.1f} s",
                   file=sys.stderr)
         return self.engine
+
+    @property
+    def owns_engine(self) -> bool:
+        """True when this context started the engine (and may close it)."""
+        return self._own_engine
 
     def cached_run(
         self, key: tuple[str, ...], serve: Callable[[], list[GenerationResult]]

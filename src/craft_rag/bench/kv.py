@@ -15,8 +15,11 @@ planner settings, tokenizer, chat format, block size and KV capacity, and (``cac
 engine's exact prompt ids fed through :class:`SimulatedPrefixCache`; on MTRAG the replay's
 history uses the engine's replies (the trace's reference answers are not what was served).
 
-Block size: the simulator's reuse at 32/64/128 on both traces (the engine runs at one block
-size per process; its TTFT is ~proportional to computed tokens here, docs/engine.md).
+Block size: the simulator's reuse at 32/64/128 on both traces, and an engine check: the first
+``block_check_requests`` single-turn requests served under prefix caching and CRAFT ``tree`` by
+a short-lived engine per block size (vLLM fixes the block size at start-up). The bench's own
+engine is closed for it and restarted lazily by the next suite (a restart takes seconds); an
+engine handed in by the caller is never closed, so then the check is skipped.
 """
 
 from __future__ import annotations
@@ -26,7 +29,7 @@ from typing import TYPE_CHECKING, Any
 
 from craft_rag.bench.context import BenchContext, engine_kv_tokens
 from craft_rag.bench.overlap import replay_policy
-from craft_rag.bench.serving import SYSTEMS, served
+from craft_rag.bench.serving import SYSTEMS, serve, served
 from craft_rag.bench.ttft import WORKLOADS, workload_requests
 from craft_rag.prefix_cache_sim import SimulatedPrefixCache
 from craft_rag.trace import TraceRequest
@@ -132,4 +135,34 @@ def run(ctx: BenchContext) -> dict[str, Any]:
                     "reused_token_fraction": sim.reused_token_fraction,
                     "computed_tokens": sim.prompt_tokens - sim.cached_tokens,
                 })
+    out["engine_block_sizes"] = _engine_block_sizes(ctx)
     return out
+
+
+def _engine_block_sizes(ctx: BenchContext) -> list[dict[str, Any]]:
+    """Serve the same single-turn requests at each block size on its own engine."""
+    if ctx.engine is not None and not ctx.owns_engine:
+        return []
+    from craft_rag.demo import summarise
+    from craft_rag.engine import CraftEngine, EngineSettings
+
+    workload = ctx.workloads(["squad"])[0]
+    n = ctx.sizes.block_check_requests
+    trace = [r for r in ctx.trace(workload, n) if r.conversation_id is None]
+    if not trace:
+        return []
+    ctx.close()
+    rows: list[dict[str, Any]] = []
+    for block in ctx.sizes.block_sizes:
+        with CraftEngine(EngineSettings(block_size=block, max_model_len=ctx.max_model_len)) as e:
+            for name in ("prefix_cache", "craft_tree"):
+                results = serve(e, SYSTEMS[name], trace, max_tokens=ctx.sizes.ttft_max_tokens,
+                                desc=f"kv/block{block}/{name}", ctx=ctx)
+                s = summarise(results)
+                rows.append({
+                    "workload": workload, "system": name, "block_size": block,
+                    "requests": s.requests, "mean_ttft_ms": s.mean_ttft_ms,
+                    "p50_ttft_ms": s.p50_ttft_ms, "cached_token_fraction":
+                    s.cached_token_fraction,
+                })
+    return rows

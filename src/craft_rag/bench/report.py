@@ -110,6 +110,16 @@ def _kv(r: Mapping[str, Any]) -> list[str]:
         for b in r["block_sizes"]
     ]
     out += _table(["workload", "system", "block", "reused tokens", "computed tokens"], rows)
+    engine_rows = r.get("engine_block_sizes") or []
+    if engine_rows:
+        out += ["", "Block size on the engine (one engine per block size, same requests):", ""]
+        out += _table(
+            ["workload", "system", "block", "requests", "mean TTFT ms", "p50 ms",
+             "cached tokens"],
+            [[b["workload"], b["system"], str(b["block_size"]), str(b["requests"]),
+              _f(b["mean_ttft_ms"]), _f(b["p50_ttft_ms"]), _pct(b["cached_token_fraction"])]
+             for b in engine_rows],
+        )
     return out
 
 
