@@ -10,9 +10,10 @@ from collections.abc import AsyncIterator, Callable, Sequence
 import pytest
 from engine_fakes import FakeBackend, make_chunks
 
+from craft_rag.chunk import Chunk
 from craft_rag.engine.engine import CraftEngine, EngineFailure, reused_chunk_count
 from craft_rag.engine.results import RagRequest, SamplingRequest, StreamChunk
-from craft_rag.planner import CraftPlanner
+from craft_rag.planner import CraftPlanner, Plan
 from craft_rag.types import ConversationId
 
 Factory = Callable[..., tuple[CraftEngine, FakeBackend]]
@@ -179,6 +180,44 @@ def test_a_conversation_whose_history_was_evicted_starts_over_in_the_planner_too
     planner = engine.planner_for(salt)
     assert engine.end_conversation("a")
     assert planner.plan([c0], "a").turn == 1  # type: ignore[union-attr]
+    engine.conversations._check_invariants()
+
+
+def test_a_history_evicted_between_planning_and_rendering_is_planned_again(
+    make_fake_engine: Factory,
+) -> None:
+    """Another request's render may evict a conversation's history after its next turn was
+    planned (as turn 2) and before it is rendered. The engine then plans the turn again, as a
+    fresh first turn."""
+    engine, backend = make_fake_engine()
+    c0, c1, c2 = make_chunks(3)
+
+    class EvictingPlanner(CraftPlanner):
+        evict = False
+
+        def plan(self, chunks: Sequence[Chunk], conversation_id: str | None = None) -> Plan:
+            made = super().plan(chunks, conversation_id)
+            if self.evict and conversation_id is not None:
+                self.evict = False
+                engine.conversations.end(conversation_id)  # what an LRU eviction does
+            return made
+
+    planner = EvictingPlanner()
+    engine.set_planner(planner)
+    engine.generate([c0, c1], "Q1?", conversation_id="a", max_tokens=2)
+    planner.evict = True
+    again = engine.generate([c0, c2], "Q2?", conversation_id="a", max_tokens=2)
+    assert again.report.turn == 1 and again.report.removed_duplicates == ()
+    assert set(again.report.chunk_order) == {c0.key, c2.key}
+    assert planner.stats.commits == 2
+    # A caller-made plan whose history was dropped is stale: refused before anything is sent.
+    made = planner.plan([c1], "a")
+    assert made.turn == 2
+    engine.conversations.end("a")
+    sent = len(backend.added)
+    with pytest.raises(RuntimeError, match="plan the turn again"):
+        engine.generate(list(made.ordered), "Q3?", plan=made, max_tokens=2)
+    assert len(backend.added) == sent
     engine.conversations._check_invariants()
 
 

@@ -333,14 +333,21 @@ class CraftEngine:
             self.conversations.check_salt(conversation_id, salt)
             self._hold_plan(planner, plan)
         try:
-            rendered = self.conversations.render(
-                plan.ordered,
-                question,
-                max_tokens=sampling.max_tokens,
-                conversation_id=conversation_id,
-                fresh=plan.turn == 1,
-                cache_salt=salt,
-            )
+            rendered = self._render(plan, question, sampling, conversation_id, salt)
+            if plan.turn > 1 and rendered.kept_turns + rendered.dropped_turns == 0:
+                # The history was dropped (LRU, end_conversation) after the plan was made, and
+                # with it the planner's record: the plan's removed duplicates are in no prompt.
+                self.conversations.cancel(rendered)
+                if caller_plan:
+                    msg = (
+                        f"conversation {conversation_id!r} was forgotten while plan "
+                        f"{plan.plan_id} waited to be served; plan the turn again"
+                    )
+                    raise RuntimeError(msg)
+                assert conversation_id is not None  # turn > 1
+                planner.end_conversation(conversation_id)
+                plan = planner.plan(list(request.chunks), conversation_id)
+                rendered = self._render(plan, question, sampling, conversation_id, salt)
             state = RequestState(f"craft-{next(self._ids)}", on_delta=on_delta, on_done=on_done)
             try:
                 self._driver.submit(rendered.prompt.token_ids, sampling, state, cache_salt=salt)
@@ -353,6 +360,24 @@ class CraftEngine:
             raise
         rag = _RagTurn(plan, rendered, planner, caller_plan)
         return _InFlight(state, sampling, rendered.prompt.token_ids, salt, rag)
+
+    def _render(
+        self,
+        plan: PlanLike,
+        question: str,
+        sampling: SamplingRequest,
+        conversation_id: str | None,
+        salt: CacheSalt | None,
+    ) -> RenderedTurn:
+        """Render ``plan``'s turn; a first turn starts the conversation's history over."""
+        return self.conversations.render(
+            plan.ordered,
+            question,
+            max_tokens=sampling.max_tokens,
+            conversation_id=conversation_id,
+            fresh=plan.turn == 1,
+            cache_salt=salt,
+        )
 
     def _start_tokens(
         self,
