@@ -110,3 +110,20 @@ def test_a_conversation_keeps_the_salt_of_its_first_turn() -> None:
     assert cp.end("c")
     cp.render([], "Q?", max_tokens=4, conversation_id="c", cache_salt="b")
     assert cp.cache_salt("c") == "b"
+
+
+def test_on_forget_hears_every_evicted_or_ended_history_with_its_salt() -> None:
+    forgotten: list[tuple[str, str | None]] = []
+    cp = ConversationPrompts(
+        PromptAssembler(HashingTokenizer(), FAKE_FORMAT),
+        max_model_len=400,
+        max_conversations=2,
+        on_forget=lambda cid, salt: forgotten.append((cid, salt)),
+    )
+    for cid, salt in (("a", "s"), ("b", None), ("c", None)):
+        cp.complete(cp.render([], "Q?", max_tokens=8, conversation_id=cid, cache_salt=salt), [5])
+    assert forgotten == [("a", "s")]  # the least recently used, with its salt
+    assert cp.end("b") and not cp.end("b")
+    assert forgotten == [("a", "s"), ("b", None)]
+    cp.clear()  # a new planner: nothing to forget in the old one
+    assert len(forgotten) == 2
