@@ -2,8 +2,10 @@
 
 Each turn sends the passages MTRAG showed for it. The engine keeps the session's prompt
 append-only and leaves out passages an earlier turn already sent, so each turn reuses all
-earlier turns' KV. The same conversation then runs again with prefix-cache reads off (the
-no-cache baseline) for comparison; the last turn streams token by token.
+earlier turns' KV. Its first turn then runs for another tenant (a session with its own
+``cache_salt``): the same prompt reuses nothing across tenants. The same conversation then runs
+again with prefix-cache reads off (the no-cache baseline) for comparison; the last turn
+streams token by token.
 
 Needs: pip install --no-deps -e integrations/langchain-craft. Run:
 python examples/langchain_chat.py [--turns N]
@@ -79,12 +81,19 @@ def pick_conversation(turns: int) -> Conversation:
 
 
 def chat(
-    engine: CraftEngine, conversation: Conversation, turns: int, *, read_cache: bool, show: bool
+    engine: CraftEngine,
+    conversation: Conversation,
+    turns: int,
+    *,
+    read_cache: bool,
+    show: bool,
+    cache_salt: str | None = None,
 ) -> list[dict[str, Any]]:
     store = SessionStore()
     bot = CraftConversation(
         llm=ChatCraftVLLM(engine=engine, max_tokens=24, read_prefix_cache=read_cache),
         get_session_history=store.get,
+        cache_salt=cache_salt,  # one salt per session: its prefix-cache namespace
     )
     config: Any = {"configurable": {"session_id": f"demo-{uuid.uuid4().hex[:8]}"}}
     reports = []
@@ -128,6 +137,13 @@ def main() -> None:
         print(f"engine up in {time.perf_counter() - t0:.1f} s")
         print("CRAFT (append-only, deduplicated):")
         craft = chat(engine, conversation, args.turns, read_cache=True, show=True)
+        same = chat(engine, conversation, 1, read_cache=True, show=False)[0]
+        tenant = chat(engine, conversation, 1, read_cache=True, show=False, cache_salt="b")[0]
+        print(
+            f"turn 1 again in a new session: cached {same['cached_tokens']}/"
+            f"{same['prompt_tokens']} tokens; for another tenant (cache_salt): "
+            f"{tenant['cached_tokens']}/{tenant['prompt_tokens']}"
+        )
         engine.reset_prefix_cache()
         baseline = chat(engine, conversation, args.turns, read_cache=False, show=False)
 
