@@ -86,7 +86,8 @@ def main() -> None:
     with engine:
         print("ContextChatEngine (context in the system message):")
         engine.reset_prefix_cache()
-        llm = CraftVLLM(engine, planner=CraftPlanner(), max_tokens=24)
+        engine.set_planner(CraftPlanner())
+        llm = CraftVLLM(engine, max_tokens=24)
         recorder = ChatReports(reports=[])
         get_dispatcher().add_event_handler(recorder)
         baseline = ContextChatEngine.from_defaults(
@@ -99,7 +100,8 @@ def main() -> None:
 
         print("CraftChatEngine (append-only, deduplicated):")
         engine.reset_prefix_cache()
-        llm = CraftVLLM(engine, planner=CraftPlanner(), max_tokens=24)
+        engine.set_planner(CraftPlanner())
+        llm = CraftVLLM(engine, max_tokens=24)
         chat = CraftChatEngine(retriever, llm, memory=ChatMemoryBuffer.from_defaults(llm=llm))
         craft_reports = []
         for i, q in enumerate(TURNS, 1):

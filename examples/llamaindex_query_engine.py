@@ -80,7 +80,8 @@ def run(
     **llm_kw: Any,
 ) -> list[ReuseReport]:
     engine.reset_prefix_cache()
-    llm = CraftVLLM(engine, planner=CraftPlanner(PlannerConfig(policy=policy)), **llm_kw)
+    engine.set_planner(CraftPlanner(PlannerConfig(policy=policy)))  # each system starts cold
+    llm = CraftVLLM(engine, **llm_kw)
     query_engine = craft_query_engine(index.as_retriever(similarity_top_k=k), llm, max_tokens=16)
     reports = []
     for i, q in enumerate(questions):

@@ -3,6 +3,7 @@ faiss index: the engine sees the planned order, token for token; chats stay appe
 
 from __future__ import annotations
 
+import uuid
 from collections.abc import Iterator, Sequence
 from typing import Any
 
@@ -33,7 +34,8 @@ MAX_TOKENS = 3
 @pytest.fixture
 def llm(craft_engine: Any) -> Iterator[CraftVLLM]:
     craft_engine.reset_prefix_cache()
-    yield CraftVLLM(craft_engine, planner=CraftPlanner(), max_tokens=MAX_TOKENS)
+    craft_engine.set_planner(CraftPlanner())  # a fresh planner: the test's choice, not CraftVLLM's
+    yield CraftVLLM(craft_engine, max_tokens=MAX_TOKENS)
 
 
 @pytest.fixture
@@ -81,11 +83,14 @@ def test_query_engine_sends_the_planned_order_token_exactly(
     for response, plan, report, prompt in zip(responses, plans, reports, submitted, strict=True):
         assert isinstance(report, ReuseReport)
         assert tuple(node_ids(response.source_nodes)) == plan.keys == report.chunk_order
+        assert report.plan_id == plan.plan_id  # the engine served the postprocessor's plan
         _assert_prompt_order(llm.engine, prompt, response.source_nodes)
     # Planned once by the postprocessor, served and committed once by the engine.
     commits = events.of(CraftCommitEvent)
     assert [c.source for c in commits] == ["engine"] * 3
+    assert [c.plan for c in commits] == plans and [c.reuse for c in commits] == reports
     assert llm.planner.stats.plans == 3 and llm.planner.stats.commits == 3
+    assert len(llm.handoff) == 0  # every parked plan was claimed
     # Asking q1 again: its whole chunk prefix is reused.
     assert reports[2].reused_chunks == TOP_K
     assert reports[2].cached_tokens > reports[0].cached_tokens
@@ -123,6 +128,8 @@ def test_synthesizer_keeps_non_text_nodes_as_sources(llm: CraftVLLM) -> None:
     assert str(synth.synthesize("anything", [])) == "Empty Response"
     with pytest.raises(ValueError, match="CraftVLLM"):
         CraftSynthesizer(object())  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="cache_salt"):
+        craft_query_engine(object(), llm, cache_salt="another")  # type: ignore[arg-type]
 
 
 def test_chat_engine_is_append_only_and_dedups(
@@ -177,3 +184,26 @@ async def test_chat_engine_streaming_and_async(llm: CraftVLLM, squad_index: Squa
     assert chat.chat_history == []
     chat.chat(q[0])
     assert chat.last_reuse_report is not None and chat.last_reuse_report.turn == 1
+
+
+def test_chat_sessions_in_two_salts_share_nothing(
+    llm: CraftVLLM, squad_index: SquadIndex, craft_engine: Any
+) -> None:
+    retriever = squad_index.index.as_retriever(similarity_top_k=TOP_K)
+    salt = f"li-tenant-{uuid.uuid4().hex[:8]}"
+    questions = squad_index.questions[7:9]
+    salted = CraftChatEngine(retriever, llm, cache_salt=salt, conversation_id="li-salted")
+    salted.chat(questions[0])
+    salted.chat(questions[1])
+    r2 = salted.last_reuse_report
+    assert r2 is not None and r2.salted and r2.turn == 2 and r2.cached_tokens > 0
+    # The session's salt has its own planner; the LLM's (unsalted) planner saw nothing.
+    assert llm.planner_for(salt).stats.commits == 2 and llm.planner.stats.commits == 0
+    # The same turn in the unsalted namespace finds nothing of the salted session's KV.
+    plain = CraftChatEngine(retriever, llm, conversation_id="li-plain")
+    plain.chat(questions[0])
+    first = plain.last_reuse_report
+    assert first is not None and not first.salted and first.cached_tokens == 0
+    # A session keeps its salt: the engine refuses the conversation under another one.
+    with pytest.raises(ValueError, match="salt"):
+        llm.complete_chunks([], questions[1], conversation_id="li-salted")

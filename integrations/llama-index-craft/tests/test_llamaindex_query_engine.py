@@ -127,3 +127,13 @@ def test_public_api_is_pinned() -> None:
         "PlanHandoff",
     }
     assert retrievers.CraftRetriever is CraftRetriever
+    import llama_index.llms.craft_vllm as llms
+
+    assert set(llms.__all__) == {
+        "REUSE_KEY",
+        "SKIPPED_KEY",
+        "CraftChatEngine",
+        "CraftSynthesizer",
+        "CraftVLLM",
+        "craft_query_engine",
+    }

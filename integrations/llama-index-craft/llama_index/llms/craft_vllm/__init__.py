@@ -6,7 +6,6 @@ CRAFT order up to the engine; ``CraftChatEngine`` is append-only multi-turn RAG.
 
 from llama_index.llms.craft_vllm.base import REUSE_KEY, CraftVLLM
 from llama_index.llms.craft_vllm.chat_engine import CraftChatEngine
-from llama_index.llms.craft_vllm.planner import HandoffPlanner
 from llama_index.llms.craft_vllm.synthesizer import (
     SKIPPED_KEY,
     CraftSynthesizer,
@@ -19,6 +18,5 @@ __all__ = [
     "CraftChatEngine",
     "CraftSynthesizer",
     "CraftVLLM",
-    "HandoffPlanner",
     "craft_query_engine",
 ]

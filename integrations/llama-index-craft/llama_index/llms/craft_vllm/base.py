@@ -3,21 +3,26 @@
 Two kinds of calls:
 
 * the ordinary LLM interface (``complete``/``chat`` and their streaming and async forms) for
-  free-form prompts, rendered with the model's chat template (see :mod:`.raw`);
+  free-form prompts: a chat goes to ``CraftEngine.generate_messages`` (the model's chat
+  template, one tokenized segment per message, so a longer chat reuses the earlier messages'
+  KV token for token); a formatted prompt to ``generate_tokens``;
 * the chunk interface (``complete_chunks`` and its forms) for RAG: chunks and a question go to
-  the engine as they are, rendered token-exactly with CRAFT's order and, given a conversation
-  id, appended to the conversation's earlier turns. :class:`~.synthesizer.CraftSynthesizer` and
-  :class:`~.chat_engine.CraftChatEngine` use it.
+  the engine as they are, rendered token-exactly in CRAFT's order and, given a conversation
+  id, appended to the conversation's earlier turns. Every such request serves a plan with
+  ``plan=``: the one a :meth:`CraftVLLM.reorderer` postprocessor parked for these chunks, the
+  one the caller passes (the chat engine), or a fresh one from the engine's planner.
+  :class:`~.synthesizer.CraftSynthesizer` and :class:`~.chat_engine.CraftChatEngine` use it.
 
 Every response carries the engine's :class:`craft_rag.engine.results.ReuseReport` in
 ``additional_kwargs["reuse_report"]`` and the full ``GenerationResult`` in ``raw``. Streaming
 is real: each delta is yielded when the engine's driver thread produces it; the last streamed
-response (empty delta) carries the report.
+response (empty delta) carries the report. All twelve entry points go through
+:mod:`~llama_index.llms.craft_vllm.calls`.
 """
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator, Iterator, Sequence
+from collections.abc import Sequence
 from typing import Any
 
 from llama_index.core.base.llms.types import (
@@ -30,46 +35,38 @@ from llama_index.core.base.llms.types import (
     CompletionResponseGen,
     LLMMetadata,
     MessageRole,
-    TextBlock,
 )
-from llama_index.core.bridge.pydantic import Field, PrivateAttr
+from llama_index.core.bridge.pydantic import Field, PrivateAttr, field_validator
 from llama_index.core.llms.callbacks import llm_chat_callback, llm_completion_callback
 from llama_index.core.llms.llm import LLM
 from llama_index.core.llms.llm import (
     default_completion_to_prompt as _identity_completion_to_prompt,
 )
-from llama_index.llms.craft_vllm.planner import HandoffPlanner
-from llama_index.llms.craft_vllm.raw import ChatRenderer, RawPromptRunner
+from llama_index.llms.craft_vllm.calls import (
+    REUSE_KEY,
+    EngineCall,
+    arespond,
+    arespond_stream,
+    chat_response,
+    completion_response,
+    respond,
+    respond_stream,
+)
+from llama_index.llms.craft_vllm.prompts import chat_turns
 from llama_index.postprocessor.craft.base import CraftReorderPostprocessor
+from llama_index.postprocessor.craft.handoff import PlanHandoff
 
-from craft_rag import Chunk, CraftPlanner
+from craft_rag import Chunk, CraftPlanner, Plan
 from craft_rag.engine.engine import CraftEngine, EngineSettings
-from craft_rag.engine.model import resolve_model
-from craft_rag.engine.results import GenerationResult, SamplingRequest, StreamChunk
+from craft_rag.engine.planners import validate_cache_salt
+from craft_rag.engine.results import SamplingRequest
 
-REUSE_KEY = "reuse_report"
-"""Key of the :class:`~craft_rag.engine.results.ReuseReport` in ``additional_kwargs``."""
+__all__ = ["EMBEDDED_MODEL_NAME", "REUSE_KEY", "CraftVLLM"]
 
 EMBEDDED_MODEL_NAME = "SmolLM2-135M-Instruct (embedded)"
 
 _SAMPLING_KWARGS = ("max_tokens", "temperature", "top_p", "seed", "stop", "read_prefix_cache")
-
-
-def _response_kwargs(result: GenerationResult) -> dict[str, Any]:
-    return {REUSE_KEY: result.report, "finish_reason": result.finish_reason}
-
-
-def _message_text(message: ChatMessage, index: int) -> str:
-    parts: list[str] = []
-    for block in message.blocks:
-        if not isinstance(block, TextBlock):
-            msg = (
-                f"messages[{index}] holds a {type(block).__name__}; CraftVLLM serves text-only "
-                "models, so send text blocks only"
-            )
-            raise ValueError(msg)
-        parts.append(block.text)
-    return "".join(parts)
+_CALL_KWARGS = (*_SAMPLING_KWARGS, "cache_salt")
 
 
 class CraftVLLM(LLM):
@@ -78,11 +75,14 @@ class CraftVLLM(LLM):
     Pass a running ``engine`` (shared, not closed by this object), or ``engine_settings`` (or
     nothing, for the embedded default model) to start one that :meth:`close` stops.
 
-    On construction the engine's planner is wrapped in a
-    :class:`~llama_index.llms.craft_vllm.planner.HandoffPlanner` (``planner=`` replaces the
-    engine's planner first; either way the engine forgets its conversation histories), so plans
-    made by :meth:`reorderer` postprocessors are served as planned and committed with the
-    engine's truth. Thread-safe as far as the engine is (one driver thread serialises vLLM).
+    The engine's state is left alone: requests are planned and committed by the engine's
+    planner for :attr:`cache_salt` (``engine.planner_for(cache_salt)``, which must be a
+    ``craft_rag.CraftPlanner``), conversation histories survive, and several ``CraftVLLM`` s
+    may share one engine. To plan with another policy, call ``engine.set_planner(...)`` before
+    building the LLM (that is the engine's decision: it forgets conversation histories).
+    Plans parked by :meth:`reorderer` postprocessors wait in this object's :attr:`handoff`
+    until :meth:`complete_chunks` serves them. Thread-safe as far as the engine is (one driver
+    thread serialises vLLM).
     """
 
     model: str = Field(default=EMBEDDED_MODEL_NAME, description="Model name for LLMMetadata.")
@@ -94,52 +94,55 @@ class CraftVLLM(LLM):
         default=True,
         description="False: compute every prompt in full (the no-cache baseline on one engine).",
     )
+    cache_salt: str | None = Field(
+        default=None,
+        description=(
+            "vLLM cache salt of every request (a tenant or user): KV is reused only between "
+            "requests with the same salt, and each salt has its own CRAFT planner. None: the "
+            "shared namespace. A call's cache_salt= keyword overrides it."
+        ),
+    )
 
     _engine: CraftEngine = PrivateAttr()
     _owns_engine: bool = PrivateAttr(default=False)
-    _planner: HandoffPlanner = PrivateAttr()
-    _raw: RawPromptRunner = PrivateAttr()
-    _chat_renderer: ChatRenderer | None = PrivateAttr(default=None)
+    _handoff: PlanHandoff = PrivateAttr()
 
     def __init__(
         self,
         engine: CraftEngine | None = None,
         *,
         engine_settings: EngineSettings | None = None,
-        planner: CraftPlanner | None = None,
         **data: Any,
     ) -> None:
+        if "planner" in data:
+            msg = (
+                "CraftVLLM no longer installs a planner (that made the engine forget its "
+                "conversations); it plans with engine.planner_for(cache_salt). Call "
+                "engine.set_planner(planner) yourself before building the LLM"
+            )
+            raise ValueError(msg)
         if engine is not None and engine_settings is not None:
             msg = "pass either engine= (a running CraftEngine) or engine_settings=, not both"
             raise ValueError(msg)
         if engine is not None and not isinstance(engine, CraftEngine):
             msg = f"engine must be a craft_rag CraftEngine, got {type(engine).__name__}"
             raise ValueError(msg)
+        super().__init__(**data)  # validates cache_salt before an engine is started
         owns = engine is None
         if engine is None:
             engine = CraftEngine(engine_settings or EngineSettings())
         if "model" not in data and engine.settings.model is not None:
-            data["model"] = str(engine.settings.model)
-        super().__init__(**data)
+            self.model = str(engine.settings.model)
         self._engine = engine
         self._owns_engine = owns
-        current = engine.planner
-        if planner is not None:
-            adapter = HandoffPlanner(planner)
-            engine.set_planner(adapter)
-        elif isinstance(current, HandoffPlanner):
-            adapter = current  # another CraftVLLM on this engine installed it: share it
-        elif isinstance(current, CraftPlanner):
-            adapter = HandoffPlanner(current)
-            engine.set_planner(adapter)
-        else:
-            msg = (
-                f"the engine's planner is a {type(current).__name__}; CraftVLLM needs a "
-                "craft_rag.CraftPlanner: pass planner=CraftPlanner(...)"
-            )
-            raise ValueError(msg)
-        self._planner = adapter
-        self._raw = RawPromptRunner(engine)
+        self._handoff = PlanHandoff()
+        self.planner_for(self.cache_salt)  # fail now if the engine plans with something else
+
+    @field_validator("cache_salt")
+    @classmethod
+    def _check_salt(cls, value: str | None) -> str | None:
+        validate_cache_salt(value)
+        return value
 
     @classmethod
     def class_name(cls) -> str:
@@ -153,17 +156,32 @@ class CraftVLLM(LLM):
 
     @property
     def planner(self) -> CraftPlanner:
-        """The CRAFT planner the engine serves with (shared with :meth:`reorderer`)."""
-        return self._planner.planner
+        """The engine's planner for :attr:`cache_salt` (shared with :meth:`reorderer`)."""
+        return self.planner_for(self.cache_salt)
+
+    def planner_for(self, cache_salt: str | None) -> CraftPlanner:
+        """The engine's planner for ``cache_salt`` (created on first use). ``ValueError`` for a
+        bad salt or when the engine plans with something other than a ``CraftPlanner``. O(1)."""
+        planner = self._engine.planner_for(cache_salt)
+        if not isinstance(planner, CraftPlanner):
+            msg = (
+                f"the engine plans with a {type(planner).__name__}; CraftVLLM needs a "
+                "craft_rag.CraftPlanner: engine.set_planner(CraftPlanner(...))"
+            )
+            raise ValueError(msg)
+        return planner
 
     @property
-    def handoff_planner(self) -> HandoffPlanner:
-        return self._planner
+    def handoff(self) -> PlanHandoff:
+        """Plans parked by :meth:`reorderer` postprocessors, claimed by :meth:`complete_chunks`."""
+        return self._handoff
 
     def reorderer(self, **settings: Any) -> CraftReorderPostprocessor:
-        """A :class:`CraftReorderPostprocessor` wired to this engine: shared planner,
-        ``commit_mode="engine"``, plans parked where the engine claims them. ``settings`` are
-        its other fields (``key_source``, ``conversation_id``)."""
+        """A :class:`CraftReorderPostprocessor` wired to this LLM: the engine's planner for
+        :attr:`cache_salt`, ``commit_mode="engine"``, plans parked in :attr:`handoff` where
+        :meth:`complete_chunks` claims them. ``settings`` are its other fields
+        (``key_source``, ``conversation_id``). Build it after any ``engine.set_planner``: it
+        keeps the planner it was built with."""
         for name in ("planner", "commit_mode", "handoff"):
             if name in settings:
                 msg = (
@@ -171,10 +189,7 @@ class CraftVLLM(LLM):
                 )
                 raise ValueError(msg)
         return CraftReorderPostprocessor(
-            planner=self.planner,
-            handoff=self._planner.handoff,
-            commit_mode="engine",
-            **settings,
+            planner=self.planner, handoff=self._handoff, commit_mode="engine", **settings
         )
 
     def close(self) -> None:
@@ -192,15 +207,18 @@ class CraftVLLM(LLM):
             model_name=self.model,
         )
 
-    # ---- prompt rendering ----
+    # ---- requests: arguments -> one EngineCall ----
 
-    def _sampling(self, kwargs: dict[str, Any]) -> SamplingRequest:
-        unknown = set(kwargs) - set(_SAMPLING_KWARGS) - {"formatted"}
+    def _options(self, kwargs: dict[str, Any]) -> dict[str, Any]:
+        """``sampling=`` and ``cache_salt=`` for the engine from a call's keyword arguments
+        (the fields fill in what is not given; ``cache_salt=None`` is the unsalted namespace).
+        ``ValueError`` for unknown names or a bad salt."""
+        unknown = set(kwargs) - set(_CALL_KWARGS) - {"formatted"}
         if unknown:
-            msg = f"unknown keyword arguments {sorted(unknown)}; CraftVLLM takes {_SAMPLING_KWARGS}"
+            msg = f"unknown keyword arguments {sorted(unknown)}; CraftVLLM takes {_CALL_KWARGS}"
             raise ValueError(msg)
         stop = kwargs.get("stop") or ()
-        return SamplingRequest(
+        sampling = SamplingRequest(
             max_tokens=int(kwargs.get("max_tokens") or self.max_tokens),
             temperature=float(kwargs.get("temperature", self.temperature)),
             top_p=float(kwargs.get("top_p", self.top_p)),
@@ -208,177 +226,102 @@ class CraftVLLM(LLM):
             stop=(stop,) if isinstance(stop, str) else tuple(stop),
             read_prefix_cache=bool(kwargs.get("read_prefix_cache", self.read_prefix_cache)),
         )
+        salt = kwargs.get("cache_salt", self.cache_salt)
+        return {"sampling": sampling, "cache_salt": validate_cache_salt(salt)}
 
-    def _renderer(self) -> ChatRenderer:
-        if self._chat_renderer is None:
-            self._chat_renderer = ChatRenderer(resolve_model(self._engine.settings.model))
-        return self._chat_renderer
+    def _messages_call(self, messages: Sequence[ChatMessage], kwargs: dict[str, Any]) -> EngineCall:
+        engine = self._engine
+        methods = (engine.generate_messages, engine.stream_messages, engine.astream_messages)
+        turns = chat_turns(messages, self.system_prompt)
+        return EngineCall.bind(methods, turns, **self._options(kwargs))
 
-    def _chat_ids(self, messages: Sequence[ChatMessage]) -> list[int]:
-        if not messages:
-            msg = "chat() needs at least one message"
-            raise ValueError(msg)
-        rendered = []
-        if self.system_prompt and messages[0].role != MessageRole.SYSTEM:
-            rendered.append({"role": "system", "content": self.system_prompt})
-        for i, m in enumerate(messages):
-            rendered.append({"role": m.role.value, "content": _message_text(m, i)})
-        text = self._renderer()(rendered, True)
-        return self._engine.assembler.tokenizer.encode(text)
-
-    def _completion_ids(self, prompt: str, formatted: bool) -> list[int]:
+    def _prompt_call(self, prompt: str, formatted: bool, kwargs: dict[str, Any]) -> EngineCall:
         if not isinstance(prompt, str) or not prompt:
             msg = "prompt must be a non-empty string"
             raise ValueError(msg)
-        if formatted:
-            return self._engine.assembler.tokenizer.encode(prompt)
         to_prompt = self.completion_to_prompt
-        if to_prompt is not None and to_prompt is not _identity_completion_to_prompt:
-            return self._engine.assembler.tokenizer.encode(to_prompt(prompt))
-        # An instruct model: a bare prompt is one user message in its chat template.
-        return self._chat_ids([ChatMessage(role=MessageRole.USER, content=prompt)])
+        if to_prompt is _identity_completion_to_prompt:
+            to_prompt = None
+        if not formatted and to_prompt is None:
+            # An instruct model: a bare prompt is one user message in its chat template.
+            return self._messages_call([ChatMessage(role=MessageRole.USER, content=prompt)], kwargs)
+        text = to_prompt(prompt) if to_prompt is not None and not formatted else prompt
+        engine = self._engine
+        methods = (engine.generate_tokens, engine.stream_tokens, engine.astream_tokens)
+        ids = engine.assembler.tokenizer.encode(text)
+        return EngineCall.bind(methods, ids, **self._options(kwargs))
 
-    # ---- response building ----
-
-    @staticmethod
-    def _completion(result: GenerationResult) -> CompletionResponse:
-        return CompletionResponse(
-            text=result.text, raw=result, additional_kwargs=_response_kwargs(result)
+    def _chunks_call(
+        self,
+        chunks: Sequence[Chunk],
+        question: str,
+        conversation_id: str | None,
+        plan: Plan | None,
+        kwargs: dict[str, Any],
+    ) -> EngineCall:
+        """The plan to serve: ``plan``, else the one parked for exactly these chunk keys (in
+        order) and conversation by a :meth:`reorderer` (only for this LLM's own salt, whose
+        planner made it), else a fresh plan from the salt's planner."""
+        if not isinstance(question, str) or not question.strip():
+            msg = "question must be a non-empty string"
+            raise ValueError(msg)
+        options = self._options(kwargs)
+        salt = options["cache_salt"]
+        if plan is None and salt == self.cache_salt:
+            plan = self._handoff.claim(conversation_id, [c.key for c in chunks])
+        if plan is None:
+            plan = self.planner_for(salt).plan(list(chunks), conversation_id)
+        engine = self._engine
+        return EngineCall.bind(
+            (engine.generate, engine.stream, engine.astream),
+            plan.ordered,
+            question,
+            plan=plan,
+            conversation_id=conversation_id,
+            **options,
         )
-
-    @staticmethod
-    def _chat(result: GenerationResult) -> ChatResponse:
-        return ChatResponse(
-            message=ChatMessage(role=MessageRole.ASSISTANT, content=result.text),
-            raw=result,
-            additional_kwargs=_response_kwargs(result),
-        )
-
-    @staticmethod
-    def _completion_stream(pieces: Iterator[StreamChunk]) -> CompletionResponseGen:
-        text = ""
-        for piece in pieces:
-            text += piece.text
-            if piece.result is None:
-                yield CompletionResponse(text=text, delta=piece.text)
-            else:
-                yield CompletionResponse(
-                    text=text,
-                    delta="",
-                    raw=piece.result,
-                    additional_kwargs=_response_kwargs(piece.result),
-                )
-
-    @staticmethod
-    async def _acompletion_stream(pieces: AsyncIterator[StreamChunk]) -> CompletionResponseAsyncGen:
-        text = ""
-        async for piece in pieces:
-            text += piece.text
-            if piece.result is None:
-                yield CompletionResponse(text=text, delta=piece.text)
-            else:
-                yield CompletionResponse(
-                    text=text,
-                    delta="",
-                    raw=piece.result,
-                    additional_kwargs=_response_kwargs(piece.result),
-                )
-
-    @staticmethod
-    def _chat_stream(pieces: Iterator[StreamChunk]) -> ChatResponseGen:
-        text = ""
-        for piece in pieces:
-            text += piece.text
-            message = ChatMessage(role=MessageRole.ASSISTANT, content=text)
-            if piece.result is None:
-                yield ChatResponse(message=message, delta=piece.text)
-            else:
-                yield ChatResponse(
-                    message=message,
-                    delta="",
-                    raw=piece.result,
-                    additional_kwargs=_response_kwargs(piece.result),
-                )
-
-    @staticmethod
-    async def _achat_stream(pieces: AsyncIterator[StreamChunk]) -> ChatResponseAsyncGen:
-        text = ""
-        async for piece in pieces:
-            text += piece.text
-            message = ChatMessage(role=MessageRole.ASSISTANT, content=text)
-            if piece.result is None:
-                yield ChatResponse(message=message, delta=piece.text)
-            else:
-                yield ChatResponse(
-                    message=message,
-                    delta="",
-                    raw=piece.result,
-                    additional_kwargs=_response_kwargs(piece.result),
-                )
-
-    @staticmethod
-    async def _collect(pieces: AsyncIterator[StreamChunk]) -> GenerationResult:
-        async for piece in pieces:
-            if piece.result is not None:
-                return piece.result
-        msg = "the engine stream ended without a result"
-        raise RuntimeError(msg)
 
     # ---- LlamaIndex LLM interface: free-form prompts ----
 
     @llm_completion_callback()
     def complete(self, prompt: str, formatted: bool = False, **kwargs: Any) -> CompletionResponse:
-        sampling = self._sampling(kwargs)
-        return self._completion(
-            self._raw.generate(self._completion_ids(prompt, formatted), sampling)
-        )
+        return respond(self._prompt_call(prompt, formatted, kwargs), completion_response)
 
     @llm_completion_callback()
     def stream_complete(
         self, prompt: str, formatted: bool = False, **kwargs: Any
     ) -> CompletionResponseGen:
-        sampling = self._sampling(kwargs)
-        ids = self._completion_ids(prompt, formatted)
-        return self._completion_stream(self._raw.stream(ids, sampling))
+        return respond_stream(self._prompt_call(prompt, formatted, kwargs), completion_response)
 
     @llm_chat_callback()
     def chat(self, messages: Sequence[ChatMessage], **kwargs: Any) -> ChatResponse:
-        sampling = self._sampling(kwargs)
-        return self._chat(self._raw.generate(self._chat_ids(messages), sampling))
+        return respond(self._messages_call(messages, kwargs), chat_response)
 
     @llm_chat_callback()
     def stream_chat(self, messages: Sequence[ChatMessage], **kwargs: Any) -> ChatResponseGen:
-        sampling = self._sampling(kwargs)
-        return self._chat_stream(self._raw.stream(self._chat_ids(messages), sampling))
+        return respond_stream(self._messages_call(messages, kwargs), chat_response)
 
     @llm_completion_callback()
     async def acomplete(
         self, prompt: str, formatted: bool = False, **kwargs: Any
     ) -> CompletionResponse:
-        sampling = self._sampling(kwargs)
-        ids = self._completion_ids(prompt, formatted)
-        return self._completion(await self._collect(self._raw.astream(ids, sampling)))
+        return await arespond(self._prompt_call(prompt, formatted, kwargs), completion_response)
 
     @llm_completion_callback()
     async def astream_complete(
         self, prompt: str, formatted: bool = False, **kwargs: Any
     ) -> CompletionResponseAsyncGen:
-        sampling = self._sampling(kwargs)
-        ids = self._completion_ids(prompt, formatted)
-        return self._acompletion_stream(self._raw.astream(ids, sampling))
+        return arespond_stream(self._prompt_call(prompt, formatted, kwargs), completion_response)
 
     @llm_chat_callback()
     async def achat(self, messages: Sequence[ChatMessage], **kwargs: Any) -> ChatResponse:
-        sampling = self._sampling(kwargs)
-        ids = self._chat_ids(messages)
-        return self._chat(await self._collect(self._raw.astream(ids, sampling)))
+        return await arespond(self._messages_call(messages, kwargs), chat_response)
 
     @llm_chat_callback()
     async def astream_chat(
         self, messages: Sequence[ChatMessage], **kwargs: Any
     ) -> ChatResponseAsyncGen:
-        sampling = self._sampling(kwargs)
-        return self._achat_stream(self._raw.astream(self._chat_ids(messages), sampling))
+        return arespond_stream(self._messages_call(messages, kwargs), chat_response)
 
     # ---- the chunk interface: RAG through CRAFT ----
 
@@ -388,15 +331,21 @@ class CraftVLLM(LLM):
         question: str,
         *,
         conversation_id: str | None = None,
+        plan: Plan | None = None,
         **kwargs: Any,
     ) -> CompletionResponse:
-        """Answer ``question`` over ``chunks`` as one token-exact CRAFT prompt (a parked plan
-        for exactly these chunks is served as planned; otherwise the engine plans). Blocks.
-        ``ValueError`` for an empty question or a prompt that cannot fit."""
-        result = self._engine.generate(
-            chunks, question, conversation_id=conversation_id, sampling=self._sampling(kwargs)
-        )
-        return self._completion(result)
+        """Answer ``question`` over ``chunks`` as one token-exact CRAFT prompt. Blocks.
+
+        Serves ``plan`` (made by ``planner_for(cache_salt).plan(chunks, conversation_id)``;
+        ``chunks`` must be its ordered chunks), else a plan a :meth:`reorderer` parked for
+        exactly these chunks, else a fresh plan; the engine commits it once the request
+        finished and a ``CraftCommitEvent(source="engine")`` reports that. ``kwargs``: sampling
+        fields and ``cache_salt``. ``ValueError`` for an empty question, a prompt that cannot
+        fit or a plan that does not fit; ``RuntimeError`` for a plan already committed, stale
+        or made by another salt's planner.
+        """
+        call = self._chunks_call(chunks, question, conversation_id, plan, kwargs)
+        return respond(call, completion_response)
 
     def stream_complete_chunks(
         self,
@@ -404,16 +353,14 @@ class CraftVLLM(LLM):
         question: str,
         *,
         conversation_id: str | None = None,
+        plan: Plan | None = None,
         **kwargs: Any,
     ) -> CompletionResponseGen:
-        """Streaming :meth:`complete_chunks`. The request starts when the generator is first
-        advanced; closing it early aborts the request (nothing committed)."""
-        sampling = self._sampling(kwargs)
-        return self._completion_stream(
-            self._engine.stream(
-                chunks, question, conversation_id=conversation_id, sampling=sampling
-            )
-        )
+        """Streaming :meth:`complete_chunks` (the plan is chosen now). The request starts when
+        the generator is first advanced; closing it early aborts the request (nothing
+        committed)."""
+        call = self._chunks_call(chunks, question, conversation_id, plan, kwargs)
+        return respond_stream(call, completion_response)
 
     async def acomplete_chunks(
         self,
@@ -421,14 +368,12 @@ class CraftVLLM(LLM):
         question: str,
         *,
         conversation_id: str | None = None,
+        plan: Plan | None = None,
         **kwargs: Any,
     ) -> CompletionResponse:
         """Async :meth:`complete_chunks` (the event loop never blocks on the engine)."""
-        sampling = self._sampling(kwargs)
-        pieces = self._engine.astream(
-            chunks, question, conversation_id=conversation_id, sampling=sampling
-        )
-        return self._completion(await self._collect(pieces))
+        call = self._chunks_call(chunks, question, conversation_id, plan, kwargs)
+        return await arespond(call, completion_response)
 
     def astream_complete_chunks(
         self,
@@ -436,12 +381,9 @@ class CraftVLLM(LLM):
         question: str,
         *,
         conversation_id: str | None = None,
+        plan: Plan | None = None,
         **kwargs: Any,
     ) -> CompletionResponseAsyncGen:
         """Async streaming :meth:`complete_chunks`."""
-        sampling = self._sampling(kwargs)
-        return self._acompletion_stream(
-            self._engine.astream(
-                chunks, question, conversation_id=conversation_id, sampling=sampling
-            )
-        )
+        call = self._chunks_call(chunks, question, conversation_id, plan, kwargs)
+        return arespond_stream(call, completion_response)

@@ -18,6 +18,7 @@ from __future__ import annotations
 import asyncio
 import uuid
 from collections.abc import AsyncGenerator, Generator, Sequence
+from dataclasses import dataclass, field
 from threading import Thread
 from typing import Any
 
@@ -37,22 +38,25 @@ from llama_index.core.memory import BaseMemory, ChatMemoryBuffer
 from llama_index.core.postprocessor.types import BaseNodePostprocessor
 from llama_index.core.schema import NodeWithScore, QueryBundle
 from llama_index.llms.craft_vllm.base import REUSE_KEY, CraftVLLM
-from llama_index.postprocessor.craft.base import CraftReorderResult
+from llama_index.postprocessor.craft.base import CraftReorderPostprocessor, CraftReorderResult
 from llama_index.postprocessor.craft.nodes import KeySource, split_nodes
 
+from craft_rag import Chunk
 from craft_rag.engine.results import ReuseReport
 
 
 class CraftChatEngine(BaseChatEngine):
     """Append-only multi-turn RAG over ``retriever`` and a :class:`CraftVLLM`.
 
-    One instance is one conversation (``conversation_id``, a fresh uuid by default); turns are
-    sequential. Each turn: retrieve, run ``node_postprocessors``, plan with CRAFT (reorder and
-    drop chunks sent in earlier turns, reported on :attr:`last_reorder`), send the new chunks
-    and the question to the engine appended to the conversation, store both messages in
-    ``memory``. ``source_nodes`` of a response are this turn's new nodes followed by the
-    retrieved nodes an earlier turn already put in the prompt. :attr:`last_reuse_report` holds
-    the engine's report of the latest finished turn.
+    One instance is one conversation (``conversation_id``, a fresh uuid by default) in one
+    cache namespace (``cache_salt``, default the LLM's; kept for the whole session, as the
+    engine requires); turns are sequential. Each turn: retrieve, run ``node_postprocessors``,
+    plan with CRAFT (the engine's planner for the salt: reorder and drop chunks sent in earlier
+    turns, reported on :attr:`last_reorder`), send that plan's new chunks and the question to
+    the engine with ``plan=`` (served as planned, appended to the conversation, committed with
+    what vLLM reused), store both messages in ``memory``. ``source_nodes`` of a response are
+    this turn's new nodes followed by the retrieved nodes an earlier turn already put in the
+    prompt. :attr:`last_reuse_report` holds the engine's report of the latest finished turn.
 
     ``chat_history=`` arguments cannot rewrite a conversation whose tokens already sit in the
     engine: passing one that differs from the memory raises ``ValueError`` (call :meth:`reset`
@@ -66,6 +70,7 @@ class CraftChatEngine(BaseChatEngine):
         *,
         memory: BaseMemory | None = None,
         conversation_id: str | None = None,
+        cache_salt: str | None = None,
         node_postprocessors: Sequence[BaseNodePostprocessor] = (),
         key_source: KeySource = "node_id",
         **sampling: Any,
@@ -76,15 +81,23 @@ class CraftChatEngine(BaseChatEngine):
         if not isinstance(retriever, BaseRetriever):
             msg = f"retriever must be a llama_index BaseRetriever, got {type(retriever).__name__}"
             raise ValueError(msg)
+        if "cache_salt" in sampling:
+            msg = "pass cache_salt= once (keyword of CraftChatEngine), not as a sampling setting"
+            raise ValueError(msg)
         self._retriever = retriever
         self._llm = llm
         self._memory = memory if memory is not None else ChatMemoryBuffer.from_defaults(llm=llm)
         self.conversation_id = conversation_id or f"llama-index-chat-{uuid.uuid4().hex}"
+        self.cache_salt = cache_salt if cache_salt is not None else llm.cache_salt
         self._postprocessors = list(node_postprocessors)
         self._key_source: KeySource = key_source
-        self._reorderer = llm.reorderer(key_source=key_source)
-        self._sampling = dict(sampling)
-        llm._sampling(dict(sampling))  # validate names now
+        # Plans with the engine's planner for this salt; the plan is handed to the engine
+        # directly (park=False), so nothing waits in a handoff.
+        self._reorderer = CraftReorderPostprocessor(
+            planner=llm.planner_for(self.cache_salt), commit_mode="engine", key_source=key_source
+        )
+        self._sampling = {**sampling, "cache_salt": self.cache_salt}
+        llm._options(dict(self._sampling))  # validate names and the salt now
         self.last_reorder: CraftReorderResult | None = None
         self.last_reuse_report: ReuseReport | None = None
 
@@ -105,127 +118,112 @@ class CraftChatEngine(BaseChatEngine):
 
     # ---- one turn, shared by the four entry points ----
 
-    def _check_history(self, chat_history: list[ChatMessage] | None) -> None:
-        if chat_history is None:
-            return
-        current = self._memory.get_all()
-        if [(m.role, m.content) for m in chat_history] != [(m.role, m.content) for m in current]:
-            msg = (
-                "CraftChatEngine keeps the conversation's prompt in the engine (append-only KV) "
-                "and cannot replace its history; call reset() and replay the turns, or omit "
-                "chat_history"
-            )
-            raise ValueError(msg)
-
-    def _postprocess(self, nodes: list[NodeWithScore], bundle: QueryBundle) -> list[NodeWithScore]:
-        for pp in self._postprocessors:
-            nodes = pp.postprocess_nodes(nodes, query_bundle=bundle)
-        return nodes
-
-    async def _apostprocess(
-        self, nodes: list[NodeWithScore], bundle: QueryBundle
-    ) -> list[NodeWithScore]:
-        for pp in self._postprocessors:
-            nodes = await pp.apostprocess_nodes(nodes, query_bundle=bundle)
-        return nodes
-
-    def _plan(self, nodes: list[NodeWithScore], bundle: QueryBundle) -> tuple[Any, list[Any]]:
-        result = self._reorderer.reorder(nodes, bundle, conversation_id=self.conversation_id)
-        self.last_reorder = result
-        chunks = list(split_nodes(result.nodes, self._key_source).chunks)
-        sources = list(result.nodes) + list(result.removed_duplicates)
-        return sources, chunks
-
-    def _finish(self, response: CompletionResponse) -> None:
-        report = response.additional_kwargs.get(REUSE_KEY)
-        if isinstance(report, ReuseReport):
-            self.last_reuse_report = report
-
-    @staticmethod
-    def _user(message: str) -> ChatMessage:
+    def _open(self, message: str, chat_history: list[ChatMessage] | None) -> _Turn:
         if not isinstance(message, str) or not message.strip():
             msg = "message must be a non-empty string"
             raise ValueError(msg)
-        return ChatMessage(role=MessageRole.USER, content=message)
+        if chat_history is not None:
+            current = self._memory.get_all()
+            if [(m.role, m.content) for m in chat_history] != [
+                (m.role, m.content) for m in current
+            ]:
+                msg = (
+                    "CraftChatEngine keeps the conversation's prompt in the engine (append-only "
+                    "KV) and cannot replace its history; call reset() and replay the turns, or "
+                    "omit chat_history"
+                )
+                raise ValueError(msg)
+        return _Turn(message, QueryBundle(message))
+
+    def _plan(self, turn: _Turn, nodes: list[NodeWithScore]) -> _Turn:
+        """Plan the retrieved nodes for this turn (nothing committed yet: the engine does)."""
+        result = self._reorderer.reorder(
+            nodes, turn.bundle, conversation_id=self.conversation_id, park=False
+        )
+        self.last_reorder = result
+        turn.sources = list(result.nodes) + list(result.removed_duplicates)
+        turn.chunks = list(split_nodes(result.nodes, self._key_source).chunks)
+        turn.kwargs = {
+            "conversation_id": self.conversation_id,
+            "plan": result.plan,
+            **self._sampling,
+        }
+        return turn
+
+    def _prepare(self, message: str, chat_history: list[ChatMessage] | None) -> _Turn:
+        turn = self._open(message, chat_history)
+        nodes = self._retriever.retrieve(turn.bundle)
+        for pp in self._postprocessors:
+            nodes = pp.postprocess_nodes(nodes, query_bundle=turn.bundle)
+        return self._plan(turn, nodes)
+
+    async def _aprepare(self, message: str, chat_history: list[ChatMessage] | None) -> _Turn:
+        turn = self._open(message, chat_history)
+        nodes = await self._retriever.aretrieve(turn.bundle)
+        for pp in self._postprocessors:
+            nodes = await pp.apostprocess_nodes(nodes, query_bundle=turn.bundle)
+        return self._plan(turn, nodes)
+
+    def _record(self, response: CompletionResponse) -> ChatResponse:
+        """One engine response as a chat delta; the last one's report becomes
+        :attr:`last_reuse_report`."""
+        report = response.additional_kwargs.get(REUSE_KEY)
+        if isinstance(report, ReuseReport):
+            self.last_reuse_report = report
+        return ChatResponse(
+            message=ChatMessage(role=MessageRole.ASSISTANT, content=response.text),
+            delta=response.delta,
+            raw=response.raw,
+            additional_kwargs=response.additional_kwargs,
+        )
+
+    def _answer(self, turn: _Turn, done: CompletionResponse) -> AgentChatResponse:
+        self._record(done)
+        turn.reply = ChatMessage(role=MessageRole.ASSISTANT, content=done.text)
+        return AgentChatResponse(
+            response=done.text,
+            source_nodes=turn.sources,
+            metadata={REUSE_KEY: self.last_reuse_report},
+        )
 
     def chat(
         self, message: str, chat_history: list[ChatMessage] | None = None
     ) -> AgentChatResponse:
-        user = self._user(message)
-        self._check_history(chat_history)
-        bundle = QueryBundle(message)
-        nodes = self._postprocess(self._retriever.retrieve(bundle), bundle)
-        sources, chunks = self._plan(nodes, bundle)
-        done = self._llm.complete_chunks(
-            chunks, message, conversation_id=self.conversation_id, **self._sampling
-        )
-        self._finish(done)
-        self._memory.put(user)
-        self._memory.put(ChatMessage(role=MessageRole.ASSISTANT, content=done.text))
-        return AgentChatResponse(
-            response=done.text, source_nodes=sources, metadata={REUSE_KEY: self.last_reuse_report}
-        )
+        turn = self._prepare(message, chat_history)
+        answer = self._answer(turn, self._llm.complete_chunks(*turn.args, **turn.kwargs))
+        self._memory.put_messages(turn.messages)
+        return answer
 
     async def achat(
         self, message: str, chat_history: list[ChatMessage] | None = None
     ) -> AgentChatResponse:
-        user = self._user(message)
-        self._check_history(chat_history)
-        bundle = QueryBundle(message)
-        nodes = await self._apostprocess(await self._retriever.aretrieve(bundle), bundle)
-        sources, chunks = self._plan(nodes, bundle)
-        done = await self._llm.acomplete_chunks(
-            chunks, message, conversation_id=self.conversation_id, **self._sampling
-        )
-        self._finish(done)
-        await self._memory.aput(user)
-        await self._memory.aput(ChatMessage(role=MessageRole.ASSISTANT, content=done.text))
-        return AgentChatResponse(
-            response=done.text, source_nodes=sources, metadata={REUSE_KEY: self.last_reuse_report}
-        )
+        turn = await self._aprepare(message, chat_history)
+        answer = self._answer(turn, await self._llm.acomplete_chunks(*turn.args, **turn.kwargs))
+        await self._memory.aput_messages(turn.messages)
+        return answer
 
     def _chat_deltas(
         self, stream: Generator[CompletionResponse, None, None]
     ) -> Generator[ChatResponse, None, None]:
         for r in stream:
-            if REUSE_KEY in r.additional_kwargs:
-                self._finish(r)
-            yield ChatResponse(
-                message=ChatMessage(role=MessageRole.ASSISTANT, content=r.text),
-                delta=r.delta,
-                raw=r.raw,
-                additional_kwargs=r.additional_kwargs,
-            )
+            yield self._record(r)
 
     async def _achat_deltas(
         self, stream: AsyncGenerator[CompletionResponse, None]
     ) -> AsyncGenerator[ChatResponse, None]:
         async for r in stream:
-            if REUSE_KEY in r.additional_kwargs:
-                self._finish(r)
-            yield ChatResponse(
-                message=ChatMessage(role=MessageRole.ASSISTANT, content=r.text),
-                delta=r.delta,
-                raw=r.raw,
-                additional_kwargs=r.additional_kwargs,
-            )
+            yield self._record(r)
 
     def stream_chat(
         self, message: str, chat_history: list[ChatMessage] | None = None
     ) -> StreamingAgentChatResponse:
         """Streams the reply; the assistant message reaches ``memory`` when the stream ends
         (LlamaIndex's writer thread, as in ``SimpleChatEngine``)."""
-        user = self._user(message)
-        self._check_history(chat_history)
-        bundle = QueryBundle(message)
-        nodes = self._postprocess(self._retriever.retrieve(bundle), bundle)
-        sources, chunks = self._plan(nodes, bundle)
-        self._memory.put(user)
-        stream = self._llm.stream_complete_chunks(
-            chunks, message, conversation_id=self.conversation_id, **self._sampling
-        )
+        turn = self._prepare(message, chat_history)
+        self._memory.put(turn.user)
+        stream = self._llm.stream_complete_chunks(*turn.args, **turn.kwargs)
         response = StreamingAgentChatResponse(
-            chat_stream=self._chat_deltas(stream), source_nodes=sources
+            chat_stream=self._chat_deltas(stream), source_nodes=turn.sources
         )
         thread = Thread(target=response.write_response_to_history, args=(self._memory,))
         response.write_response_to_history_thread = thread
@@ -235,19 +233,40 @@ class CraftChatEngine(BaseChatEngine):
     async def astream_chat(
         self, message: str, chat_history: list[ChatMessage] | None = None
     ) -> StreamingAgentChatResponse:
-        user = self._user(message)
-        self._check_history(chat_history)
-        bundle = QueryBundle(message)
-        nodes = await self._apostprocess(await self._retriever.aretrieve(bundle), bundle)
-        sources, chunks = self._plan(nodes, bundle)
-        await self._memory.aput(user)
-        stream = self._llm.astream_complete_chunks(
-            chunks, message, conversation_id=self.conversation_id, **self._sampling
-        )
+        turn = await self._aprepare(message, chat_history)
+        await self._memory.aput(turn.user)
+        stream = self._llm.astream_complete_chunks(*turn.args, **turn.kwargs)
         response = StreamingAgentChatResponse(
-            achat_stream=self._achat_deltas(stream), source_nodes=sources
+            achat_stream=self._achat_deltas(stream), source_nodes=turn.sources
         )
         response.awrite_response_to_history_task = asyncio.create_task(
             response.awrite_response_to_history(self._memory)
         )
         return response
+
+
+@dataclass(slots=True)
+class _Turn:
+    """One turn in the making. Owner: the entry point that opened it; ``_plan`` fills the
+    request fields, ``_answer`` the reply."""
+
+    message: str
+    bundle: QueryBundle
+    sources: list[NodeWithScore] = field(default_factory=list)
+    chunks: list[Chunk] = field(default_factory=list)
+    kwargs: dict[str, Any] = field(default_factory=dict)
+    reply: ChatMessage | None = None
+
+    @property
+    def user(self) -> ChatMessage:
+        return ChatMessage(role=MessageRole.USER, content=self.message)
+
+    @property
+    def args(self) -> tuple[list[Chunk], str]:
+        """``complete_chunks``'s positional arguments: the plan's new chunks, the question."""
+        return self.chunks, self.message
+
+    @property
+    def messages(self) -> list[ChatMessage]:
+        """What the turn adds to memory: the user message, then the reply once there is one."""
+        return [self.user] if self.reply is None else [self.user, self.reply]

@@ -15,13 +15,16 @@ Wiring (what :func:`craft_query_engine` builds)::
         node_postprocessors=[*your_filters, llm.reorderer()],   # CRAFT last
     )
 
-``llm.reorderer()`` plans with the engine's planner and parks the plan; the engine serves that
-plan and commits it with what vLLM reused. With no reorderer the engine plans the nodes itself.
+``llm.reorderer()`` plans with the engine's planner and parks the plan; ``complete_chunks``
+claims it and the engine serves exactly that plan (``plan=``) and commits it with what vLLM
+reused. With no reorderer, ``complete_chunks`` plans the nodes with the same planner.
 """
 
 from __future__ import annotations
 
-from collections.abc import AsyncGenerator, Generator, Sequence
+from collections.abc import AsyncGenerator, Callable, Generator, Iterator, Sequence
+from contextlib import contextmanager
+from dataclasses import dataclass
 from typing import Any
 
 from llama_index.core.base.base_retriever import BaseRetriever
@@ -41,7 +44,7 @@ from llama_index.core.instrumentation.events.synthesis import (
 from llama_index.core.postprocessor.types import BaseNodePostprocessor
 from llama_index.core.query_engine import RetrieverQueryEngine
 from llama_index.core.response_synthesizers.base import BaseSynthesizer, QueryTextType
-from llama_index.core.schema import NodeWithScore, QueryBundle
+from llama_index.core.schema import NodeWithScore
 from llama_index.core.types import RESPONSE_TEXT_TYPE
 from llama_index.llms.craft_vllm.base import REUSE_KEY, CraftVLLM
 from llama_index.postprocessor.craft.nodes import KeySource, split_nodes
@@ -85,7 +88,7 @@ class CraftSynthesizer(BaseSynthesizer):
         self._key_source: KeySource = key_source
         self._conversation_id = conversation_id
         self._sampling = dict(sampling)
-        llm._sampling(dict(sampling))  # validate the names now, not on the first query
+        llm._options(dict(sampling))  # validate the names now, not on the first query
 
     def _get_prompts(self) -> dict[str, Any]:
         return {}
@@ -93,35 +96,68 @@ class CraftSynthesizer(BaseSynthesizer):
     def _update_prompts(self, prompts: dict[str, Any]) -> None:
         """No prompt templates: the engine renders chunks token-exactly itself."""
 
-    # ---- core: nodes -> chunks -> engine -> response ----
+    # ---- core: nodes -> chunks -> engine -> response; sync and async differ in one call ----
 
-    def _chunks(self, nodes: Sequence[NodeWithScore]) -> tuple[list[Chunk], list[str]]:
+    def _job(
+        self,
+        question: str,
+        chunks: Sequence[Chunk],
+        sources: list[NodeWithScore],
+        metadata: dict[str, Any],
+        response_kwargs: dict[str, Any],
+    ) -> _Job:
+        kwargs = {"conversation_id": self._conversation_id, **self._sampling, **response_kwargs}
+        return _Job(list(chunks), question, kwargs, sources, metadata)
+
+    def _node_job(
+        self,
+        query: QueryTextType,
+        nodes: Sequence[NodeWithScore],
+        additional_source_nodes: Sequence[NodeWithScore] | None,
+        response_kwargs: dict[str, Any],
+    ) -> _Job:
+        question = query if isinstance(query, str) else query.query_str
         split = split_nodes(nodes, self._key_source)
-        return list(split.chunks), [n.node.node_id for n in split.passthrough]
+        sources = list(nodes) + list(additional_source_nodes or [])
+        metadata: dict[str, Any] = self._get_metadata_for_response([n.node for n in sources]) or {}
+        if split.passthrough:
+            metadata[SKIPPED_KEY] = [n.node.node_id for n in split.passthrough]
+        return self._job(question, split.chunks, sources, metadata, response_kwargs)
 
-    def _metadata(self, nodes: Sequence[NodeWithScore], skipped: list[str]) -> dict[str, Any]:
-        metadata: dict[str, Any] = self._get_metadata_for_response([n.node for n in nodes]) or {}
-        if skipped:
-            metadata[SKIPPED_KEY] = skipped
-        return metadata
+    def _respond(self, job: _Job) -> RESPONSE_TYPE:
+        llm = self._craft_llm
+        if self._streaming:
+            stream = llm.stream_complete_chunks(job.chunks, job.question, **job.kwargs)
+            return job.streaming(StreamingResponse, self._stream_text(stream, job.metadata))
+        return job.response(llm.complete_chunks(job.chunks, job.question, **job.kwargs))
+
+    async def _arespond(self, job: _Job) -> RESPONSE_TYPE:
+        llm = self._craft_llm
+        if self._streaming:
+            stream = llm.astream_complete_chunks(job.chunks, job.question, **job.kwargs)
+            return job.streaming(AsyncStreamingResponse, self._astream_text(stream, job.metadata))
+        return job.response(await llm.acomplete_chunks(job.chunks, job.question, **job.kwargs))
+
+    @staticmethod
+    def _reuse(response: CompletionResponse, metadata: dict[str, Any]) -> str:
+        """The delta of one streamed response; the last one's report goes into ``metadata``."""
+        if REUSE_KEY in response.additional_kwargs:
+            metadata[REUSE_KEY] = response.additional_kwargs[REUSE_KEY]
+        return response.delta or ""
 
     def _stream_text(
         self, responses: Generator[CompletionResponse, None, None], metadata: dict[str, Any]
     ) -> Generator[str, None, None]:
         for r in responses:
-            if REUSE_KEY in r.additional_kwargs:
-                metadata[REUSE_KEY] = r.additional_kwargs[REUSE_KEY]
-            if r.delta:
-                yield r.delta
+            if delta := self._reuse(r, metadata):
+                yield delta
 
     async def _astream_text(
         self, responses: AsyncGenerator[CompletionResponse, None], metadata: dict[str, Any]
     ) -> AsyncGenerator[str, None]:
         async for r in responses:
-            if REUSE_KEY in r.additional_kwargs:
-                metadata[REUSE_KEY] = r.additional_kwargs[REUSE_KEY]
-            if r.delta:
-                yield r.delta
+            if delta := self._reuse(r, metadata):
+                yield delta
 
     def _empty(self, query: QueryTextType, streaming_async: bool) -> RESPONSE_TYPE:
         response: RESPONSE_TYPE
@@ -141,6 +177,22 @@ class CraftSynthesizer(BaseSynthesizer):
         dispatcher.event(SynthesizeEndEvent(query=query, response=response))
         return response
 
+    @contextmanager
+    def _traced(
+        self, query: QueryTextType, job: _Job
+    ) -> Iterator[Callable[[RESPONSE_TYPE], RESPONSE_TYPE]]:
+        """The callback-manager span around the engine call; yields ``done(response)``, which
+        ends the span and emits ``SynthesizeEndEvent``."""
+        payload: dict[str, Any] = {EventPayload.QUERY_STR: job.question}
+        with self._callback_manager.event(CBEventType.SYNTHESIZE, payload=payload) as event:
+
+            def done(response: RESPONSE_TYPE) -> RESPONSE_TYPE:
+                event.on_end(payload={EventPayload.RESPONSE: response})
+                dispatcher.event(SynthesizeEndEvent(query=query, response=response))
+                return response
+
+            yield done
+
     def synthesize(
         self,
         query: QueryTextType,
@@ -151,32 +203,9 @@ class CraftSynthesizer(BaseSynthesizer):
         dispatcher.event(SynthesizeStartEvent(query=query))
         if not nodes:
             return self._empty(query, streaming_async=False)
-        bundle = QueryBundle(query_str=query) if isinstance(query, str) else query
-        chunks, skipped = self._chunks(nodes)
-        sources = list(nodes) + list(additional_source_nodes or [])
-        metadata = self._metadata(sources, skipped)
-        kwargs = {**self._sampling, **response_kwargs}
-        llm, conv = self._craft_llm, self._conversation_id
-        response: RESPONSE_TYPE
-        with self._callback_manager.event(
-            CBEventType.SYNTHESIZE, payload={EventPayload.QUERY_STR: bundle.query_str}
-        ) as event:
-            if self._streaming:
-                stream = llm.stream_complete_chunks(
-                    chunks, bundle.query_str, conversation_id=conv, **kwargs
-                )
-                response = StreamingResponse(
-                    response_gen=self._stream_text(stream, metadata),
-                    source_nodes=sources,
-                    metadata=metadata,
-                )
-            else:
-                done = llm.complete_chunks(chunks, bundle.query_str, conversation_id=conv, **kwargs)
-                metadata[REUSE_KEY] = done.additional_kwargs[REUSE_KEY]
-                response = Response(done.text, source_nodes=sources, metadata=metadata)
-            event.on_end(payload={EventPayload.RESPONSE: response})
-        dispatcher.event(SynthesizeEndEvent(query=query, response=response))
-        return response
+        job = self._node_job(query, nodes, additional_source_nodes, response_kwargs)
+        with self._traced(query, job) as done:
+            return done(self._respond(job))
 
     async def asynthesize(
         self,
@@ -188,68 +217,56 @@ class CraftSynthesizer(BaseSynthesizer):
         dispatcher.event(SynthesizeStartEvent(query=query))
         if not nodes:
             return self._empty(query, streaming_async=True)
-        bundle = QueryBundle(query_str=query) if isinstance(query, str) else query
-        chunks, skipped = self._chunks(nodes)
-        sources = list(nodes) + list(additional_source_nodes or [])
-        metadata = self._metadata(sources, skipped)
-        kwargs = {**self._sampling, **response_kwargs}
-        llm, conv = self._craft_llm, self._conversation_id
-        response: RESPONSE_TYPE
-        with self._callback_manager.event(
-            CBEventType.SYNTHESIZE, payload={EventPayload.QUERY_STR: bundle.query_str}
-        ) as event:
-            if self._streaming:
-                stream = llm.astream_complete_chunks(
-                    chunks, bundle.query_str, conversation_id=conv, **kwargs
-                )
-                response = AsyncStreamingResponse(
-                    response_gen=self._astream_text(stream, metadata),
-                    source_nodes=sources,
-                    metadata=metadata,
-                )
-            else:
-                done = await llm.acomplete_chunks(
-                    chunks, bundle.query_str, conversation_id=conv, **kwargs
-                )
-                metadata[REUSE_KEY] = done.additional_kwargs[REUSE_KEY]
-                response = Response(done.text, source_nodes=sources, metadata=metadata)
-            event.on_end(payload={EventPayload.RESPONSE: response})
-        dispatcher.event(SynthesizeEndEvent(query=query, response=response))
-        return response
+        job = self._node_job(query, nodes, additional_source_nodes, response_kwargs)
+        with self._traced(query, job) as done:
+            return done(await self._arespond(job))
 
     # ---- the text-chunk interface BaseSynthesizer requires ----
+
+    def _text_job(
+        self, query_str: str, text_chunks: Sequence[str], response_kwargs: dict[str, Any]
+    ) -> _Job:
+        """Bare text chunks (no node ids): each is one chunk keyed by its content hash."""
+        return self._job(query_str, [make_chunk(t) for t in text_chunks], [], {}, response_kwargs)
 
     def get_response(
         self, query_str: str, text_chunks: Sequence[str], **response_kwargs: Any
     ) -> RESPONSE_TEXT_TYPE:
-        """Bare text chunks (no node ids): each is one chunk keyed by its content hash."""
-        chunks = [make_chunk(t) for t in text_chunks]
-        kwargs = {**self._sampling, **response_kwargs}
-        conv = self._conversation_id
-        if self._streaming:
-            stream = self._craft_llm.stream_complete_chunks(
-                chunks, query_str, conversation_id=conv, **kwargs
-            )
-            return self._stream_text(stream, {})
-        return self._craft_llm.complete_chunks(
-            chunks, query_str, conversation_id=conv, **kwargs
-        ).text
+        return _text(self._respond(self._text_job(query_str, text_chunks, response_kwargs)))
 
     async def aget_response(
         self, query_str: str, text_chunks: Sequence[str], **response_kwargs: Any
     ) -> RESPONSE_TEXT_TYPE:
-        chunks = [make_chunk(t) for t in text_chunks]
-        kwargs = {**self._sampling, **response_kwargs}
-        conv = self._conversation_id
-        if self._streaming:
-            stream = self._craft_llm.astream_complete_chunks(
-                chunks, query_str, conversation_id=conv, **kwargs
-            )
-            return self._astream_text(stream, {})
-        done = await self._craft_llm.acomplete_chunks(
-            chunks, query_str, conversation_id=conv, **kwargs
-        )
-        return done.text
+        return _text(await self._arespond(self._text_job(query_str, text_chunks, response_kwargs)))
+
+
+@dataclass(slots=True)
+class _Job:
+    """One synthesis: the engine request's arguments and what goes back to the caller.
+    ``metadata`` is shared with the response (a stream adds the report when it ends)."""
+
+    chunks: list[Chunk]
+    question: str
+    kwargs: dict[str, Any]
+    sources: list[NodeWithScore]
+    metadata: dict[str, Any]
+
+    def response(self, done: CompletionResponse) -> Response:
+        self.metadata[REUSE_KEY] = done.additional_kwargs[REUSE_KEY]
+        return Response(done.text, source_nodes=self.sources, metadata=self.metadata)
+
+    def streaming(
+        self,
+        cls: type[StreamingResponse] | type[AsyncStreamingResponse],
+        gen: Any,
+    ) -> StreamingResponse | AsyncStreamingResponse:
+        return cls(response_gen=gen, source_nodes=self.sources, metadata=self.metadata)
+
+
+def _text(response: RESPONSE_TYPE) -> RESPONSE_TEXT_TYPE:
+    if isinstance(response, StreamingResponse | AsyncStreamingResponse):
+        return response.response_gen
+    return response.response or ""
 
 
 def craft_query_engine(
@@ -263,8 +280,16 @@ def craft_query_engine(
     **sampling: Any,
 ) -> RetrieverQueryEngine:
     """A ``RetrieverQueryEngine`` with CRAFT end to end: ``node_postprocessors`` first, then
-    ``llm.reorderer()`` (shared planner, plans served by the engine), then
-    :class:`CraftSynthesizer` (chunks intact, in CRAFT order)."""
+    ``llm.reorderer()`` (the engine's planner for ``llm.cache_salt``, plans parked for the
+    engine), then :class:`CraftSynthesizer` (chunks intact, in CRAFT order, the parked plan
+    served with ``plan=``). ``sampling`` go to every engine call; the cache salt is the LLM's
+    (``ValueError`` for another one: its planner did not make the parked plans)."""
+    if sampling.get("cache_salt", llm.cache_salt) != llm.cache_salt:
+        msg = (
+            "craft_query_engine serves plans made by the LLM's planner, so it uses the LLM's "
+            "cache_salt; build the LLM with the salt instead: CraftVLLM(engine, cache_salt=...)"
+        )
+        raise ValueError(msg)
     reorderer = llm.reorderer(key_source=key_source, conversation_id=conversation_id)
     synthesizer = CraftSynthesizer(
         llm,

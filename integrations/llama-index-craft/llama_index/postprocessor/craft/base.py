@@ -7,11 +7,14 @@ When does the planner commit?
     * ``commit_mode="postprocess"`` (default): commit right after planning, with no reuse
       information. Any pipeline, with any LLM, keeps CA-Table and CP-Tree up to date; the
       CP-Tree then trusts its own prediction (it never learns of evictions).
-    * ``commit_mode="engine"``: park the plan in :attr:`CraftReorderPostprocessor.handoff`; the
-      CRAFT engine path (:class:`~llama_index.llms.craft_vllm.CraftSynthesizer`, the chat
-      engine) claims it and commits with the engine's truth (cached tokens, chunk token spans).
-      A plan the engine never serves is never committed, so a failed request changes nothing.
-      Use this mode only with a consumer that claims plans; otherwise nothing is learned.
+    * ``commit_mode="engine"``: park the plan in :attr:`CraftReorderPostprocessor.handoff`;
+      ``CraftVLLM.complete_chunks`` (behind :class:`~llama_index.llms.craft_vllm.CraftSynthesizer`)
+      claims it and serves it with ``CraftEngine.generate(..., plan=plan)``, which renders
+      exactly that order and commits that plan with the engine's truth (cached tokens, chunk
+      token spans, block hashes). A plan the engine never serves is never committed, so a
+      failed request changes nothing. Use this mode only with a consumer that claims plans;
+      otherwise nothing is learned. The planner must be the engine's
+      (``engine.planner_for(cache_salt)``): the engine refuses plans made by another planner.
 """
 
 from __future__ import annotations
@@ -20,7 +23,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any, Literal
 
-from llama_index.core.bridge.pydantic import Field, PrivateAttr, field_validator
+from llama_index.core.bridge.pydantic import Field, PrivateAttr, ValidationInfo, field_validator
 from llama_index.core.postprocessor.types import BaseNodePostprocessor
 from llama_index.core.schema import NodeWithScore, QueryBundle, QueryType
 from llama_index.postprocessor.craft.events import (
@@ -43,6 +46,10 @@ CommitMode = Literal["postprocess", "engine"]
 COMMIT_MODES: tuple[CommitMode, ...] = ("postprocess", "engine")
 
 _CONFIG_FIELDS = ("policy", "window", "threshold")
+_CHOICES: dict[str, list[str]] = {
+    "policy": sorted(ORDERING_POLICIES),
+    "key_source": list(KEY_SOURCES),
+}
 
 
 @dataclass(frozen=True, slots=True)
@@ -76,7 +83,8 @@ class CraftReorderPostprocessor(BaseNodePostprocessor):
     Pass ``planner=`` to share one planner (and its CA-Table/CP-Tree) between postprocessors,
     retrievers, the synthesizer and the chat engine; ``policy``/``window``/``threshold`` then
     default to the planner's settings and must agree with them. ``handoff=`` is where
-    ``commit_mode="engine"`` parks plans (``CraftVLLM.reorderer()`` passes the engine's).
+    ``commit_mode="engine"`` parks plans (``CraftVLLM.reorderer()`` passes the LLM's, with the
+    engine's planner).
 
     Cost per call: O(total node text) to build chunks (text hashing only with
     ``key_source="content_hash"``) plus the planner's O(k log k).
@@ -138,35 +146,21 @@ class CraftReorderPostprocessor(BaseNodePostprocessor):
         )
         self._handoff = handoff if handoff is not None else PlanHandoff()
 
-    @field_validator("policy")
+    @field_validator("policy", "key_source")
     @classmethod
-    def _check_policy(cls, value: str) -> str:
-        if value not in ORDERING_POLICIES:
-            msg = f"unknown policy {value!r}; choose one of {sorted(ORDERING_POLICIES)}"
+    def _check_choice(cls, value: str, info: ValidationInfo) -> str:
+        options = _CHOICES[info.field_name or ""]
+        if value not in options:
+            msg = f"unknown {info.field_name} {value!r}; choose one of {options}"
             raise ValueError(msg)
         return value
 
-    @field_validator("window")
+    @field_validator("window", "threshold")
     @classmethod
-    def _check_window(cls, value: int | None) -> int | None:
+    def _check_at_least_one(cls, value: int | None, info: ValidationInfo) -> int | None:
         if value is not None and value < 1:
-            msg = f"window must be None (unlimited) or >= 1, got {value}"
-            raise ValueError(msg)
-        return value
-
-    @field_validator("threshold")
-    @classmethod
-    def _check_threshold(cls, value: int) -> int:
-        if value < 1:
-            msg = f"threshold must be >= 1, got {value}"
-            raise ValueError(msg)
-        return value
-
-    @field_validator("key_source")
-    @classmethod
-    def _check_key_source(cls, value: str) -> str:
-        if value not in KEY_SOURCES:
-            msg = f"unknown key_source {value!r}; choose one of {list(KEY_SOURCES)}"
+            unlimited = "None (unlimited) or " if info.field_name == "window" else ""
+            msg = f"{info.field_name} must be {unlimited}>= 1, got {value}"
             raise ValueError(msg)
         return value
 
@@ -192,13 +186,16 @@ class CraftReorderPostprocessor(BaseNodePostprocessor):
         query: QueryType | None = None,
         *,
         conversation_id: str | None = None,
+        park: bool = True,
     ) -> CraftReorderResult:
         """Plan ``nodes`` and return them in CRAFT order (see :class:`CraftReorderResult`).
 
         ``conversation_id`` overrides the field for this call. Side effects: emits
         ``CraftReorderStartEvent``/``CraftReorderEndEvent``; commits the plan
         (``commit_mode="postprocess"``, plus a ``CraftCommitEvent``) or parks it in
-        :attr:`handoff` (``"engine"``). Raises ``ValueError`` for items that are not
+        :attr:`handoff` (``"engine"``). ``park=False`` (engine mode only) leaves the plan
+        uncommitted and unparked on the result, for a caller that serves it itself with
+        ``plan=`` (the chat engine does). Raises ``ValueError`` for items that are not
         ``NodeWithScore`` and for two nodes with one id but different text.
         """
         conv = conversation_id if conversation_id is not None else self.conversation_id
@@ -228,7 +225,7 @@ class CraftReorderPostprocessor(BaseNodePostprocessor):
                 result = self._planner.commit(plan)
                 committed = True
                 dispatcher.event(CraftCommitEvent(plan=plan, result=result, source="postprocess"))
-            else:
+            elif park:
                 self._handoff.put(plan)
         out = ordered + list(split.passthrough)
         assert len(out) + len(removed) + len(repeated) == len(nodes), "a node was lost"

@@ -52,12 +52,18 @@ class CraftReorderEndEvent(BaseEvent):
 
 
 class CraftCommitEvent(BaseEvent):
-    """A plan was committed to the planner: by the postprocessor (``source="postprocess"``,
-    no reuse information) or after the engine served it (``source="engine"``, with the engine's
-    reuse report in ``reuse``)."""
+    """A plan was committed to the planner.
+
+    ``source="postprocess"``: the postprocessor committed it without reuse information;
+    ``result`` is the planner's :class:`craft_rag.CommitResult`. ``source="engine"``: the CRAFT
+    engine served the plan (``plan=``) and committed it with what vLLM reused; ``reuse`` is the
+    engine's :class:`craft_rag.engine.results.ReuseReport` (cached tokens, reused chunks, TTFT;
+    its ``plan_id`` is ``plan.plan_id``) and ``result`` is ``None`` (the engine keeps the
+    planner's own result to itself).
+    """
 
     plan: Plan
-    result: CommitResult
+    result: CommitResult | None = None
     source: str
     reuse: Any = None
 

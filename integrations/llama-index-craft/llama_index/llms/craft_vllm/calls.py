@@ -1,0 +1,166 @@
+"""One engine request, served blocking, streaming or async: the only loops of ``CraftVLLM``.
+
+``CraftVLLM`` has twelve entry points (``complete``, ``chat``, ``complete_chunks`` times
+blocking, streaming, async and async streaming). They differ in two things only: which engine
+request they make (an :class:`EngineCall`: the same arguments bound to one of the engine's
+``generate``/``stream``/``astream`` triples) and which LlamaIndex response they return (a
+:data:`MakeResponse`). :func:`respond`, :func:`respond_stream`, :func:`arespond` and
+:func:`arespond_stream` combine the two; the per-piece work of both stream forms is one
+function (:class:`_Deltas`), so the sync and async paths cannot drift apart.
+"""
+
+from __future__ import annotations
+
+from collections.abc import AsyncGenerator, AsyncIterator, Callable, Generator, Iterator
+from contextlib import aclosing
+from dataclasses import dataclass
+from functools import partial
+from typing import Any, TypeVar, cast
+
+from llama_index.core.base.llms.types import (
+    ChatMessage,
+    ChatResponse,
+    CompletionResponse,
+    MessageRole,
+)
+from llama_index.postprocessor.craft.events import CraftCommitEvent
+from llama_index_instrumentation import get_dispatcher
+
+from craft_rag import Plan
+from craft_rag.engine.results import GenerationResult, StreamChunk
+
+dispatcher = get_dispatcher(__name__)
+
+REUSE_KEY = "reuse_report"
+"""Key of the :class:`~craft_rag.engine.results.ReuseReport` in ``additional_kwargs``."""
+
+R = TypeVar("R", CompletionResponse, ChatResponse)
+
+MakeResponse = Callable[[str, str | None, GenerationResult | None], R]
+"""``(text so far, delta, result)`` -> a LlamaIndex response; ``result`` only on the last."""
+
+EngineMethods = tuple[
+    Callable[..., GenerationResult],
+    Callable[..., Iterator[StreamChunk]],
+    Callable[..., AsyncIterator[StreamChunk]],
+]
+"""An engine's ``(generate, stream, astream)`` for one kind of prompt (chunks, tokens,
+messages)."""
+
+
+@dataclass(frozen=True, slots=True)
+class EngineCall:
+    """One engine request, bound to its arguments, waited for in any of three ways.
+
+    ``plan`` is the caller-made plan the request serves with ``plan=`` (``None`` for prompts
+    without chunks); once the engine returns, :meth:`served` reports its commit. The three
+    callables make the same request: exactly one of them is called, once.
+    """
+
+    generate: Callable[[], GenerationResult]
+    stream: Callable[[], Iterator[StreamChunk]]
+    astream: Callable[[], AsyncIterator[StreamChunk]]
+    plan: Plan | None = None
+
+    @classmethod
+    def bind(
+        cls, methods: EngineMethods, *args: Any, plan: Plan | None = None, **kwargs: Any
+    ) -> EngineCall:
+        """The engine request ``methods(*args, **kwargs)``; a ``plan`` is passed on as the
+        engine's ``plan=`` (served as planned) and reported by :meth:`served`."""
+        if plan is not None:
+            kwargs["plan"] = plan
+        generate, stream, astream = methods
+        return cls(
+            partial(generate, *args, **kwargs),
+            partial(stream, *args, **kwargs),
+            partial(astream, *args, **kwargs),
+            plan,
+        )
+
+    def served(self, result: GenerationResult) -> GenerationResult:
+        """Emit ``CraftCommitEvent(source="engine")`` for the plan the engine just committed
+        (it commits a served plan exactly when the request finished). Returns ``result``."""
+        if self.plan is not None:
+            assert result.report.plan_id == self.plan.plan_id, "the engine served another plan"
+            dispatcher.event(CraftCommitEvent(plan=self.plan, source="engine", reuse=result.report))
+        return result
+
+
+def response_kwargs(result: GenerationResult) -> dict[str, Any]:
+    return {REUSE_KEY: result.report, "finish_reason": result.finish_reason}
+
+
+def completion_response(
+    text: str, delta: str | None, result: GenerationResult | None
+) -> CompletionResponse:
+    if result is None:
+        return CompletionResponse(text=text, delta=delta)
+    return CompletionResponse(
+        text=text, delta=delta, raw=result, additional_kwargs=response_kwargs(result)
+    )
+
+
+def chat_response(text: str, delta: str | None, result: GenerationResult | None) -> ChatResponse:
+    message = ChatMessage(role=MessageRole.ASSISTANT, content=text)
+    if result is None:
+        return ChatResponse(message=message, delta=delta)
+    return ChatResponse(
+        message=message, delta=delta, raw=result, additional_kwargs=response_kwargs(result)
+    )
+
+
+class _Deltas:
+    """Stream pieces -> cumulative responses; the last one (empty delta) carries the result.
+    The one per-piece step of :func:`respond_stream` and :func:`arespond_stream`."""
+
+    def __init__(self, call: EngineCall, make: MakeResponse[R]) -> None:
+        self._call = call
+        self._make: MakeResponse[Any] = make
+        self._text = ""
+
+    def __call__(self, piece: StreamChunk) -> Any:
+        self._text += piece.text
+        if piece.result is None:
+            return self._make(self._text, piece.text, None)
+        return self._make(self._text, "", self._call.served(piece.result))
+
+
+def respond(call: EngineCall, make: MakeResponse[R]) -> R:
+    """Run ``call`` to completion (blocks); one response with the result."""
+    result = call.served(call.generate())
+    return make(result.text, None, result)
+
+
+def respond_stream(call: EngineCall, make: MakeResponse[R]) -> Generator[R, None, None]:
+    """Yield a response per delta as the engine's driver thread produces it. The request starts
+    when the iterator is first advanced; closing it early aborts it (nothing committed)."""
+    step = _Deltas(call, make)
+    for piece in call.stream():
+        yield step(piece)
+
+
+async def arespond_stream(call: EngineCall, make: MakeResponse[R]) -> AsyncGenerator[R, None]:
+    """Async :func:`respond_stream`: deltas cross threads through an asyncio queue, so the
+    event loop never waits on a forward pass; cancelling the consumer aborts the request."""
+    step = _Deltas(call, make)
+    async with aclosing(_agen(call)) as pieces:
+        async for piece in pieces:
+            yield step(piece)
+
+
+async def arespond(call: EngineCall, make: MakeResponse[R]) -> R:
+    """Async :func:`respond` (waits on the async stream; never blocks the event loop)."""
+    async with aclosing(_agen(call)) as pieces:
+        async for piece in pieces:
+            if piece.result is not None:
+                result = call.served(piece.result)
+                return make(result.text, None, result)
+    msg = "the engine stream ended without a result"
+    raise RuntimeError(msg)
+
+
+def _agen(call: EngineCall) -> AsyncGenerator[StreamChunk, None]:
+    # The engine's astream forms are async generators (typed as iterators): closing ours must
+    # close theirs at once, which aborts the request, not when it is garbage-collected.
+    return cast(AsyncGenerator[StreamChunk, None], call.astream())
