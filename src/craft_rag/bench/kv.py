@@ -40,8 +40,8 @@ if TYPE_CHECKING:
 BASELINE = "prefix_cache_nodedup"
 SINGLE_TURN_SYSTEMS = ("no_cache", "prefix_cache", "craft_frequency", "craft_tree")
 MULTI_TURN_SYSTEMS = (
-    "no_cache", "prefix_cache_nodedup", "craft_frequency_nodedup", "craft_frequency",
-    "craft_tree_nodedup", "craft_tree", "prefix_cache",
+    "no_cache_nodedup", "no_cache", "prefix_cache_nodedup", "craft_frequency_nodedup",
+    "craft_frequency", "craft_tree_nodedup", "craft_tree", "prefix_cache",
 )
 AGREEMENT_SYSTEMS = ("prefix_cache", "craft_frequency", "craft_tree")
 
@@ -54,7 +54,7 @@ def _totals(results: list[GenerationResult]) -> tuple[int, int]:
 
 def _reduction(results: dict[str, list[GenerationResult]], multi_turn: bool) -> dict[str, Any]:
     computed = {n: p - c for n, (p, c) in ((n, _totals(rs)) for n, rs in results.items())}
-    no_cache_prompt = _totals(results["no_cache"])[0]
+    no_cache_prompt = _totals(results["no_cache_nodedup" if multi_turn else "no_cache"])[0]
     base_name = BASELINE if multi_turn else "prefix_cache"
     base = computed[base_name]
     out: dict[str, Any] = {"baseline": base_name, "computed_tokens": computed,

@@ -11,7 +11,9 @@ from pathlib import Path
 from typing import Any
 
 SYSTEM_LABELS = {
+    "no_cache_nodedup": "w/o prefix caching, no dedup",
     "no_cache": "w/o prefix caching",
+    "prefix_cache_nodedup": "w/ prefix caching, no dedup",
     "prefix_cache": "w/ prefix caching",
     "craft_frequency": "CRAFT frequency",
     "craft_tree": "CRAFT tree",
@@ -91,7 +93,8 @@ def plot_ttft(result: Mapping[str, Any], path: Path) -> None:
             xs = [j + i * width for j in range(len(names))]
             ax.bar(xs, [systems[n][f"normalised_{stat}"] for n in names], width, label=stat)
         ax.set_xticks([j + width for j in range(len(names))],
-                      [SYSTEM_LABELS[n].replace(" ", "\n", 1) for n in names], fontsize=7)
+                      [SYSTEM_LABELS[n].replace(" ", "\n").replace(",", "") for n in names],
+                      fontsize=6)
         ax.set_ylabel("TTFT / w/o prefix caching")
         ax.set_title(f"{workload}: normalised TTFT (cf. Fig. 11)", fontsize=9)
         ax.legend(fontsize=7)

@@ -40,6 +40,8 @@ SYSTEMS: dict[str, BenchSystem] = {
         BenchSystem("craft_frequency", PlannerConfig(policy="frequency")),
         BenchSystem("craft_tree", PlannerConfig(policy="tree")),
         # Variants without conversation-scoped dedup (they differ only on multi-turn traces).
+        BenchSystem("no_cache_nodedup", PlannerConfig(policy="retriever", dedup=False),
+                    read_prefix_cache=False),
         BenchSystem("prefix_cache_nodedup", PlannerConfig(policy="retriever", dedup=False)),
         BenchSystem("craft_frequency_nodedup", PlannerConfig(policy="frequency", dedup=False)),
         BenchSystem("craft_tree_nodedup", PlannerConfig(policy="tree", dedup=False)),
