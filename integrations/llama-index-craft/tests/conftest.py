@@ -12,10 +12,10 @@ from dataclasses import dataclass
 from typing import Any
 
 import pytest
-from llama_index.core.instrumentation import get_dispatcher
 from llama_index.core.instrumentation.event_handlers import BaseEventHandler
-from llama_index.core.instrumentation.events.base import BaseEvent
 from llama_index.core.schema import NodeWithScore, TextNode
+from llama_index_instrumentation import get_dispatcher  # = llama_index.core.instrumentation's
+from llama_index_instrumentation.base import BaseEvent
 
 CORPUS_SIZE = 96
 """SQuAD paragraphs in the test index: the first articles of the dev set (~15 s to embed the

@@ -8,6 +8,7 @@ from collections.abc import Iterator, Sequence
 from typing import Any
 
 import pytest
+from llama_index.core.base.response.schema import AsyncStreamingResponse, StreamingResponse
 from llama_index.core.memory import ChatMemoryBuffer
 from llama_index.core.query_engine import RetrieverQueryEngine
 from llama_index.core.schema import ImageNode, NodeWithScore
@@ -53,6 +54,12 @@ def submitted(craft_engine: Any, monkeypatch: pytest.MonkeyPatch) -> list[tuple[
     return prompts
 
 
+def _meta(response: Any) -> dict[str, Any]:
+    metadata = response.metadata
+    assert isinstance(metadata, dict)
+    return metadata
+
+
 def _find(haystack: tuple[int, ...], needle: tuple[int, ...]) -> int:
     for i in range(len(haystack) - len(needle) + 1):
         if haystack[i : i + len(needle)] == needle:
@@ -79,7 +86,7 @@ def test_query_engine_sends_the_planned_order_token_exactly(
     q1, q2 = squad_index.questions[0], squad_index.questions[1]
     responses = [qe.query(q) for q in (q1, q2, q1)]
     plans = [e.plan for e in events.of(CraftReorderEndEvent)]
-    reports = [r.metadata[REUSE_KEY] for r in responses]
+    reports = [_meta(r)[REUSE_KEY] for r in responses]
     for response, plan, report, prompt in zip(responses, plans, reports, submitted, strict=True):
         assert isinstance(report, ReuseReport)
         assert tuple(node_ids(response.source_nodes)) == plan.keys == report.chunk_order
@@ -101,9 +108,10 @@ def test_streaming_and_async_query_engines(llm: CraftVLLM, squad_index: SquadInd
     q = squad_index.questions[2]
     plain = craft_query_engine(retriever, llm).query(q)
     streaming = craft_query_engine(retriever, llm, streaming=True).query(q)
+    assert isinstance(streaming, StreamingResponse)
     text = "".join(streaming.response_gen)
     assert text == str(plain)
-    report = streaming.metadata[REUSE_KEY]
+    report = _meta(streaming)[REUSE_KEY]
     assert report.reused_chunks == TOP_K and report.cached_tokens > 0
 
 
@@ -112,9 +120,10 @@ async def test_async_query_engine(llm: CraftVLLM, squad_index: SquadIndex) -> No
     q = squad_index.questions[3]
     done = await craft_query_engine(retriever, llm).aquery(q)
     streaming = await craft_query_engine(retriever, llm, streaming=True).aquery(q)
+    assert isinstance(streaming, AsyncStreamingResponse)
     text = "".join([d async for d in streaming.async_response_gen()])
     assert text == str(done)
-    assert streaming.metadata[REUSE_KEY].reused_chunks == TOP_K
+    assert _meta(streaming)[REUSE_KEY].reused_chunks == TOP_K
 
 
 def test_synthesizer_keeps_non_text_nodes_as_sources(llm: CraftVLLM) -> None:
@@ -123,8 +132,8 @@ def test_synthesizer_keeps_non_text_nodes_as_sources(llm: CraftVLLM) -> None:
     nodes = [make_node(1, "Paris is the capital of France."), image]
     response = synth.synthesize("What is the capital of France?", nodes)
     assert response.source_nodes == nodes
-    assert response.metadata[SKIPPED_KEY] == ["img"]
-    assert response.metadata[REUSE_KEY].chunk_order == ("n1",)
+    assert _meta(response)[SKIPPED_KEY] == ["img"]
+    assert _meta(response)[REUSE_KEY].chunk_order == ("n1",)
     assert str(synth.synthesize("anything", [])) == "Empty Response"
     with pytest.raises(ValueError, match="CraftVLLM"):
         CraftSynthesizer(object())  # type: ignore[arg-type]

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import pytest
+from llama_index.core.bridge.pydantic import AnyUrl
 from llama_index.core.postprocessor.types import BaseNodePostprocessor
 from llama_index.core.schema import (
     Document,
@@ -122,7 +123,9 @@ def test_non_text_and_empty_nodes_pass_through_at_the_end() -> None:
     empty = NodeWithScore(node=TextNode(id_="empty", text="   "))
     media_doc = NodeWithScore(
         node=Document(
-            id_="doc-img", text="caption", image_resource=MediaResource(url="https://e.com/x.png")
+            id_="doc-img",
+            text="caption",
+            image_resource=MediaResource(url=AnyUrl("https://e.com/x.png")),
         )
     )
     text_doc = NodeWithScore(node=Document(id_="doc", text="a plain document"))
@@ -198,7 +201,7 @@ def test_engine_mode_parks_the_plan_for_the_engine_path() -> None:
     assert len(pp.handoff) == 1
     assert pp.claim_plan(list(reversed(result.nodes))) is None  # another order: not this plan
     plan = pp.claim_plan(result.nodes)
-    assert plan is result.plan
+    assert plan is not None and plan is result.plan
     assert pp.claim_plan(result.nodes) is None and len(pp.handoff) == 0
     pp.planner.commit(plan)
     assert pp.planner.stats.commits == 1
