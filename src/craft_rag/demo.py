@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 import time
 from collections.abc import Sequence
@@ -177,6 +178,8 @@ def add_demo_parser(subparsers: Any) -> None:
 
 
 def run_demo(args: argparse.Namespace) -> int:
+    # vLLM logs every cache reset at INFO on stdout; the demo's table is the output that matters.
+    os.environ.setdefault("VLLM_LOGGING_LEVEL", "ERROR")
     from craft_rag.engine import CraftEngine, EngineSettings
 
     if args.requests < 1:
