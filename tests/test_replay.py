@@ -287,3 +287,40 @@ def test_cli_rejects_an_unknown_policy(tmp_path: Path) -> None:
     with pytest.raises(SystemExit) as info:
         main(["replay", path, "--policy", "random"])
     assert info.value.code == 2
+
+
+def test_max_model_len_drops_oldest_turns_like_the_engine() -> None:
+    """Each turn adds ~40 hashing tokens; a 100-token budget keeps only the newest turns, and
+    a turn that cannot fit alone is a clear error, never a cut chunk."""
+    from craft_rag.chunk import make_chunk
+    from craft_rag.planner import PlannerConfig
+    from craft_rag.replay import replay
+    from craft_rag.tokenizer import HashingTokenizer
+    from craft_rag.trace import TraceRequest
+
+    words = " ".join(f"w{i}" for i in range(30))
+    turns = [
+        TraceRequest(
+            id=f"t{i}",
+            query="q?",
+            chunks=(make_chunk(words, id=f"c{i}"),),
+            conversation_id="conv",  # type: ignore[arg-type]
+            turn=i + 1,
+            answer="a",
+        )
+        for i in range(4)
+    ]
+    seen: list[int] = []
+    unlimited = replay(turns, PlannerConfig(), HashingTokenizer(), block_size=4)
+    bounded = replay(
+        turns,
+        PlannerConfig(),
+        HashingTokenizer(),
+        block_size=4,
+        max_model_len=100,
+        on_served=lambda s: seen.append(s.prompt.num_tokens),
+    )
+    assert all(n <= 100 for n in seen)
+    assert bounded.prompt_tokens < unlimited.prompt_tokens
+    with pytest.raises(ValueError, match="even without earlier turns"):
+        replay(turns, PlannerConfig(), HashingTokenizer(), max_model_len=20)

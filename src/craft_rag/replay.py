@@ -11,6 +11,7 @@ import time
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import asdict, dataclass
 
+from craft_rag.chunk import Chunk
 from craft_rag.metrics import fraction, prefix_overlap, total_overlap
 from craft_rag.planner import CraftPlanner, PlannerConfig
 from craft_rag.prefix_cache_sim import SimulatedPrefixCache
@@ -87,6 +88,33 @@ def percentile(values: Sequence[float], q: float) -> float:
     return ordered[rank]
 
 
+def _render(
+    assembler: PromptAssembler,
+    turns: Sequence[tuple[int, ...]],
+    chunks: Sequence[Chunk],
+    query: str,
+    max_model_len: int | None,
+    max_tokens: int,
+    request_id: str,
+) -> tuple[AssembledPrompt, int]:
+    """The prompt for one turn and how many oldest turns were dropped to fit."""
+    dropped = 0
+    while True:
+        history = [*assembler.head_ids]
+        for turn in turns[dropped:]:
+            history.extend(turn)
+        prompt = assembler.next_turn(history, chunks, query)
+        if max_model_len is None or prompt.num_tokens + max_tokens <= max_model_len:
+            return prompt, dropped
+        if dropped == len(turns):
+            msg = (
+                f"request {request_id!r} needs {prompt.num_tokens} prompt tokens + max_tokens "
+                f"{max_tokens} > max_model_len {max_model_len} even without earlier turns"
+            )
+            raise ValueError(msg)
+        dropped += 1
+
+
 def replay(
     requests: Iterable[TraceRequest],
     config: PlannerConfig,
@@ -95,15 +123,20 @@ def replay(
     prompt_format: PromptFormat | None = None,
     block_size: int = DEFAULT_BLOCK_SIZE,
     cache_tokens: int = DEFAULT_CACHE_TOKENS,
+    max_model_len: int | None = None,
+    max_tokens: int = 0,
     on_served: Callable[[ServedRequest], None] | None = None,
 ) -> ReplayResult:
     """Replay ``requests`` in order under ``config``; all state starts empty. Conversations
     render append-only; a turn's history is the previous prompt plus its ``answer`` (empty if
-    the trace has none)."""
+    the trace has none). With ``max_model_len``, whole oldest turns are dropped while
+    ``prompt + max_tokens`` would exceed it, as the engine does (paper §4.3); a turn that
+    cannot fit alone raises ``ValueError``."""
     planner = CraftPlanner(config)
     assembler = PromptAssembler(tokenizer, prompt_format)
     cache = SimulatedPrefixCache(block_size, cache_tokens)
-    histories: dict[ConversationId, tuple[int, ...]] = {}
+    # Per conversation: the stored turns, each [chunks][question tail][answer close].
+    histories: dict[ConversationId, list[tuple[int, ...]]] = {}
     orders: list[tuple[ChunkKey, ...]] = []
     planner_us: list[float] = []
     prompt_tokens = cached_total = rendered = reused_total = 0
@@ -114,10 +147,9 @@ def replay(
         plan = planner.plan(request.chunks, request.conversation_id)
         t1 = time.perf_counter_ns()
         conv = request.conversation_id
-        if conv is not None and plan.turn > 1 and conv in histories:
-            prompt = assembler.next_turn(histories[conv], plan.ordered, request.query)
-        else:
-            prompt = assembler.single_turn(plan.ordered, request.query)
+        turns = histories.get(conv, []) if conv is not None and plan.turn > 1 else []
+        prompt, dropped = _render(assembler, turns, plan.ordered, request.query,
+                                  max_model_len, max_tokens, request.id)
         cached = cache.serve(prompt.token_ids)
         reused = reused_chunk_count(prompt, cached, block_size)
         t2 = time.perf_counter_ns()
@@ -130,7 +162,9 @@ def replay(
         t3 = time.perf_counter_ns()
         planner_us.append(((t1 - t0) + (t3 - t2)) / 1000)
         if conv is not None:
-            histories[conv] = prompt.token_ids + assembler.answer_ids(request.answer or "")
+            segment = prompt.token_ids[prompt.prefix_tokens :]
+            answer = assembler.answer_ids(request.answer or "")
+            histories[conv] = [*turns[dropped:], segment + answer]
         orders.append(plan.keys)
         prompt_tokens += prompt.num_tokens
         cached_total += cached

@@ -43,6 +43,15 @@ def add_replay_parser(subparsers: Any) -> None:
     p.add_argument("--block-size", type=int, default=DEFAULT_BLOCK_SIZE)
     p.add_argument("--cache-tokens", type=int, default=DEFAULT_CACHE_TOKENS)
     p.add_argument(
+        "--max-model-len",
+        type=int,
+        default=None,
+        help="drop oldest conversation turns to fit, as the engine does (engine default 4096)",
+    )
+    p.add_argument(
+        "--max-tokens", type=int, default=16, help="reply budget kept free (with --max-model-len)"
+    )
+    p.add_argument(
         "--tokenizer",
         choices=["auto", "model", "fallback"],
         default="auto",
@@ -97,6 +106,8 @@ def run_replay(args: argparse.Namespace) -> int:
                 prompt_format=prompt_format,
                 block_size=args.block_size,
                 cache_tokens=args.cache_tokens,
+                max_model_len=args.max_model_len,
+                max_tokens=args.max_tokens,
             )
         )
     if args.json:
