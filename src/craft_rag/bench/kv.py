@@ -88,7 +88,8 @@ def _agreement(
         trace = [replace(r, answer=g.text) for r, g in zip(trace, results, strict=True)]
     capacity = engine_kv_tokens(engine)
     sim = replay_policy(ctx, trace, system.config, block_size=engine.block_size,
-                        cache_tokens=capacity)
+                        cache_tokens=capacity, max_model_len=engine.max_model_len,
+                        max_tokens=ctx.sizes.ttft_max_tokens)
     prompt, cached = _totals(results)
     cache = SimulatedPrefixCache(engine.block_size, capacity or (1 << 20))
     model_cached = sum(cache.serve(list(r.prompt_token_ids)) for r in results)

@@ -31,9 +31,12 @@ def replay_policy(
     *,
     block_size: int = 32,
     cache_tokens: int | None = None,
+    max_model_len: int | None = None,
+    max_tokens: int = 0,
 ) -> ReplayResult:
-    """One replay with the bench's tokenizer and prompt format."""
-    kwargs: dict[str, Any] = {}
+    """One replay with the bench's tokenizer and prompt format (and, given ``max_model_len``,
+    the engine's oldest-turn dropping)."""
+    kwargs: dict[str, Any] = {"max_model_len": max_model_len, "max_tokens": max_tokens}
     if cache_tokens is not None:
         kwargs["cache_tokens"] = cache_tokens
     return replay(
