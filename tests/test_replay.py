@@ -10,6 +10,7 @@ import pytest
 
 from craft_rag.chunk import make_chunk
 from craft_rag.cli import main
+from craft_rag.metrics import chunks_with_cached_blocks
 from craft_rag.planner import PlannerConfig
 from craft_rag.prompt import AssembledPrompt, PromptAssembler
 from craft_rag.replay import ReplayResult, ServedRequest, percentile, replay, reused_chunk_count
@@ -163,27 +164,35 @@ def test_empty_trace() -> None:
 # ---- helpers -------------------------------------------------------------------------------------
 
 
-def test_reused_chunk_count_ignores_a_trailing_partial_block() -> None:
+def test_reused_chunk_count_needs_every_token_cached() -> None:
     prompt = AssembledPrompt(
         token_ids=tuple(range(40)),
         chunk_keys=("a", "b", "c"),
         chunk_spans=((6, 14), (14, 23), (23, 35)),
         prefix_tokens=6,
     )
-    # block 4: chunk a ends at 14, its full blocks end at 12
-    assert reused_chunk_count(prompt, 12, 4) == 1
-    assert reused_chunk_count(prompt, 8, 4) == 0
-    assert reused_chunk_count(prompt, 20, 4) == 2  # b ends at 23 -> needs 20
-    assert reused_chunk_count(prompt, 32, 4) == 3
+    # a chunk counts only when every one of its tokens is cached
+    assert reused_chunk_count(prompt, 12, 4) == 0  # a ends at 14
+    assert reused_chunk_count(prompt, 16, 4) == 1
+    assert reused_chunk_count(prompt, 20, 4) == 1  # b ends at 23
+    assert reused_chunk_count(prompt, 24, 4) == 2
+    assert reused_chunk_count(prompt, 32, 4) == 2  # c ends at 35
+    assert reused_chunk_count(prompt, 36, 4) == 3
     assert reused_chunk_count(prompt, 0, 4) == 0
+    # the planner's block-granular evidence: a's full blocks end at 12, b's at 20, c's at 32
+    spans = prompt.chunk_spans
+    assert [chunks_with_cached_blocks(spans, n, 4) for n in (0, 8, 12, 20, 32)] == [0, 0, 1, 2, 3]
+    # cold: a chunk with no full block of its own needs all its tokens cached
+    assert chunks_with_cached_blocks(((1, 3), (3, 7)), 0, 8) == 0
+    assert chunks_with_cached_blocks(((1, 3), (3, 7)), 7, 8) == 2
 
 
 def test_reused_chunk_count_on_a_real_prompt() -> None:
     asm = PromptAssembler(HashingTokenizer())
     prompt = asm.single_turn([make_chunk(TEXTS["A"], id="A")], "q")
     end = prompt.chunk_spans[0][1]
-    assert reused_chunk_count(prompt, end // BLOCK * BLOCK, BLOCK) == 1
-    assert reused_chunk_count(prompt, end // BLOCK * BLOCK - BLOCK, BLOCK) == 0
+    assert reused_chunk_count(prompt, end, BLOCK) == 1
+    assert reused_chunk_count(prompt, end - 1, BLOCK) == 0
 
 
 def test_percentile_nearest_rank() -> None:
@@ -324,3 +333,36 @@ def test_max_model_len_drops_oldest_turns_like_the_engine() -> None:
     assert bounded.prompt_tokens < unlimited.prompt_tokens
     with pytest.raises(ValueError, match="even without earlier turns"):
         replay(turns, PlannerConfig(), HashingTokenizer(), max_model_len=20)
+
+
+def test_cold_replay_reuses_no_chunk_even_when_chunks_fit_in_one_block() -> None:
+    # Issue 11 item 9: with 0 cached tokens, chunks ending inside the first block were counted.
+    requests = [
+        TraceRequest(
+            f"r{i}", f"question {i}",
+            (make_chunk(f"tiny {i} a", id=f"a{i}"), make_chunk(f"tiny {i} b", id=f"b{i}")),
+        )
+        for i in range(2)
+    ]
+    served: list[ServedRequest] = []
+    result = replay(
+        requests, PlannerConfig(), HashingTokenizer(), block_size=256, on_served=served.append
+    )
+    assert all(s.prompt.chunk_spans[-1][1] < 256 for s in served)  # the old rule counted these
+    assert [s.cached_tokens for s in served] == [0, 0]
+    assert [s.reused_chunks for s in served] == [0, 0]
+    assert result.chunks_reused == 0 and result.reused_chunk_fraction == 0.0
+
+
+def test_warm_replay_counts_only_chunks_inside_the_cached_prefix() -> None:
+    chunks = (make_chunk(TEXTS["A"], id="A"), make_chunk(TEXTS["B"], id="B"))
+    requests = [TraceRequest(f"r{i}", "same question", chunks) for i in range(2)]
+    served: list[ServedRequest] = []
+    replay(requests, PlannerConfig(), HashingTokenizer(), block_size=BLOCK,
+           on_served=served.append)
+    cold, warm = served
+    assert (cold.cached_tokens, cold.reused_chunks) == (0, 0)
+    # the same prompt again: every full block but the one holding the last token is cached
+    assert warm.cached_tokens == (warm.prompt.num_tokens - 1) // BLOCK * BLOCK
+    expected = sum(1 for _, end in warm.prompt.chunk_spans if end <= warm.cached_tokens)
+    assert warm.reused_chunks == expected == 2

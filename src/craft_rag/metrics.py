@@ -68,3 +68,41 @@ def lcp(a: Sequence[Hashable], b: Sequence[Hashable]) -> int:
 def fraction(part: float, whole: float) -> float:
     """``part / whole``, 0.0 when ``whole`` is 0."""
     return part / whole if whole else 0.0
+
+
+def chunks_inside_cache(chunk_spans: Sequence[tuple[int, int]], cached_tokens: int) -> int:
+    """How many leading chunks were reused: chunk ``[start, end)`` counts only when ALL its
+    tokens lie inside the cached prefix (``end <= cached_tokens``); counting stops at the first
+    chunk that does not. Nothing cached (a cold request) gives 0. The one definition of
+    "reused chunk" shared by the engine's ``ReuseReport`` and trace replay. O(k)."""
+    n = 0
+    for _, end in chunk_spans:
+        if end > cached_tokens:
+            break
+        n += 1
+    return n
+
+
+def chunks_with_cached_blocks(
+    chunk_spans: Sequence[tuple[int, int]], cached_tokens: int, block_size: int
+) -> int:
+    """Leading chunks whose KV blocks the cache still holds: the evidence
+    ``CraftPlanner.commit(reused_chunks=...)`` needs to prune stale CP-Tree nodes.
+
+    A chunk counts when all its tokens are cached, or when at least one full block ends inside
+    it and every such block was a hit: its trailing partial block is shared with whatever
+    follows (the next chunk or the question), so it only hits when that matches too, and
+    requiring it would prune the last chunk of every cached path. A chunk with no full block
+    of its own (shorter than a block, inside one) needs all its tokens cached, so a cold
+    request (``cached_tokens == 0``) always gives 0. Never smaller than
+    :func:`chunks_inside_cache`. O(k)."""
+    if block_size < 1:
+        msg = f"block_size must be >= 1, got {block_size}"
+        raise ValueError(msg)
+    n = 0
+    for start, end in chunk_spans:
+        full_end = end // block_size * block_size
+        if end > cached_tokens and (full_end <= start or full_end > cached_tokens):
+            break
+        n += 1
+    return n

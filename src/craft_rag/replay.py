@@ -12,7 +12,13 @@ from collections.abc import Callable, Iterable, Sequence
 from dataclasses import asdict, dataclass
 
 from craft_rag.chunk import Chunk
-from craft_rag.metrics import fraction, prefix_overlap, total_overlap
+from craft_rag.metrics import (
+    chunks_inside_cache,
+    chunks_with_cached_blocks,
+    fraction,
+    prefix_overlap,
+    total_overlap,
+)
 from craft_rag.planner import CraftPlanner, PlannerConfig
 from craft_rag.prefix_cache_sim import SimulatedPrefixCache
 from craft_rag.prompt import AssembledPrompt, PromptAssembler, PromptFormat
@@ -28,9 +34,10 @@ DEFAULT_CACHE_TOKENS = 1 << 18
 class ReplayResult:
     """Aggregates of one replay. Fractions are in [0, 1].
 
-    ``reused_chunk_fraction``: chunks rendered into prompts whose full blocks were all cache
-    hits, over chunks rendered; ``reused_token_fraction``: cached prompt tokens over prompt
-    tokens; ``dedup_removed_fraction``: chunks removed by conversation dedup over chunks
+    ``reused_chunk_fraction``: chunks rendered into prompts that lay entirely inside the
+    cached prefix (:func:`craft_rag.metrics.chunks_inside_cache`), over chunks rendered;
+    ``reused_token_fraction``: cached prompt tokens over prompt tokens;
+    ``dedup_removed_fraction``: chunks removed by conversation dedup over chunks
     retrieved.
     """
 
@@ -68,15 +75,15 @@ class ServedRequest:
     removed_by_dedup: int
 
 
-def reused_chunk_count(prompt: AssembledPrompt, cached_tokens: int, block_size: int) -> int:
-    """Leading chunks of this turn whose full blocks were all cache hits. A chunk's trailing
-    partial block is shared with what follows it, so it is not required. O(k)."""
-    n = 0
-    for _, end in prompt.chunk_spans:
-        if (end // block_size) * block_size > cached_tokens:
-            break
-        n += 1
-    return n
+def reused_chunk_count(
+    prompt: AssembledPrompt, cached_tokens: int, block_size: int | None = None
+) -> int:
+    """Leading chunks of this turn lying entirely inside the cached prefix
+    (:func:`craft_rag.metrics.chunks_inside_cache`, the engine's definition too); 0 on a cold
+    request. ``block_size`` is accepted for compatibility and no longer changes the count.
+    O(k)."""
+    del block_size
+    return chunks_inside_cache(prompt.chunk_spans, cached_tokens)
 
 
 def percentile(values: Sequence[float], q: float) -> float:
@@ -151,13 +158,14 @@ def replay(
         prompt, dropped = _render(assembler, turns, plan.ordered, request.query,
                                   max_model_len, max_tokens, request.id)
         cached = cache.serve(prompt.token_ids)
-        reused = reused_chunk_count(prompt, cached, block_size)
+        reused = chunks_inside_cache(prompt.chunk_spans, cached)
         t2 = time.perf_counter_ns()
         planner.commit(
             plan,
             prefix_tokens=prompt.prefix_tokens,
             chunk_token_counts=[end - start for start, end in prompt.chunk_spans],
-            reused_chunks=reused,
+            # Block-granular KV evidence, as the engine passes it (see the function).
+            reused_chunks=chunks_with_cached_blocks(prompt.chunk_spans, cached, block_size),
         )
         t3 = time.perf_counter_ns()
         planner_us.append(((t1 - t0) + (t3 - t2)) / 1000)

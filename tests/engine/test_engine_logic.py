@@ -25,14 +25,19 @@ def planner_of(engine: CraftEngine) -> CraftPlanner:
     return planner
 
 
-def test_reused_chunk_count_is_block_granular() -> None:
+def test_reused_chunk_count_needs_every_token_of_a_chunk_cached() -> None:
     spans = [(10, 40), (40, 70), (70, 100)]
     assert reused_chunk_count(spans, 0, 16) == 0
-    assert reused_chunk_count(spans, 32, 16) == 1  # chunk 1's full blocks end at 16, 32
-    assert reused_chunk_count(spans, 64, 16) == 2  # chunk 2's partial tail (64-70) not needed
+    assert reused_chunk_count(spans, 32, 16) == 0  # chunk 1's tail 32-40 was recomputed
+    assert reused_chunk_count(spans, 48, 16) == 1
+    assert reused_chunk_count(spans, 64, 16) == 1
     assert reused_chunk_count(spans, 80, 16) == 2
-    assert reused_chunk_count(spans, 96, 16) == 3
+    assert reused_chunk_count(spans, 96, 16) == 2
+    assert reused_chunk_count(spans, 112, 16) == 3
     assert reused_chunk_count([], 96, 16) == 0
+    # Cold: chunks shorter than a block used to count with 0 cached tokens (issue 11 item 9).
+    assert reused_chunk_count([(2, 6), (6, 10)], 0, 16) == 0
+    assert reused_chunk_count([(2, 6), (6, 10)], 0) == 0
 
 
 def test_craft_order_reuses_the_whole_chunk_prefix_retriever_order_does_not(
@@ -48,7 +53,10 @@ def test_craft_order_reuses_the_whole_chunk_prefix_retriever_order_does_not(
         assert first.report.cached_tokens == 0
         reused[policy] = second.report
     tree, retriever = reused["tree"], reused["retriever"]
-    assert tree.reused_chunks == 5
+    # The 5th chunk ends at token 120, past the 112 cached (7 blocks of 16: the block holding
+    # its tail and the question start differs from the first request's question).
+    assert (tree.predicted_tokens, tree.cached_tokens) == (120, 112)
+    assert tree.reused_chunks == 4
     assert tree.chunk_order == tuple(c.key for c in chunks)
     # Everything but the question (and the block it shares with the last chunk) was a hit.
     assert tree.prompt_tokens - tree.cached_tokens < 32
@@ -331,7 +339,9 @@ def test_salted_requests_reuse_only_within_their_salt(make_fake_engine: Factory)
     assert backend.salts == ["tenant-a", "tenant-a", "tenant-b", None]
     assert first.report.cached_tokens == 0 and first.report.salted
     assert again.report.cached_tokens == (again.report.prompt_tokens - 1) // 16 * 16
-    assert again.report.predicted_chunks == 4 and again.report.reused_chunks == 4
+    # Chunk 4 ends at token 98, past the 96 cached (the last prompt token is never cached).
+    assert (again.report.predicted_tokens, again.report.cached_tokens) == (98, 96)
+    assert again.report.predicted_chunks == 4 and again.report.reused_chunks == 3
     # Same token ids, other salt: nothing cached, nothing predicted.
     assert other.prompt_token_ids == first.prompt_token_ids
     assert other.report.cached_tokens == 0 and other.report.predicted_chunks == 0
@@ -649,3 +659,20 @@ def test_closing_an_async_stream_aborts_at_once(make_fake_engine: Factory) -> No
     asyncio.run(run())
     assert planner.stats.commits == 0 and not engine._plans_in_flight
     assert engine.generate(plan.ordered, "Q?", plan=plan, max_tokens=1).report.turn == 1
+
+
+def test_cold_request_reports_no_reused_chunks_even_when_chunks_fit_in_one_block(
+    make_fake_engine: Factory,
+) -> None:
+    # Issue 11 item 9: chunks whose ends lie inside the first (uncached) block used to count
+    # as reused with 0 cached tokens. One definition now: every token inside the cached prefix.
+    from craft_rag.engine.kv_events import BlockHasher
+
+    backend = FakeBackend(block_size=256, hasher=BlockHasher.for_algo(256))
+    engine, _ = make_fake_engine(backend=backend)
+    chunks = make_chunks(2, words=2)
+    cold = engine.generate(chunks, "Q?", max_tokens=1)
+    assert cold.report.cached_tokens == 0
+    assert cold.report.predicted_tokens is None or cold.report.predicted_tokens < 256
+    assert cold.report.reused_chunks == 0
+    assert planner_of(engine).stats.reused_chunks == 0

@@ -67,6 +67,7 @@ from craft_rag.engine.results import (
     StreamChunk,
 )
 from craft_rag.engine.vllm_backend import EngineSettings, EngineStartError, VLLMBackend
+from craft_rag.metrics import chunks_inside_cache, chunks_with_cached_blocks
 from craft_rag.prompt import DEFAULT_INSTRUCTIONS, PromptAssembler, PromptFormat
 from craft_rag.tokenizer import HFTokenizer, Tokenizer
 
@@ -435,7 +436,9 @@ class CraftEngine:
     def _commit(self, flight: _InFlight, rag: _RagTurn) -> GenerationResult:
         state, prompt, plan = flight.state, rag.rendered.prompt, rag.plan
         cached = state.num_cached_tokens or 0
-        reused = reused_chunk_count(prompt.chunk_spans, cached, self._backend.block_size)
+        reused = reused_chunk_count(prompt.chunk_spans, cached)
+        # The planner prunes CP-Tree nodes past this: block-granular evidence, not `reused`.
+        kv_chunks = chunks_with_cached_blocks(prompt.chunk_spans, cached, self._backend.block_size)
         block_hashes = None
         if self.block_hasher is not None:
             hashes = self.block_hasher.block_hashes(prompt.token_ids, flight.cache_salt)
@@ -447,7 +450,7 @@ class CraftEngine:
             prefix_tokens=prompt.prefix_tokens,
             chunk_token_counts=[end - start for start, end in prompt.chunk_spans],
             # Without reading the cache, cached=0 says nothing about what the cache holds.
-            reused_chunks=reused if flight.sampling.read_prefix_cache else None,
+            reused_chunks=kv_chunks if flight.sampling.read_prefix_cache else None,
             block_hashes=block_hashes,
         )
         self.conversations.complete(rag.rendered, state.token_ids, self._backend.eos_token_ids)
@@ -844,19 +847,15 @@ def _takes_keyword(fn: Callable[..., object], name: str) -> bool:
 
 
 def reused_chunk_count(
-    chunk_spans: Sequence[tuple[int, int]], cached_tokens: int, block_size: int
+    chunk_spans: Sequence[tuple[int, int]], cached_tokens: int, block_size: int | None = None
 ) -> int:
-    """Leading chunks whose full KV blocks were all cache hits (block-granular, as the planner
-    expects): chunk ``[start, end)`` counts when ``end // block_size * block_size <=
-    cached_tokens``. The partial block at a chunk's end is shared with whatever follows, so it
-    can only hit when the next chunk matches too; counting it would call every last chunk of
-    a cached prefix a miss. O(chunks)."""
-    n = 0
-    for _, end in chunk_spans:
-        if end // block_size * block_size > cached_tokens:
-            break
-        n += 1
-    return n
+    """Leading chunks lying entirely inside the cached prefix (``ReuseReport.reused_chunks``):
+    :func:`craft_rag.metrics.chunks_inside_cache`, the definition replay uses too; 0 on a cold
+    request. ``block_size`` is accepted for compatibility and no longer changes the count (the
+    planner's block-granular evidence is :func:`craft_rag.metrics.chunks_with_cached_blocks`).
+    O(chunks)."""
+    del block_size
+    return chunks_inside_cache(chunk_spans, cached_tokens)
 
 
 def _sampling(
