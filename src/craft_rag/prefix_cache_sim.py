@@ -14,7 +14,7 @@ from __future__ import annotations
 import hashlib
 from array import array
 from collections import OrderedDict
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 _ROOT = b"craft-rag-sim-root"
 
@@ -33,7 +33,14 @@ def block_hashes(tokens: Sequence[int], block_size: int) -> list[bytes]:
 class SimulatedPrefixCache:
     """LRU block cache. Invariant: ``len(self._blocks) <= capacity_blocks``."""
 
-    def __init__(self, block_size: int = 32, capacity_tokens: int = 1 << 20) -> None:
+    def __init__(
+        self,
+        block_size: int = 32,
+        capacity_tokens: int = 1 << 20,
+        *,
+        on_evict: Callable[[bytes], None] | None = None,
+    ) -> None:
+        """``on_evict`` hears each evicted block's hash (a KV "block removed" event)."""
         if block_size < 1:
             msg = f"block_size must be >= 1, got {block_size}"
             raise ValueError(msg)
@@ -44,6 +51,7 @@ class SimulatedPrefixCache:
         self.capacity_blocks = capacity_tokens // block_size
         self._blocks: OrderedDict[bytes, None] = OrderedDict()
         self.evicted_blocks = 0
+        self._on_evict = on_evict
 
     def serve(self, tokens: Sequence[int], *, read_cache: bool = True) -> int:
         """Run one prompt: returns the number of cached tokens it reused, then caches its full
@@ -63,8 +71,10 @@ class SimulatedPrefixCache:
             self._blocks[h] = None
             self._blocks.move_to_end(h)
         while len(self._blocks) > self.capacity_blocks:
-            self._blocks.popitem(last=False)
+            evicted, _ = self._blocks.popitem(last=False)
             self.evicted_blocks += 1
+            if self._on_evict is not None:
+                self._on_evict(evicted)
         return hit * self.block_size
 
     def clear(self) -> None:

@@ -1,0 +1,406 @@
+"""The router: place a request on a replica and plan its chunk order there, in one step.
+
+``route()`` picks the replica with the routing policy (see :mod:`craft_rag.routing.policies`),
+then plans the request on that replica's planner for the request's salt; the caller serves
+``decision.plan`` on ``decision.replica``, commits it on that planner (an engine with
+``plan=`` does this itself) and calls :meth:`Router.finish`. A decision never finished keeps
+its load counted; a plan never committed changes no tree.
+
+Conversations stay on their replica while it is healthy (their history is cached there), and
+keep their salt. When a replica goes down its trees and load are dropped and its conversations
+are re-homed now, on the least-loaded healthy replicas; their next turn restarts there as a
+first turn (``decision.rehomed``). A replica that comes back rejoins empty.
+
+Thread safety: one lock around every public method; the planner's own lock is taken inside it
+(lock order: router, then planner).
+"""
+
+from __future__ import annotations
+
+import itertools
+import threading
+import time
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from dataclasses import dataclass, field, replace
+
+from craft_rag.chunk import Chunk
+from craft_rag.planner import CraftPlanner, Plan, PlannerConfig
+from craft_rag.routing.policies import ClusterView, RouteRequest, get_routing_policy
+from craft_rag.routing.queueing import DEFAULT_TTFT_MODEL, TTFTModel
+from craft_rag.routing.replica import PlannerSource, Replica, ReplicaId, ReplicaLoad
+from craft_rag.types import BlockHash, ConversationId
+
+
+@dataclass(frozen=True, slots=True)
+class RouterConfig:
+    """Cost and bound parameters (see :mod:`craft_rag.routing.policies`).
+
+    ``load_weight``: weight of in-flight predicted prefill seconds in the cost (1 = the cost is
+    the predicted TTFT under FIFO prefill). ``balance_slack``/``balance_headroom``: the
+    assignment bound ``slack * mean + headroom``; the run's max/mean assigned requests then stays
+    below ``slack + headroom * N / requests``. ``planner``: settings of every replica planner
+    (its ``policy`` is replaced by the routing policy's ordering, promotion is ``served``: a
+    replica caches every order it serves).
+    """
+
+    load_weight: float = 1.0
+    balance_slack: float = 1.15
+    balance_headroom: int = 2
+    block_size: int = 32
+    ttft_model: TTFTModel = DEFAULT_TTFT_MODEL
+    planner: PlannerConfig = field(default_factory=PlannerConfig)
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.load_weight, (int, float)) or not self.load_weight >= 0:
+            msg = f"load_weight must be a number >= 0, got {self.load_weight!r}"
+            raise ValueError(msg)
+        if not isinstance(self.balance_slack, (int, float)) or not self.balance_slack >= 1.0:
+            msg = f"balance_slack must be >= 1.0 (1.0 = perfectly even), got {self.balance_slack!r}"
+            raise ValueError(msg)
+        if not isinstance(self.balance_headroom, int) or self.balance_headroom < 1:
+            msg = f"balance_headroom must be an int >= 1, got {self.balance_headroom!r}"
+            raise ValueError(msg)
+        if not isinstance(self.block_size, int) or self.block_size < 1:
+            msg = f"block_size must be the engines' block size (int >= 1), got {self.block_size!r}"
+            raise ValueError(msg)
+
+
+@dataclass(frozen=True, slots=True)
+class RouteDecision:
+    """Where one request goes and in which order. ``sticky``: a later turn sent to its
+    conversation's home; ``rehomed``: that home was lost, so this turn restarts as a first turn
+    here. ``predicted_cost_s``: the policy's cost (predicted TTFT plus weighted queue)."""
+
+    decision_id: int
+    replica: ReplicaId
+    plan: Plan
+    salt: str | None
+    prompt_tokens: int
+    predicted_cached_tokens: int
+    predicted_work_s: float
+    predicted_cost_s: float
+    sticky: bool
+    rehomed: bool
+    epoch: int
+
+
+@dataclass(frozen=True, slots=True)
+class FaultReport:
+    """What :meth:`Router.mark_down` did: tree nodes dropped, requests still in flight there
+    (lost), and each re-homed conversation with its new home (None: no healthy replica)."""
+
+    replica: ReplicaId
+    nodes_dropped: int
+    inflight_lost: int
+    rehomed: tuple[tuple[ConversationId, ReplicaId | None], ...]
+
+
+@dataclass(slots=True)
+class RouterStats:
+    """Totals since creation. Owner: :class:`Router`."""
+
+    decisions: int = 0
+    sticky: int = 0
+    rehomed_turns: int = 0
+    faults: int = 0
+
+
+class Router:
+    """KV-aware placement + ordering across replicas.
+
+    Invariants (:meth:`_check_invariants`): each replica's load equals the sum over its
+    unfinished decisions; every homed conversation's home is healthy and lists it; unhealthy
+    replicas hold no trees, load or conversations.
+    """
+
+    def __init__(
+        self,
+        replicas: Sequence[str],
+        policy: str = "craft_joint",
+        config: RouterConfig | None = None,
+        *,
+        clock: Callable[[], float] = time.monotonic,
+        planner_sources: Mapping[str, PlannerSource] | None = None,
+    ) -> None:
+        if isinstance(replicas, str) or not isinstance(replicas, Sequence) or not replicas:
+            msg = "replicas must be a non-empty list of replica names, e.g. ['r0', 'r1']"
+            raise ValueError(msg)
+        names = [str(r) for r in replicas]
+        if len(set(names)) != len(names) or not all(names):
+            msg = f"replica names must be distinct non-empty strings, got {names!r}"
+            raise ValueError(msg)
+        self.config = config or RouterConfig()
+        self.policy = get_routing_policy(policy)
+        planner_config = replace(
+            self.config.planner, policy=self.policy.ordering, promotion="served"
+        )
+        sources = dict(planner_sources or {})
+        unknown = set(sources) - set(names)
+        if unknown:
+            msg = f"planner_sources names unknown replicas {sorted(unknown)}; valid: {names}"
+            raise ValueError(msg)
+        self._replicas: dict[ReplicaId, Replica] = {
+            ReplicaId(n): Replica(ReplicaId(n), i, planner_config, clock, sources.get(n))
+            for i, n in enumerate(names)
+        }
+        self._order: tuple[Replica, ...] = tuple(self._replicas.values())
+        self._homes: dict[ConversationId, tuple[ReplicaId, str | None]] = {}
+        self._restart: set[ConversationId] = set()
+        self._inflight: dict[int, RouteDecision] = {}
+        self._ids = itertools.count(1)
+        self._lock = threading.Lock()
+        self.stats = RouterStats()
+
+    # ---- reading -------------------------------------------------------------------------------
+
+    @property
+    def replica_ids(self) -> tuple[ReplicaId, ...]:
+        return tuple(r.id for r in self._order)
+
+    def replica(self, replica_id: str) -> Replica:
+        """The replica record (read it; the router owns it). ``KeyError`` names valid ids."""
+        try:
+            return self._replicas[ReplicaId(replica_id)]
+        except KeyError:
+            msg = f"unknown replica {replica_id!r}; valid: {list(self._replicas)}"
+            raise KeyError(msg) from None
+
+    def planner(self, replica_id: str, salt: str | None = None) -> CraftPlanner:
+        """The planner holding ``replica_id``'s CP-Tree for ``salt`` (commit plans on it)."""
+        with self._lock:
+            return self.replica(replica_id).planner(salt)
+
+    def load(self) -> dict[ReplicaId, ReplicaLoad]:
+        """A copy of every replica's load. O(N)."""
+        with self._lock:
+            return {r.id: replace(r.load) for r in self._order}
+
+    def home(self, conversation_id: str) -> ReplicaId | None:
+        with self._lock:
+            entry = self._homes.get(ConversationId(conversation_id))
+            return entry[0] if entry is not None else None
+
+    # ---- routing -------------------------------------------------------------------------------
+
+    def route(
+        self,
+        chunks: Sequence[Chunk],
+        *,
+        prompt_tokens: int,
+        conversation_id: str | None = None,
+        salt: str | None = None,
+    ) -> RouteDecision:
+        """Choose a replica and plan ``chunks`` there. ``prompt_tokens``: the prompt's length
+        (any order). Counts the request as in flight until :meth:`finish`. ``ValueError`` for
+        bad arguments or a salt other than the conversation's; ``RuntimeError`` if no replica
+        is healthy. Cost: the policy (O(N * k) probes + a few set matches) plus one plan."""
+        not_int = isinstance(prompt_tokens, bool) or not isinstance(prompt_tokens, int)
+        if not_int or prompt_tokens < 1:
+            msg = f"prompt_tokens must be the prompt length (int >= 1), got {prompt_tokens!r}"
+            raise ValueError(msg)
+        if salt is not None and (not isinstance(salt, str) or not salt):
+            msg = f"salt must be a non-empty string or None, got {salt!r}"
+            raise ValueError(msg)
+        if conversation_id is not None and (
+            not isinstance(conversation_id, str) or not conversation_id
+        ):
+            msg = f"conversation_id must be a non-empty string or None, got {conversation_id!r}"
+            raise ValueError(msg)
+        for i, chunk in enumerate(chunks):
+            if not isinstance(chunk, Chunk):
+                msg = f"chunks[{i}] is a {type(chunk).__name__}, not a craft_rag.Chunk"
+                raise ValueError(msg)
+        conv = ConversationId(conversation_id) if conversation_id is not None else None
+        keys = tuple(dict.fromkeys(c.key for c in chunks))
+        request = RouteRequest(tuple(chunks), keys, prompt_tokens, conv, salt)
+        with self._lock:
+            view = self._view()
+            if not view.healthy:
+                msg = "no healthy replica: mark one up with Router.mark_up(replica_id)"
+                raise RuntimeError(msg)
+            home = self._homes.get(conv) if conv is not None else None
+            if home is not None and home[1] != salt:
+                msg = (
+                    f"conversation {conversation_id!r} uses salt {home[1]!r}; every turn must "
+                    "use the salt of its first turn"
+                )
+                raise ValueError(msg)
+            rehomed = conv is not None and conv in self._restart
+            if home is not None:
+                replica, sticky = self._replicas[home[0]], True
+            else:
+                choice = self.policy.choose(request, view)
+                replica, sticky = choice.replica, False
+            plan = replica.planner(salt).plan(chunks, conversation_id)
+            if sticky:
+                if plan.turn > 1:
+                    cached = self._history_tokens(plan, prompt_tokens)
+                else:  # the home planner forgot it: a first turn, predicted from its tree
+                    cached = plan.matched_tokens or 0
+                cached = max(0, min(cached, prompt_tokens - 1))
+                cached -= cached % self.config.block_size
+                choice = view.candidate(replica, request, cached)
+            work = self.config.ttft_model.predict(
+                prompt_tokens - choice.predicted_cached_tokens, choice.predicted_cached_tokens
+            )
+            decision = RouteDecision(
+                decision_id=next(self._ids),
+                replica=replica.id,
+                plan=plan,
+                salt=salt,
+                prompt_tokens=prompt_tokens,
+                predicted_cached_tokens=choice.predicted_cached_tokens,
+                predicted_work_s=work,
+                predicted_cost_s=choice.cost_s,
+                sticky=sticky,
+                rehomed=rehomed,
+                epoch=replica.epoch,
+            )
+            load = replica.load
+            load.requests += 1
+            load.prompt_tokens += prompt_tokens
+            load.work_s += work
+            load.assigned += 1
+            self._inflight[decision.decision_id] = decision
+            if conv is not None:
+                self._homes[conv] = (replica.id, salt)
+                replica.conversations.add(conv)
+                self._restart.discard(conv)
+            s = self.stats
+            s.decisions += 1
+            s.sticky += sticky
+            s.rehomed_turns += rehomed
+            return decision
+
+    @staticmethod
+    def _history_tokens(plan: Plan, prompt_tokens: int) -> int:
+        # A later turn's prompt starts with the previous prompt and answer, all cached on its
+        # home replica; this turn's new chunks and question are not. Unknown sizes -> 0.
+        new = sum(c.num_tokens or 0 for c in plan.ordered)
+        return max(0, prompt_tokens - new) if new else 0
+
+    def finish(self, decision: RouteDecision) -> bool:
+        """The request left its replica (served or failed): stop counting its load. Returns
+        False (and changes nothing) when the replica went down since, or it was finished
+        already. O(1)."""
+        with self._lock:
+            if self._inflight.pop(decision.decision_id, None) is None:
+                return False
+            replica = self._replicas[decision.replica]
+            if replica.epoch != decision.epoch or not replica.healthy:
+                return False
+            load = replica.load
+            load.requests -= 1
+            load.prompt_tokens -= decision.prompt_tokens
+            load.work_s = max(0.0, load.work_s - decision.predicted_work_s)
+            if load.requests == 0:
+                load.work_s = 0.0  # no float drift left behind
+            return True
+
+    def end_conversation(self, conversation_id: str) -> bool:
+        """Forget a conversation's home (and its sent chunks there). True if it was known."""
+        with self._lock:
+            conv = ConversationId(conversation_id)
+            entry = self._homes.pop(conv, None)
+            self._restart.discard(conv)
+            if entry is None:
+                return False
+            replica = self._replicas[entry[0]]
+            replica.conversations.discard(conv)
+            replica.planner(entry[1]).end_conversation(conversation_id)
+            return True
+
+    # ---- KV events -----------------------------------------------------------------------------
+
+    def on_blocks_removed(
+        self, replica_id: str, hashes: Iterable[BlockHash], salt: str | None = None
+    ) -> int:
+        """``replica_id`` evicted these blocks: drop the tree nodes owning them (count). Events
+        from a replica that is down are ignored (its trees are gone)."""
+        with self._lock:
+            replica = self.replica(replica_id)
+            if not replica.healthy or replica.tree(salt) is None:
+                return 0
+            return replica.planner(salt).on_blocks_removed(hashes)
+
+    def on_all_blocks_cleared(self, replica_id: str) -> None:
+        """``replica_id`` dropped its whole prefix cache: empty its trees."""
+        with self._lock:
+            replica = self.replica(replica_id)
+            if replica.healthy:
+                for salt in list(replica._planners):
+                    replica.planner(salt).on_all_blocks_cleared()
+
+    # ---- faults --------------------------------------------------------------------------------
+
+    def mark_down(self, replica_id: str) -> FaultReport:
+        """``replica_id`` failed: drop its trees and load, re-home its conversations on the
+        least-loaded healthy replicas (spread one by one). Idempotent. O(N * conversations)."""
+        with self._lock:
+            replica = self.replica(replica_id)
+            if not replica.healthy:
+                return FaultReport(replica.id, 0, 0, ())
+            convs = sorted(replica.conversations)
+            lost = replica.load.requests
+            dropped = replica.go_down()
+            self.stats.faults += 1
+            for decision_id in [d for d, x in self._inflight.items() if x.replica == replica.id]:
+                del self._inflight[decision_id]
+            view = self._view()
+            moved: list[tuple[ConversationId, ReplicaId | None]] = []
+            extra = {r.id: 0 for r in view.healthy}
+            for conv in convs:
+                salt = self._homes[conv][1]
+                if not view.healthy:
+                    del self._homes[conv]
+                    self._restart.discard(conv)
+                    moved.append((conv, None))
+                    continue
+                target = min(
+                    view.healthy,
+                    key=lambda r: (len(r.conversations) + extra[r.id], r.load.work_s, r.index),
+                )
+                extra[target.id] += 1
+                self._homes[conv] = (target.id, salt)
+                target.conversations.add(conv)
+                self._restart.add(conv)
+                moved.append((conv, target.id))
+            return FaultReport(replica.id, dropped, lost, tuple(moved))
+
+    def mark_up(self, replica_id: str) -> None:
+        """``replica_id`` is back: it rejoins empty (no trees, load or conversations)."""
+        with self._lock:
+            replica = self.replica(replica_id)
+            if not replica.healthy:
+                replica.come_up()
+
+    # ---- internals -----------------------------------------------------------------------------
+
+    def _view(self) -> ClusterView:
+        c = self.config
+        return ClusterView(
+            healthy=[r for r in self._order if r.healthy],
+            ttft_model=c.ttft_model,
+            load_weight=c.load_weight,
+            balance_slack=c.balance_slack,
+            balance_headroom=c.balance_headroom,
+            block_size=c.block_size,
+        )
+
+    def _check_invariants(self) -> None:
+        sums: dict[ReplicaId, tuple[int, int]] = {r.id: (0, 0) for r in self._order}
+        for d in self._inflight.values():
+            n, t = sums[d.replica]
+            sums[d.replica] = (n + 1, t + d.prompt_tokens)
+        for r in self._order:
+            assert (r.load.requests, r.load.prompt_tokens) == sums[r.id], r.id
+            assert r.load.work_s >= 0
+            if not r.healthy:
+                assert not r._planners and not r.conversations and r.load == ReplicaLoad()
+            for conv in r.conversations:
+                assert self._homes[conv][0] == r.id
+            for planner in r._planners.values():
+                planner._check_invariants()
+        for conv, (rid, _) in self._homes.items():
+            assert self._replicas[rid].healthy and conv in self._replicas[rid].conversations
+        assert self._restart <= self._homes.keys()
