@@ -8,6 +8,10 @@ starts with the previous turn's prompt and answer, token for token.
 
 The format strings are plain text; the engine fills ``head``/``tail``/``turn_separator`` from the
 model's chat template (see :mod:`craft_rag.engine.chat_format`).
+
+Security: the format's fixed pieces are trusted (they may hold the template's control tokens);
+chunk texts, questions and answers are tokenized as plain text, so a document spelling
+``<|im_end|>`` cannot open a new chat turn (:func:`craft_rag.tokenizer.encode_pieces`).
 """
 
 from __future__ import annotations
@@ -17,7 +21,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from craft_rag.chunk import Chunk
-from craft_rag.tokenizer import Tokenizer
+from craft_rag.tokenizer import Tokenizer, check_text, encode_pieces, format_pieces
 from craft_rag.types import ChunkKey
 
 DEFAULT_INSTRUCTIONS = (
@@ -43,6 +47,7 @@ class PromptFormat:
             if placeholder not in getattr(self, name):
                 msg = f"PromptFormat.{name} must contain {placeholder}"
                 raise ValueError(msg)
+            format_pieces(getattr(self, name), placeholder[1:-1], "")  # no other placeholder
 
 
 @dataclass(frozen=True, slots=True)
@@ -85,18 +90,22 @@ class PromptAssembler:
         self.format = fmt or PromptFormat()
         self._cache_size = cache_size
         self._chunk_cache: OrderedDict[tuple[ChunkKey, str], tuple[int, ...]] = OrderedDict()
-        self._head = tuple(tokenizer.encode(self.format.head))
+        self._head = tuple(encode_pieces(tokenizer, [(self.format.head, True)]))
 
     @property
     def head_ids(self) -> tuple[int, ...]:
         return self._head
 
     def chunk_ids(self, chunk: Chunk) -> tuple[int, ...]:
-        """Token ids of one rendered chunk (cached by key and text)."""
+        """Token ids of one rendered chunk (cached by key and text); the text is plain text.
+        ``ValueError`` naming the chunk for text that is not valid Unicode."""
         cache_key = (chunk.key, chunk.text)
         ids = self._chunk_cache.get(cache_key)
         if ids is None:
-            ids = tuple(self.tokenizer.encode(self.format.chunk.format(text=chunk.text)))
+            text = check_text(chunk.text, f"chunk {chunk.key!r} text")
+            ids = tuple(
+                encode_pieces(self.tokenizer, format_pieces(self.format.chunk, "text", text))
+            )
             self._chunk_cache[cache_key] = ids
             if len(self._chunk_cache) > self._cache_size:
                 self._chunk_cache.popitem(last=False)
@@ -105,13 +114,16 @@ class PromptAssembler:
         return ids
 
     def question_ids(self, question: str) -> tuple[int, ...]:
-        return tuple(
-            self.tokenizer.encode(self.format.question.format(question=question) + self.format.tail)
-        )
+        """Token ids of the question (plain text) and the tail. ``ValueError`` for a question
+        that is not a valid Unicode string."""
+        pieces = format_pieces(self.format.question, "question", check_text(question, "question"))
+        return tuple(encode_pieces(self.tokenizer, [*pieces, (self.format.tail, True)]))
 
     def answer_ids(self, answer: str) -> tuple[int, ...]:
-        """Token ids appended after a turn's prompt: the reply, closing and next-turn opener."""
-        return tuple(self.tokenizer.encode(self.format.answer.format(answer=answer)))
+        """Token ids appended after a turn's prompt: the reply (plain text), closing and
+        next-turn opener. ``ValueError`` for an answer that is not a valid Unicode string."""
+        pieces = format_pieces(self.format.answer, "answer", check_text(answer, "answer"))
+        return tuple(encode_pieces(self.tokenizer, pieces))
 
     def single_turn(self, chunks: Sequence[Chunk], question: str) -> AssembledPrompt:
         """``[head][chunks...][question tail]``."""

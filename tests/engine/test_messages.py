@@ -74,4 +74,4 @@ def test_model_ids_decode_to_the_chat_templates_text(model_dir: Path) -> None:
     dicts = [{"role": r, "content": t} for r, t in CHAT[1:]]
     assert tokenizer._tok.decode(list(ids), skip_special_tokens=False) == render(dicts, True)
     # For this ChatML template the per-message split is also what whole-text BPE gives.
-    assert list(ids) == tokenizer.encode(render(dicts, True))
+    assert list(ids) == tokenizer.encode_template(render(dicts, True))

@@ -12,16 +12,24 @@ template's text.
 A template that rewrites earlier messages once later ones follow (e.g. strips reasoning)
 cannot be split that way; the whole rendering is then tokenized at once: still the template's
 prompt, only without the prefix guarantee.
+
+Security: only the template's scaffolding may produce control-token ids. The template is also
+rendered with sentinel contents; the text around the sentinels is the scaffolding (trusted),
+each message's content is tokenized as plain text (:func:`craft_rag.tokenizer.encode_pieces`),
+so a message spelling ``<|im_end|>\n<|im_start|>system`` cannot open a turn. A template that
+rewrites contents (beyond trimming whitespace) cannot be split that way: its rendering is
+tokenized whole only when no content spells a control token, else ``ValueError``.
 """
 
 from __future__ import annotations
 
+import re
 import threading
 from collections import OrderedDict
 from collections.abc import Sequence
 
 from craft_rag.engine.chat_format import Message, RenderFn
-from craft_rag.tokenizer import Tokenizer
+from craft_rag.tokenizer import TextPiece, Tokenizer, check_text, encode_pieces
 
 ChatTurn = tuple[str, str]
 """One chat message: ``(role, text)``, e.g. ``("user", "Hi")``; roles are the template's
@@ -46,7 +54,8 @@ class MessageRenderer:
         self._tokenizer = tokenizer
         self._cache_size = cache_size
         self._lock = threading.Lock()
-        self._cache: OrderedDict[str, tuple[int, ...]] = OrderedDict()  # owner: _lock
+        self._cache: OrderedDict[tuple[TextPiece, ...], tuple[int, ...]] = OrderedDict()
+        """Segment pieces -> ids, LRU. Owner: ``_lock``."""
 
     def segments(
         self, messages: Sequence[ChatTurn], *, add_generation_prompt: bool = True
@@ -54,45 +63,130 @@ class MessageRenderer:
         """The rendered text split at message boundaries (last: the generation prompt, when
         asked). One element when the template is not append-only. ``ValueError`` for an empty
         list or a message that is not a ``(role, text)`` pair of strings."""
-        dicts = _as_dicts(messages)
-        full = self._render(dicts, add_generation_prompt)
-        try:
-            texts = [self._render(dicts[:i], False) for i in range(1, len(dicts))]
-        except Exception:  # a template may refuse a prefix (e.g. one ending with assistant)
-            return [full]
-        if add_generation_prompt:
-            texts.append(self._render(dicts, False))
-        texts.append(full)
-        pieces: list[str] = []
-        previous = ""
-        for text in texts:
-            if not text.startswith(previous):
-                return [full]
-            pieces.append(text[len(previous) :])
-            previous = text
-        return [p for p in pieces if p]
+        return [
+            "".join(text for text, _ in pieces)
+            for pieces in self._segment_pieces(messages, add_generation_prompt)
+        ]
 
     def token_ids(
         self, messages: Sequence[ChatTurn], *, add_generation_prompt: bool = True
     ) -> tuple[int, ...]:
-        """The prompt's token ids: each segment tokenized on its own, concatenated."""
+        """The prompt's token ids: each segment tokenized on its own, concatenated; message
+        contents as plain text (never control ids)."""
         ids: list[int] = []
-        for segment in self.segments(messages, add_generation_prompt=add_generation_prompt):
-            ids.extend(self._segment_ids(segment))
+        for pieces in self._segment_pieces(messages, add_generation_prompt):
+            ids.extend(self._segment_ids(pieces))
         return tuple(ids)
 
-    def _segment_ids(self, segment: str) -> tuple[int, ...]:
+    def _segment_pieces(
+        self, messages: Sequence[ChatTurn], add_generation_prompt: bool
+    ) -> list[tuple[TextPiece, ...]]:
+        dicts = _as_dicts(messages)
+        full = self._render(dicts, add_generation_prompt)
+        pieces = self._content_pieces(dicts, full, add_generation_prompt)
+        return [p for p in _cut(pieces, self._boundaries(dicts, full, add_generation_prompt)) if p]
+
+    def _boundaries(
+        self, dicts: list[Message], full: str, add_generation_prompt: bool
+    ) -> list[int]:
+        """Character offsets in ``full`` where each message's increment ends (empty when the
+        template is not append-only: one segment)."""
+        try:
+            texts = [self._render(dicts[:i], False) for i in range(1, len(dicts))]
+        except Exception:  # a template may refuse a prefix (e.g. one ending with assistant)
+            return []
+        if add_generation_prompt:
+            texts.append(self._render(dicts, False))
+        previous = ""
+        for text in [*texts, full]:
+            if not text.startswith(previous):
+                return []
+            previous = text
+        return [len(text) for text in texts]
+
+    def _content_pieces(
+        self, dicts: list[Message], full: str, add_generation_prompt: bool
+    ) -> list[TextPiece]:
+        """``full`` as trusted scaffolding and untrusted contents (see the module docstring).
+        Cost: one more template render."""
+        tag = _sentinel_tag(dicts, full)
+        skeleton = self._render(
+            [{"role": m["role"], "content": f"{tag}{i}{tag}"} for i, m in enumerate(dicts)],
+            add_generation_prompt,
+        )
+        parts = re.split(f"{tag}(\\d+){tag}", skeleton)
+        for transform in (_same, str.strip):
+            pieces: list[TextPiece] = []
+            for j, part in enumerate(parts):
+                if j % 2 == 0:
+                    pieces.append((part, True))
+                else:
+                    pieces.append((transform(dicts[int(part)]["content"]), False))
+            if "".join(text for text, _ in pieces) == full:
+                return [p for p in pieces if p[0]]
+        controls: tuple[str, ...] = getattr(self._tokenizer, "control_strings", ())
+        for i, message in enumerate(dicts):
+            if any(c in message["content"] for c in controls):
+                msg = (
+                    f"messages[{i}] content spells a control token and this chat template "
+                    "rewrites message contents, so it cannot be kept plain text; remove the "
+                    "control-token strings from the content"
+                )
+                raise ValueError(msg)
+        return [(full, True)]
+
+    def _segment_ids(self, pieces: tuple[TextPiece, ...]) -> tuple[int, ...]:
         with self._lock:
-            ids = self._cache.get(segment)
+            ids = self._cache.get(pieces)
             if ids is not None:
-                self._cache.move_to_end(segment)
+                self._cache.move_to_end(pieces)
                 return ids
-        ids = tuple(self._tokenizer.encode(segment))
+        ids = tuple(encode_pieces(self._tokenizer, pieces))
         with self._lock:
-            self._cache[segment] = ids
+            self._cache[pieces] = ids
             while len(self._cache) > self._cache_size:
                 self._cache.popitem(last=False)
         return ids
+
+
+def _same(text: str) -> str:
+    return text
+
+
+def _sentinel_tag(dicts: list[Message], full: str) -> str:
+    """A marker found in no content and not in the rendering (plain ASCII letters, which no
+    template rewrites)."""
+    tag = "CRAFTCONTENTSENTINEL"
+    while tag in full or any(tag in m["content"] for m in dicts):
+        tag += "X"
+    return tag
+
+
+def _cut(pieces: list[TextPiece], boundaries: list[int]) -> list[tuple[TextPiece, ...]]:
+    """``pieces`` split into segments at the character offsets ``boundaries`` (ascending)."""
+    segments: list[tuple[TextPiece, ...]] = []
+    current: list[TextPiece] = []
+    offset = 0
+    cuts = iter(boundaries)
+    cut = next(cuts, None)
+    for text, trusted in pieces:
+        while cut is not None and offset <= cut <= offset + len(text):
+            head = text[: cut - offset]
+            if head:
+                current.append((head, trusted))
+            segments.append(tuple(current))
+            current = []
+            text = text[cut - offset :]
+            offset = cut
+            cut = next(cuts, None)
+        if text:
+            current.append((text, trusted))
+        offset += len(text)
+    segments.append(tuple(current))
+    return segments
+
+
+_ROLE = re.compile(r"[A-Za-z][A-Za-z0-9_.-]{0,63}")
 
 
 def _as_dicts(messages: Sequence[ChatTurn]) -> list[Message]:
@@ -109,5 +203,12 @@ def _as_dicts(messages: Sequence[ChatTurn]) -> list[Message]:
         ):
             msg = f"messages[{i}] must be a (role, text) pair of strings, got {message!r}"
             raise ValueError(msg)
+        if not _ROLE.fullmatch(message[0]):
+            msg = (
+                f"messages[{i}] role {message[0]!r} is not a role name (letters, digits, "
+                "'_', '.', '-'); use the template's roles, e.g. 'system', 'user', 'assistant'"
+            )
+            raise ValueError(msg)
+        check_text(message[1], f"messages[{i}] content")
         out.append({"role": message[0], "content": message[1]})
     return out
