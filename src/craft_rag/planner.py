@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import itertools
 import json
+import logging
 import secrets
 import threading
 import time
@@ -38,7 +39,21 @@ from craft_rag.prefix_tree import (
     NodeMetadata,
 )
 from craft_rag.promotion import PROMOTION_RULES, PromotionInput, get_promotion_rule
+from craft_rag.stores import DEFAULT_NAMESPACE, StateStore, StoreUnavailable, as_store
+from craft_rag.stores.base import LogRead
+from craft_rag.stores.shared import (
+    CommitEntry,
+    EndEntry,
+    Entry,
+    ForgetEntry,
+    ReplayClock,
+    SharedState,
+    config_fingerprint,
+    decode_entry,
+)
 from craft_rag.types import BlockHash, ChunkKey, ConversationId
+
+logger = logging.getLogger(__name__)
 
 _FORMAT = "craft-rag/planner/v1"
 _MAX_PENDING = 65_536
@@ -147,6 +162,14 @@ class CraftPlanner:
 
     Cost per request: O(k log k) ordering + O(k) table/tree/registry updates; the ``tree`` policy
     adds its set match (see :meth:`ChunkPrefixTree.match_subset`).
+
+    **Shared state** (``store=``, see :mod:`craft_rag.stores`): every commit is appended to the
+    namespace's commit log, and ``plan``/``commit`` first apply the entries other workers
+    appended (one round trip each, under the lock), so every planner of the namespace holds the
+    CA-Table, CP-Tree and conversations one planner would hold had it served all requests in
+    log order. A conversation turn planned before another worker committed a turn of it is
+    refused at commit (``RuntimeError``: plan it again). KV events stay local (each worker hears
+    its engine). With a store the default clock is ``time.time`` (comparable across processes).
     """
 
     def __init__(
@@ -154,23 +177,44 @@ class CraftPlanner:
         config: PlannerConfig | None = None,
         *,
         clock: Callable[[], float] = time.monotonic,
+        store: StateStore | str | None = None,
+        namespace: str = DEFAULT_NAMESPACE,
     ) -> None:
         self.config = config or PlannerConfig()
+        if store is not None and clock is time.monotonic:
+            clock = time.time
         self._clock = clock
+        # Shared mode: tree and registry read the replayed entry's time while applying it.
+        self._replay_clock = ReplayClock(clock)
+        state_clock = self._replay_clock if store is not None else clock
         self._lock = threading.Lock()
         self._policy = get_policy(self.config.policy)
         self._promotion = get_promotion_rule(self.config.promotion_rule)
         self.access_table = ChunkAccessTable(self.config.window)
-        self.prefix_tree = ChunkPrefixTree(self.config.max_tree_nodes, clock=clock)
+        self.prefix_tree = ChunkPrefixTree(self.config.max_tree_nodes, clock=state_clock)
         self.conversations = ConversationRegistry(
-            self.config.max_conversations, self.config.conversation_ttl_s, clock=clock
+            self.config.max_conversations, self.config.conversation_ttl_s, clock=state_clock
         )
         self.stats = PlannerStats()
         self._plan_ids = itertools.count(1)
         # Random per instance (and per load): a plan id alone would let planner B, or this
         # planner reloaded from disk, accept another planner's plan that shares its number.
         self._token = secrets.randbits(63) | 1
-        self._pending: OrderedDict[int, None] = OrderedDict()
+        # plan id -> the store seq the plan was made at (0 without a store).
+        self._pending: OrderedDict[int, int] = OrderedDict()
+        self._shared: SharedState | None = None
+        self.store_fallback: str | None = None  # why a ?fallback=memory planner went local
+        if store is not None:
+            shared = SharedState(as_store(store), namespace)
+            try:
+                shared.store.attach(namespace, config_fingerprint(self.config))
+            except StoreUnavailable as e:
+                if not self._fall_back(shared, e):
+                    raise
+            else:
+                self._shared = shared
+                with self._lock:
+                    self._pull()
 
     # ---- the two steps ------------------------------------------------------------------------
 
@@ -204,6 +248,7 @@ class CraftPlanner:
         fresh = list(unique.values())
 
         with self._lock:
+            self._pull()
             removed: list[Chunk] = []
             turn = 1
             if conv is not None:
@@ -217,7 +262,7 @@ class CraftPlanner:
                 match = self.prefix_tree.match([c.key for c in ordered])
                 matched_chunks, matched_tokens = match.length, match.tokens
             plan_id = next(self._plan_ids)
-            self._pending[plan_id] = None
+            self._pending[plan_id] = self._shared.applied if self._shared is not None else 0
             if len(self._pending) > _MAX_PENDING:
                 self._pending.popitem(last=False)
             self.stats.plans += 1
@@ -285,33 +330,22 @@ class CraftPlanner:
             if plan.plan_id not in self._pending:
                 msg = f"plan {plan.plan_id} was already committed or is too old to commit"
                 raise RuntimeError(msg)
-            del self._pending[plan.plan_id]
-            retrieved = [c.key for c in (*plan.ordered, *plan.removed_duplicates)]
-            self.access_table.record(retrieved)
-
-            inserted = stale = 0
-            reused = 0
-            if plan.turn == 1:
-                match = self.prefix_tree.match(keys)
-                reused = match.length
-                if reused_chunks is not None and reused_chunks < match.length:
-                    # The engine no longer had that KV: the tree's nodes past it are stale.
-                    stale = self.prefix_tree.remove(match.nodes[reused_chunks])
-                    match = match.sliced(reused_chunks)
-                    reused = reused_chunks
-                self.prefix_tree.touch(match)
-                depth = self._promotion.promote(
-                    PromotionInput(keys, reused, self.access_table, self.config.threshold)
+            seen = self._pending.pop(plan.plan_id)
+            removed_keys = tuple(c.key for c in plan.removed_duplicates)
+            applied: tuple[int, int, int] | None = None
+            if self._shared is not None:
+                entry = CommitEntry(
+                    keys, removed_keys, plan.turn, plan.conversation_id, reused_chunks,
+                    tuple(metadata) if metadata is not None else None, location,
+                    self._replay_clock.base(),
                 )
-                if depth > 0:
-                    self.prefix_tree.insert(
-                        keys[:depth],
-                        metadata=metadata[:depth] if metadata is not None else None,
-                        location=location or KVLocation(),
-                    )
-                    inserted = depth
-            if plan.conversation_id is not None:
-                self.conversations.record_turn(plan.conversation_id, keys)
+                applied = self._push(entry, not_after=seen)
+            if applied is None:
+                applied = self._record(
+                    keys, removed_keys, plan.turn, plan.conversation_id, reused_chunks,
+                    metadata, location,
+                )
+            reused, inserted, stale = applied
 
             s = self.stats
             s.commits += 1
@@ -323,6 +357,136 @@ class CraftPlanner:
         return CommitResult(
             reused_chunks=reused, inserted_path=inserted, stale_nodes_removed=stale, turn=plan.turn
         )
+
+    def _record(
+        self,
+        keys: tuple[ChunkKey, ...],
+        removed: tuple[ChunkKey, ...],
+        turn: int,
+        conversation_id: ConversationId | None,
+        reused_chunks: int | None,
+        metadata: Sequence[NodeMetadata] | None,
+        location: KVLocation | None,
+    ) -> tuple[int, int, int]:
+        """Apply one served plan to the table, tree and registry (the local commit, and the
+        replay of a shared log entry): ``(reused, inserted, stale)``. Caller holds the lock."""
+        self.access_table.record([*keys, *removed])
+        inserted = stale = 0
+        reused = 0
+        if turn == 1:
+            match = self.prefix_tree.match(keys)
+            reused = match.length
+            if reused_chunks is not None and reused_chunks < match.length:
+                # The engine no longer had that KV: the tree's nodes past it are stale.
+                stale = self.prefix_tree.remove(match.nodes[reused_chunks])
+                match = match.sliced(reused_chunks)
+                reused = reused_chunks
+            self.prefix_tree.touch(match)
+            depth = self._promotion.promote(
+                PromotionInput(keys, reused, self.access_table, self.config.threshold)
+            )
+            if depth > 0:
+                self.prefix_tree.insert(
+                    keys[:depth],
+                    metadata=metadata[:depth] if metadata is not None else None,
+                    location=location or KVLocation(),
+                )
+                inserted = depth
+        if conversation_id is not None:
+            self.conversations.record_turn(conversation_id, keys)
+        return reused, inserted, stale
+
+    # ---- shared state (store=) ------------------------------------------------------------------
+
+    @property
+    def store(self) -> StateStore | None:
+        """The shared store this planner syncs with (None: local state only)."""
+        return self._shared.store if self._shared is not None else None
+
+    def sync(self) -> None:
+        """Apply what other workers committed since the last sync (no-op without a store).
+        One round trip."""
+        with self._lock:
+            self._pull()
+
+    def _fall_back(self, shared: SharedState, error: StoreUnavailable) -> bool:
+        """``?fallback=memory``: go on with local state (logged). False when not configured."""
+        if shared.store.fallback is None:
+            return False
+        logger.warning("%s is unreachable; planner goes on with LOCAL state (fallback=memory): "
+                       "%s", shared.where, error)
+        self.store_fallback = str(error)
+        self._shared = None
+        return True
+
+    def _pull(self) -> None:
+        shared = self._shared
+        if shared is None:
+            return
+        try:
+            read = shared.pull()
+        except StoreUnavailable as e:
+            if not self._fall_back(shared, e):
+                raise
+            return
+        self._apply(shared, read, own_seq=None)
+
+    def _push(self, entry: Entry, not_after: int | None) -> tuple[int, int, int] | None:
+        """Append ``entry``, apply everything up to it; the entry's own ``_record`` result
+        (None when the planner fell back to local state instead)."""
+        shared = self._shared
+        assert shared is not None
+        try:
+            read = shared.push(entry, not_after=not_after, ttl_s=self.config.conversation_ttl_s)
+        except StoreUnavailable as e:
+            if not self._fall_back(shared, e):
+                raise
+            return None
+        return self._apply(shared, read, own_seq=read.head)
+
+    def _apply(
+        self, shared: SharedState, read: LogRead, own_seq: int | None
+    ) -> tuple[int, int, int] | None:
+        if read.snapshot is not None:
+            data = json.loads(read.snapshot.state)
+            self.access_table = ChunkAccessTable.from_json(data["access_table"])
+            self.prefix_tree = ChunkPrefixTree.from_json(
+                data["prefix_tree"], clock=self._replay_clock
+            )
+            self.conversations = ConversationRegistry.from_json(
+                data["conversations"], clock=self._replay_clock
+            )
+            shared.applied = read.snapshot.seq
+        own: tuple[int, int, int] | None = None
+        clock = self._replay_clock
+        for raw in read.entries:
+            entry = decode_entry(raw, shared.where)
+            clock.pinned = entry.ts
+            try:
+                if isinstance(entry, CommitEntry):
+                    result = self._record(
+                        entry.keys, entry.removed, entry.turn, entry.conversation,
+                        entry.reused_chunks, entry.metadata, entry.location,
+                    )
+                elif isinstance(entry, EndEntry):
+                    result = (int(self.conversations.end(entry.conversation)), 0, 0)
+                else:
+                    n = self.conversations.forget_oldest_turns(entry.conversation, entry.n)
+                    result = (n, 0, 0)
+            finally:
+                clock.pinned = None
+            if raw.seq == own_seq:
+                own = result
+            shared.applied = raw.seq
+        if own_seq is not None and shared.snapshot_due(own_seq):
+            shared.put_snapshot(own_seq, {
+                "access_table": self.access_table.to_json(),
+                "prefix_tree": self.prefix_tree.to_json(),
+                "conversations": self.conversations.to_json(),
+            })
+        # Own entry not among those applied: a snapshot taken after it covered it (a planner
+        # more than snapshot_every entries behind); its effect is in the snapshot.
+        return own if own is not None else (0, 0, 0)
 
     @staticmethod
     def _node_metadata(
@@ -364,9 +528,16 @@ class CraftPlanner:
             self.prefix_tree.clear()
 
     def end_conversation(self, conversation_id: str) -> bool:
-        """Forget a conversation's sent chunks. True if it was known."""
+        """Forget a conversation's sent chunks (in every worker, with a store). True if it was
+        known."""
+        conv = ConversationId(conversation_id)
         with self._lock:
-            return self.conversations.end(ConversationId(conversation_id))
+            self._pull()
+            if self._shared is not None:
+                result = self._push(EndEntry(conv, self._replay_clock.base()), None)
+                if result is not None:
+                    return bool(result[0])
+            return self.conversations.end(conv)
 
     # ---- persistence --------------------------------------------------------------------------
 

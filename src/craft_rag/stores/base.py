@@ -1,0 +1,257 @@
+"""The store interface: an append-only commit log per namespace, conversation leases, snapshots.
+
+A store keeps, for each namespace (one planner's state: one tenant / cache salt):
+
+- a **commit log**: every committed plan as one JSON entry with a sequence number ``seq``
+  (1, 2, 3... without gaps), assigned atomically by the store. Every planner attached to the
+  namespace applies the entries it has not seen, in ``seq`` order, to its own CA-Table, CP-Tree
+  and conversation registry, so all of them hold the state one planner would hold had it served
+  every request itself (deterministic replay);
+- a **conversation record** per conversation: the ``seq`` of its last committed turn (with the
+  conversation TTL where the backend has one). ``append`` refuses a turn planned before another
+  worker committed a turn of the same conversation (:class:`ConversationConflict`): a chat's
+  dedup and its append-only prompt never fork;
+- a **snapshot**: the state at some ``seq``; the log before it is trimmed (bounded log, see
+  :data:`DEFAULT_SNAPSHOT_EVERY`). A reader that fell behind the trim point loads the snapshot,
+  then the tail;
+- a **format key** for the whole store and a **fingerprint** (the planner config) per
+  namespace: a store written by another format or config is refused with a clear error, never
+  silently reset.
+
+Backends (:mod:`memory_store`, :mod:`sqlite_store`, :mod:`redis_store`) implement four
+primitives; the gap/snapshot logic lives here once.
+"""
+
+from __future__ import annotations
+
+import abc
+import re
+from collections.abc import Mapping
+from dataclasses import dataclass
+from urllib.parse import parse_qsl
+
+STORE_FORMAT = "craft-rag/store/v1"
+DEFAULT_SNAPSHOT_EVERY = 10_000
+"""A snapshot is written every this many commits; the log then keeps the entries after the
+previous snapshot, so it holds between ``snapshot_every`` and ``2 * snapshot_every`` entries."""
+
+_NAMESPACE_RE = re.compile(r"^[A-Za-z0-9._-]{1,64}$")
+
+
+class StoreError(Exception):
+    """Base of the store errors (never raised itself)."""
+
+
+class StoreUnavailable(ConnectionError, StoreError):
+    """The store cannot be reached (Redis down, SQLite file locked too long)."""
+
+
+class StoreCorrupted(ValueError, StoreError):
+    """The store holds data this version cannot read or that contradicts the workers' state."""
+
+
+class ConversationConflict(RuntimeError, StoreError):
+    """Another worker committed a turn of this conversation after this turn was planned."""
+
+
+@dataclass(frozen=True, slots=True)
+class LogEntry:
+    """One committed plan (``data`` is its JSON text, decoded by :mod:`craft_rag.stores.shared`)."""
+
+    seq: int
+    data: str
+
+
+@dataclass(frozen=True, slots=True)
+class Snapshot:
+    """A namespace's planner state after applying every entry up to ``seq``."""
+
+    seq: int
+    state: str
+
+
+@dataclass(frozen=True, slots=True)
+class LogRead:
+    """What a reader at ``since`` must apply: the ``snapshot`` first when the entries right
+    after ``since`` were trimmed, then ``entries`` (contiguous, ascending). ``head`` is the
+    store's latest seq when read."""
+
+    head: int
+    entries: tuple[LogEntry, ...]
+    snapshot: Snapshot | None = None
+
+
+def check_namespace(namespace: str) -> str:
+    """``namespace`` if it is 1-64 characters of ``[A-Za-z0-9._-]``, else ``ValueError``."""
+    if not isinstance(namespace, str) or not _NAMESPACE_RE.match(namespace):
+        msg = (
+            f"store namespace must be 1-64 characters of letters, digits, '.', '_' or '-', "
+            f"got {namespace!r}; derive one with craft_rag.stores.namespace_for_salt(salt)"
+        )
+        raise ValueError(msg)
+    return namespace
+
+
+def parse_options(url: str, query: str, allowed: Mapping[str, str]) -> dict[str, str]:
+    """The ``?a=b&c=d`` options of a store URL; ``ValueError`` for an unknown or repeated one
+    (``allowed`` maps each option to a description for the message)."""
+    options: dict[str, str] = {}
+    for name, value in parse_qsl(query, keep_blank_values=True, strict_parsing=bool(query)):
+        if name not in allowed or name in options:
+            known = ", ".join(f"{k} ({v})" for k, v in sorted(allowed.items())) or "none"
+            msg = f"store URL {url!r}: unknown or repeated option {name!r}; options: {known}"
+            raise ValueError(msg)
+        options[name] = value
+    return options
+
+
+def positive_int_option(url: str, options: Mapping[str, str], name: str, default: int) -> int:
+    raw = options.get(name)
+    if raw is None:
+        return default
+    if not raw.isdigit() or int(raw) < 1:
+        msg = f"store URL {url!r}: {name} must be a positive integer, got {raw!r}"
+        raise ValueError(msg)
+    return int(raw)
+
+
+def fallback_option(url: str, options: Mapping[str, str]) -> str | None:
+    raw = options.get("fallback")
+    if raw is None:
+        return None
+    if raw != "memory":
+        msg = f"store URL {url!r}: fallback must be 'memory' (local state), got {raw!r}"
+        raise ValueError(msg)
+    return raw
+
+
+class StateStore(abc.ABC):
+    """Shared planner state (see the module docstring). Thread-safe; one instance may serve
+    many planners (one per namespace) in one process; many processes may open the same store.
+
+    ``url`` names the store in messages (no password); ``fallback`` is ``"memory"`` when the
+    URL asked planners to go on with local state if the store becomes unreachable, else None.
+    Cost of each call: one round trip to the backend (plus, rarely, one for a snapshot).
+    """
+
+    url: str
+    fallback: str | None = None
+    snapshot_every: int = DEFAULT_SNAPSHOT_EVERY
+
+    # ---- primitives (one atomic round trip each) ---------------------------------------------
+
+    @abc.abstractmethod
+    def attach(self, namespace: str, fingerprint: str) -> None:
+        """Check the store's format and record/check the namespace's ``fingerprint`` (the
+        planner config): :class:`StoreCorrupted` naming the fix when either differs."""
+
+    @abc.abstractmethod
+    def _range(self, namespace: str, since: int) -> tuple[int, list[LogEntry]]:
+        """``(head, entries with seq > since)``, atomically."""
+
+    @abc.abstractmethod
+    def _append(
+        self,
+        namespace: str,
+        data: str,
+        since: int,
+        conversation: str | None,
+        not_after: int | None,
+        ttl_s: float | None,
+    ) -> tuple[int, list[LogEntry]]:
+        """Atomically: refuse (``ConversationConflict``) when ``conversation``'s last commit
+        is after ``not_after`` (no check when None); add ``data`` as entry ``head + 1``; set
+        the conversation's last seq (expiring after ``ttl_s``); return ``(head, entries with
+        seq > since)``."""
+
+    @abc.abstractmethod
+    def _snapshot(self, namespace: str) -> Snapshot | None:
+        """The namespace's latest snapshot, if any."""
+
+    @abc.abstractmethod
+    def put_snapshot(self, namespace: str, snapshot: Snapshot, keep_from: int) -> None:
+        """Store ``snapshot`` (unless a newer one is there) and drop the entries with
+        ``seq < keep_from``, atomically."""
+
+    @abc.abstractmethod
+    def clear(self, namespace: str) -> None:
+        """Delete everything of ``namespace`` (log, conversations, snapshot, fingerprint)."""
+
+    def close(self) -> None:  # noqa: B027  (optional hook)
+        """Release connections; the store may not be used afterwards."""
+
+    # ---- the gap logic, once ------------------------------------------------------------------
+
+    def read(self, namespace: str, since: int) -> LogRead:
+        """Everything a reader that applied up to ``since`` must apply next."""
+        head, entries = self._range(namespace, since)
+        return self._complete(namespace, since, head, entries)
+
+    def append(
+        self,
+        namespace: str,
+        data: str,
+        *,
+        since: int,
+        conversation: str | None = None,
+        not_after: int | None = None,
+        ttl_s: float | None = None,
+    ) -> LogRead:
+        """Append one entry (see :meth:`_append`) and return what the caller at ``since`` must
+        apply, its own entry included (last)."""
+        head, entries = self._append(namespace, data, since, conversation, not_after, ttl_s)
+        return self._complete(namespace, since, head, entries)
+
+    def _complete(
+        self, namespace: str, since: int, head: int, entries: list[LogEntry]
+    ) -> LogRead:
+        if head < since:
+            msg = (
+                f"store {self.url} namespace {namespace!r} went back from seq {since} to {head}: "
+                "it was flushed, restored from an older copy or replaced while workers used it; "
+                "restart every worker of this namespace (they rebuild their state from the store)"
+            )
+            raise StoreCorrupted(msg)
+        if head == since or (entries and entries[0].seq == since + 1):
+            self._check_contiguous(namespace, since, entries)
+            return LogRead(head, tuple(entries))
+        snapshot = self._snapshot(namespace)
+        if snapshot is None or snapshot.seq <= since:
+            msg = (
+                f"store {self.url} namespace {namespace!r} lacks the entries after seq {since} "
+                "and has no snapshot to resume from (damaged or edited by another program); "
+                "clear the namespace (StateStore.clear) or use a fresh store"
+            )
+            raise StoreCorrupted(msg)
+        head, entries = self._range(namespace, snapshot.seq)
+        if entries and entries[0].seq != snapshot.seq + 1:
+            # Another snapshot and trim landed between the two reads: start over from it.
+            return self.read(namespace, since)
+        self._check_contiguous(namespace, snapshot.seq, entries)
+        return LogRead(head, tuple(entries), snapshot)
+
+    def _check_contiguous(self, namespace: str, since: int, entries: list[LogEntry]) -> None:
+        for offset, entry in enumerate(entries, start=1):
+            if entry.seq != since + offset:
+                msg = (
+                    f"store {self.url} namespace {namespace!r}: log entry {since + offset} is "
+                    f"missing (found {entry.seq}); the store was damaged; clear the namespace "
+                    "or use a fresh store"
+                )
+                raise StoreCorrupted(msg)
+
+    def __enter__(self) -> StateStore:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}({self.url!r})"
+
+
+def conflict_message(conversation: str, last: int, not_after: int) -> str:
+    return (
+        f"conversation {conversation!r} moved on: another worker committed its turn at seq "
+        f"{last} after this turn was planned (at seq {not_after}); plan the turn again"
+    )

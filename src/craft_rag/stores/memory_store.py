@@ -1,0 +1,145 @@
+"""``memory://``: the store interface inside one process (planners in one process share it).
+
+Same semantics as the SQLite and Redis stores (the contract suite runs on all three), but the
+state dies with the process. Useful to share one namespace between several planners of one
+process, and as the reference the other backends are tested against.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+from craft_rag.stores.base import (
+    DEFAULT_SNAPSHOT_EVERY,
+    ConversationConflict,
+    LogEntry,
+    Snapshot,
+    StateStore,
+    StoreCorrupted,
+    check_namespace,
+    conflict_message,
+    parse_options,
+    positive_int_option,
+)
+
+_OPTIONS = {"snapshot_every": "commits between snapshots; the log keeps up to twice that"}
+
+
+@dataclass(slots=True)
+class _Namespace:
+    """One namespace's state. Owner: :class:`MemoryStore` (under its lock)."""
+
+    head: int = 0
+    log: list[LogEntry] = field(default_factory=list)  # contiguous, ends at head
+    conversations: dict[str, tuple[int, float | None]] = field(default_factory=dict)
+    snapshot: Snapshot | None = None
+    fingerprint: str | None = None
+
+
+def _after(log: list[LogEntry], since: int) -> list[LogEntry]:
+    """Entries with ``seq > since`` of a contiguous log. O(entries returned)."""
+    if not log:
+        return []
+    return log[max(0, since - log[0].seq + 1) :]
+
+
+class MemoryStore(StateStore):
+    """In-process store. Invariants: each log is contiguous and ends at ``head``; a
+    conversation record is ``(last seq, expiry time or None)``. ``clock`` (wall seconds) times
+    the conversation TTL. Every call is O(entries returned) under one lock."""
+
+    def __init__(
+        self,
+        *,
+        snapshot_every: int = DEFAULT_SNAPSHOT_EVERY,
+        clock: Callable[[], float] = time.time,
+        url: str = "memory://",
+    ) -> None:
+        self.url = url
+        self.snapshot_every = snapshot_every
+        self._clock = clock
+        self._lock = threading.Lock()
+        self._spaces: dict[str, _Namespace] = {}  # owner: _lock
+
+    @classmethod
+    def from_url(cls, url: str) -> MemoryStore:
+        rest = url[len("memory://") :]
+        where, _, query = rest.partition("?")
+        if where:
+            msg = f"store URL {url!r}: memory:// takes no host or path (one store per process)"
+            raise ValueError(msg)
+        options = parse_options(url, query, _OPTIONS)
+        every = positive_int_option(url, options, "snapshot_every", DEFAULT_SNAPSHOT_EVERY)
+        return cls(snapshot_every=every, url=url.split("?", 1)[0])
+
+    def _space(self, namespace: str) -> _Namespace:
+        space = self._spaces.get(namespace)
+        if space is None:
+            space = self._spaces[check_namespace(namespace)] = _Namespace()
+        return space
+
+    def attach(self, namespace: str, fingerprint: str) -> None:
+        with self._lock:
+            space = self._space(namespace)
+            if space.fingerprint is None:
+                space.fingerprint = fingerprint
+            elif space.fingerprint != fingerprint:
+                msg = (
+                    f"store {self.url} namespace {namespace!r} holds state of another planner "
+                    f"config ({space.fingerprint}); use the same PlannerConfig in every worker "
+                    "or another namespace"
+                )
+                raise StoreCorrupted(msg)
+
+    def _range(self, namespace: str, since: int) -> tuple[int, list[LogEntry]]:
+        with self._lock:
+            space = self._space(namespace)
+            return space.head, _after(space.log, since)
+
+    def _append(
+        self,
+        namespace: str,
+        data: str,
+        since: int,
+        conversation: str | None,
+        not_after: int | None,
+        ttl_s: float | None,
+    ) -> tuple[int, list[LogEntry]]:
+        with self._lock:
+            space = self._space(namespace)
+            now = self._clock()
+            if conversation is not None:
+                last, expires = space.conversations.get(conversation, (0, None))
+                if expires is not None and expires <= now:
+                    last = 0
+                if not_after is not None and last > not_after:
+                    raise ConversationConflict(conflict_message(conversation, last, not_after))
+            space.head += 1
+            space.log.append(LogEntry(space.head, data))
+            if conversation is not None:
+                expiry = now + ttl_s if ttl_s is not None else None
+                space.conversations[conversation] = (space.head, expiry)
+                if space.head % 1024 == 0:
+                    space.conversations = {
+                        c: r for c, r in space.conversations.items() if r[1] is None or r[1] > now
+                    }
+            return space.head, _after(space.log, since)
+
+    def _snapshot(self, namespace: str) -> Snapshot | None:
+        with self._lock:
+            return self._space(namespace).snapshot
+
+    def put_snapshot(self, namespace: str, snapshot: Snapshot, keep_from: int) -> None:
+        with self._lock:
+            space = self._space(namespace)
+            if space.snapshot is None or space.snapshot.seq < snapshot.seq:
+                space.snapshot = snapshot
+            if space.log and space.log[0].seq < keep_from:
+                del space.log[: keep_from - space.log[0].seq]
+
+    def clear(self, namespace: str) -> None:
+        with self._lock:
+            self._spaces.pop(check_namespace(namespace), None)

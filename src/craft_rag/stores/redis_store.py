@@ -1,0 +1,253 @@
+"""``redis://host:port/db``: the store in Redis, shared by workers on many hosts.
+
+Every write is one Lua script (atomic on the server): ``append`` checks the conversation record,
+``INCR``s the namespace's head, adds the entry to a sorted set scored by ``seq`` and sets the
+conversation record with the conversation TTL (``PX``), then returns the entries the caller has
+not seen, all in one round trip. Keys are ``craft-rag:{<namespace>}:...``: the braces are a
+Redis Cluster hash tag, so a namespace's keys share one slot and the scripts stay legal there.
+Conversation ids appear only as SHA-256 digests in key names.
+
+``?fallback=memory`` lets planners go on with their local state when Redis cannot be reached
+(a warning is logged; the planner stops sharing until it is recreated). Without it an
+unreachable Redis raises :class:`StoreUnavailable` naming the URL and how to start Redis.
+Needs the ``redis`` client (``pip install 'craft-rag[redis]'``).
+"""
+
+from __future__ import annotations
+
+import hashlib
+from typing import Any
+from urllib.parse import urlsplit, urlunsplit
+
+from craft_rag.stores.base import (
+    DEFAULT_SNAPSHOT_EVERY,
+    STORE_FORMAT,
+    ConversationConflict,
+    LogEntry,
+    Snapshot,
+    StateStore,
+    StoreCorrupted,
+    StoreUnavailable,
+    check_namespace,
+    conflict_message,
+    fallback_option,
+    parse_options,
+    positive_int_option,
+)
+
+_OPTIONS = {
+    "snapshot_every": "commits between snapshots; the log keeps up to twice that",
+    "fallback": "memory: go on with local state (logged) when Redis is unreachable",
+    "timeout_ms": "connect and read timeout per call (default 2000)",
+}
+
+# KEYS: head, log, conv (or head again when none). ARGV: data, since, has_conv, not_after
+# ('' = no check), ttl_ms ('' = no expiry). Returns {-1, last} on conflict, else {head, entries}.
+_APPEND = """
+if ARGV[3] == '1' and ARGV[4] ~= '' then
+  local last = tonumber(redis.call('GET', KEYS[3]) or '0')
+  if last > tonumber(ARGV[4]) then return {-1, last} end
+end
+local head = redis.call('INCR', KEYS[1])
+redis.call('ZADD', KEYS[2], head, head .. '|' .. ARGV[1])
+if ARGV[3] == '1' then
+  if ARGV[5] ~= '' then
+    redis.call('SET', KEYS[3], head, 'PX', ARGV[5])
+  else
+    redis.call('SET', KEYS[3], head)
+  end
+end
+return {head, redis.call('ZRANGEBYSCORE', KEYS[2], '(' .. ARGV[2], '+inf')}
+"""
+
+# KEYS: head, log. ARGV: since. Returns {head, entries}.
+_RANGE = """
+local head = tonumber(redis.call('GET', KEYS[1]) or '0')
+return {head, redis.call('ZRANGEBYSCORE', KEYS[2], '(' .. ARGV[1], '+inf')}
+"""
+
+# KEYS: snapshot hash, log. ARGV: seq, state, keep_from.
+_PUT_SNAPSHOT = """
+local current = tonumber(redis.call('HGET', KEYS[1], 'seq') or '-1')
+if current < tonumber(ARGV[1]) then
+  redis.call('HSET', KEYS[1], 'seq', ARGV[1], 'state', ARGV[2])
+end
+redis.call('ZREMRANGEBYSCORE', KEYS[2], '-inf', '(' .. ARGV[3])
+return 1
+"""
+
+# KEYS: format key, fingerprint key. ARGV: format, fingerprint. Returns {format, fingerprint}
+# as stored (set when absent).
+_ATTACH = """
+redis.call('SET', KEYS[1], ARGV[1], 'NX')
+redis.call('SET', KEYS[2], ARGV[2], 'NX')
+return {redis.call('GET', KEYS[1]), redis.call('GET', KEYS[2])}
+"""
+
+
+def _display(url: str) -> str:
+    """``url`` without its password and options (for messages)."""
+    parts = urlsplit(url)
+    netloc = parts.hostname or ""
+    if parts.port is not None:
+        netloc += f":{parts.port}"
+    if parts.username:
+        netloc = f"{parts.username}:***@{netloc}"
+    return urlunsplit((parts.scheme, netloc, parts.path, "", ""))
+
+
+class RedisStore(StateStore):
+    """Store in Redis (see the module docstring). Thread-safe (redis-py's connection pool);
+    every call is one round trip."""
+
+    def __init__(
+        self,
+        client_url: str,
+        *,
+        snapshot_every: int = DEFAULT_SNAPSHOT_EVERY,
+        fallback: str | None = None,
+        timeout_s: float = 2.0,
+        url: str | None = None,
+    ) -> None:
+        try:
+            import redis
+        except ImportError as e:
+            msg = "the redis store needs the redis client: pip install 'craft-rag[redis]'"
+            raise ImportError(msg) from e
+        self._redis = redis
+        self.url = _display(url or client_url)
+        self.snapshot_every = snapshot_every
+        self.fallback = fallback
+        self._client: Any = redis.Redis.from_url(
+            client_url, socket_connect_timeout=timeout_s, socket_timeout=timeout_s
+        )
+        self._append_script = self._client.register_script(_APPEND)
+        self._range_script = self._client.register_script(_RANGE)
+        self._snapshot_script = self._client.register_script(_PUT_SNAPSHOT)
+        self._attach_script = self._client.register_script(_ATTACH)
+
+    @classmethod
+    def from_url(cls, url: str) -> RedisStore:
+        base, _, query = url.partition("?")
+        options = parse_options(url, query, _OPTIONS)
+        return cls(
+            base,
+            snapshot_every=positive_int_option(
+                url, options, "snapshot_every", DEFAULT_SNAPSHOT_EVERY
+            ),
+            fallback=fallback_option(url, options),
+            timeout_s=positive_int_option(url, options, "timeout_ms", 2000) / 1000,
+            url=base,
+        )
+
+    @staticmethod
+    def _key(namespace: str, name: str) -> str:
+        return f"craft-rag:{{{check_namespace(namespace)}}}:{name}"
+
+    def _call(self, fn: Any, *args: Any, **kwargs: Any) -> Any:
+        """Run one client call; connection faults -> :class:`StoreUnavailable` with the fix,
+        wrong key types (keys written by another program) -> :class:`StoreCorrupted`."""
+        errors = self._redis.exceptions
+        try:
+            return fn(*args, **kwargs)
+        except (errors.ConnectionError, errors.TimeoutError) as e:
+            msg = (
+                f"cannot reach Redis at {self.url} ({e}); start it (redis-server --bind "
+                "127.0.0.1 --port 6379, see docs/deployment.md), fix the URL, or add "
+                "?fallback=memory to go on with local (unshared) state"
+            )
+            raise StoreUnavailable(msg) from e
+        except errors.ResponseError as e:
+            msg = (
+                f"store {self.url} holds keys craft-rag cannot use ({e}); delete the "
+                "craft-rag:* keys of this namespace or use another Redis database"
+            )
+            raise StoreCorrupted(msg) from e
+
+    @staticmethod
+    def _entries(raw: list[bytes]) -> list[LogEntry]:
+        out = []
+        for member in raw:
+            seq, _, data = member.decode("utf-8").partition("|")
+            out.append(LogEntry(int(seq), data))
+        return out
+
+    def attach(self, namespace: str, fingerprint: str) -> None:
+        keys = ["craft-rag:format", self._key(namespace, "fingerprint")]
+        stored = self._call(self._attach_script, keys=keys, args=[STORE_FORMAT, fingerprint])
+        found_format, found_fingerprint = (v.decode("utf-8") for v in stored)
+        if found_format != STORE_FORMAT:
+            msg = (
+                f"store {self.url} has format {found_format!r}, this craft-rag reads "
+                f"{STORE_FORMAT!r}; use another Redis database (/N in the URL) or delete its "
+                "craft-rag:* keys"
+            )
+            raise StoreCorrupted(msg)
+        if found_fingerprint != fingerprint:
+            msg = (
+                f"store {self.url} namespace {namespace!r} holds state of another planner "
+                f"config ({found_fingerprint}); use the same PlannerConfig in every worker or "
+                "another namespace"
+            )
+            raise StoreCorrupted(msg)
+
+    def _range(self, namespace: str, since: int) -> tuple[int, list[LogEntry]]:
+        keys = [self._key(namespace, "head"), self._key(namespace, "log")]
+        head, raw = self._call(self._range_script, keys=keys, args=[since])
+        return int(head), self._entries(raw)
+
+    def _append(
+        self,
+        namespace: str,
+        data: str,
+        since: int,
+        conversation: str | None,
+        not_after: int | None,
+        ttl_s: float | None,
+    ) -> tuple[int, list[LogEntry]]:
+        head_key = self._key(namespace, "head")
+        conv_key = head_key
+        if conversation is not None:
+            digest = hashlib.sha256(conversation.encode("utf-8")).hexdigest()
+            conv_key = self._key(namespace, f"conv:{digest}")
+        args = [
+            data,
+            since,
+            "1" if conversation is not None else "0",
+            "" if not_after is None else str(not_after),
+            "" if ttl_s is None else str(max(1, round(ttl_s * 1000))),
+        ]
+        keys = [head_key, self._key(namespace, "log"), conv_key]
+        head, payload = self._call(self._append_script, keys=keys, args=args)
+        if int(head) == -1:
+            assert conversation is not None and not_after is not None
+            raise ConversationConflict(conflict_message(conversation, int(payload), not_after))
+        return int(head), self._entries(payload)
+
+    def _snapshot(self, namespace: str) -> Snapshot | None:
+        seq, state = self._call(
+            self._client.hmget, self._key(namespace, "snapshot"), ["seq", "state"]
+        )
+        if seq is None or state is None:
+            return None
+        return Snapshot(int(seq), state.decode("utf-8"))
+
+    def put_snapshot(self, namespace: str, snapshot: Snapshot, keep_from: int) -> None:
+        keys = [self._key(namespace, "snapshot"), self._key(namespace, "log")]
+        self._call(
+            self._snapshot_script, keys=keys, args=[snapshot.seq, snapshot.state, keep_from]
+        )
+
+    def clear(self, namespace: str) -> None:
+        names = ["head", "log", "snapshot", "fingerprint"]
+        keys = [self._key(namespace, n) for n in names]
+        pattern = self._key(namespace, "conv:*")
+        keys += self._call(lambda: list(self._client.scan_iter(match=pattern, count=1000)))
+        self._call(self._client.delete, *keys)
+
+    def ping(self) -> None:
+        """One round trip; :class:`StoreUnavailable` when Redis cannot be reached."""
+        self._call(self._client.ping)
+
+    def close(self) -> None:
+        self._client.close()
