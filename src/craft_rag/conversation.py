@@ -23,18 +23,24 @@ _FORMAT = "craft-rag/conversations/v1"
 
 @dataclass(slots=True)
 class ConversationState:
-    """Chunks sent so far in one conversation. Owner: :class:`ConversationRegistry`."""
+    """Chunks sent so far in one conversation. Owner: :class:`ConversationRegistry`.
+
+    ``turns[:live_from]`` were dropped from the conversation's prompt (history budget, context
+    length): their chunks are no longer "already sent" and are sent again if retrieved again.
+    They still count as turns (``turn_count``), so turn numbers stay stable."""
 
     sent: set[ChunkKey] = field(default_factory=set)
     turns: list[tuple[ChunkKey, ...]] = field(default_factory=list)
     last_used: float = 0.0
+    live_from: int = 0
 
 
 class ConversationRegistry:
     """Per-conversation chunk sets, bounded by LRU count and idle TTL.
 
     Invariants: at most ``max_conversations`` entries, ordered least recently used first; each
-    ``sent`` set is exactly the union of that conversation's frozen ``turns``. Expired
+    ``sent`` set is exactly the union of that conversation's live frozen turns
+    (``turns[live_from:]``). Expired
     conversations (idle longer than ``ttl_s``) are treated as new and purged on the next write.
     """
 
@@ -109,6 +115,22 @@ class ConversationRegistry:
             self._states.popitem(last=False)
         return len(state.turns)
 
+    def forget_oldest_turns(self, conversation_id: ConversationId, n: int) -> int:
+        """The prompt no longer holds the ``n`` oldest live turns (dropped to fit a history
+        budget): their chunks stop counting as sent unless a later live turn carries them too.
+        Returns how many turns were dropped (0 for an unknown conversation). O(chunks of the
+        live turns)."""
+        if n < 0:
+            msg = f"n must be >= 0, got {n}"
+            raise ValueError(msg)
+        state = self._live(conversation_id)
+        if state is None or n == 0:
+            return 0
+        n = min(n, len(state.turns) - state.live_from)
+        state.live_from += n
+        state.sent = {k for t in state.turns[state.live_from :] for k in t}
+        return n
+
     def end(self, conversation_id: ConversationId) -> bool:
         """Forget a conversation (end of session). True if it was known. O(1)."""
         return self._states.pop(conversation_id, None) is not None
@@ -128,7 +150,12 @@ class ConversationRegistry:
             "max_conversations": self.max_conversations,
             "ttl_s": self.ttl_s,
             "conversations": [
-                {"id": cid, "turns": [list(t) for t in s.turns], "last_used": s.last_used}
+                {
+                    "id": cid,
+                    "turns": [list(t) for t in s.turns],
+                    "last_used": s.last_used,
+                    "live_from": s.live_from,
+                }
                 for cid, s in self._states.items()
             ],
         }
@@ -143,8 +170,12 @@ class ConversationRegistry:
         reg = cls(data["max_conversations"], data["ttl_s"], clock=clock)
         for item in data["conversations"]:
             turns = [tuple(ChunkKey(str(k)) for k in t) for t in item["turns"]]
+            live_from = int(item.get("live_from", 0))
             state = ConversationState(
-                sent={k for t in turns for k in t}, turns=turns, last_used=float(item["last_used"])
+                sent={k for t in turns[live_from:] for k in t},
+                turns=turns,
+                last_used=float(item["last_used"]),
+                live_from=live_from,
             )
             reg._states[ConversationId(str(item["id"]))] = state
         return reg
@@ -153,6 +184,7 @@ class ConversationRegistry:
         assert len(self._states) <= self.max_conversations
         last = float("-inf")
         for state in self._states.values():
-            assert state.sent == {k for t in state.turns for k in t}
+            assert 0 <= state.live_from <= len(state.turns)
+            assert state.sent == {k for t in state.turns[state.live_from :] for k in t}
             assert state.last_used >= last, "LRU order must follow last_used"
             last = state.last_used

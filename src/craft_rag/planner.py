@@ -539,6 +539,13 @@ class CraftPlanner:
                     return bool(result[0])
             return self.conversations.end(conv)
 
+    def forget_turns(self, conversation_id: str, n: int) -> int:
+        """The conversation's prompt dropped its ``n`` oldest turns: chunks only they carried
+        are planned as new again (dedup is only correct while the carrying turn is in the
+        prompt). Returns the turns forgotten. O(chunks of the remaining turns)."""
+        with self._lock:
+            return self.conversations.forget_oldest_turns(ConversationId(conversation_id), n)
+
     # ---- persistence --------------------------------------------------------------------------
 
     def to_json(self) -> dict[str, Any]:

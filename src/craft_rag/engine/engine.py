@@ -35,8 +35,10 @@ from typing import Protocol
 from craft_rag.chunk import Chunk
 from craft_rag.engine.chat_format import RenderFn, derive_chat_format, model_renderer
 from craft_rag.engine.conversation_prompts import (
+    DEFAULT_HISTORY_BUDGET,
     DEFAULT_MAX_CONVERSATIONS,
     ConversationPrompts,
+    HistoryBudget,
     RenderedTurn,
 )
 from craft_rag.engine.driver import (
@@ -70,6 +72,7 @@ from craft_rag.engine.vllm_backend import EngineSettings, EngineStartError, VLLM
 from craft_rag.metrics import chunks_inside_cache, chunks_with_cached_blocks
 from craft_rag.prompt import DEFAULT_INSTRUCTIONS, PromptAssembler, PromptFormat
 from craft_rag.tokenizer import HFTokenizer, Tokenizer
+from craft_rag.types import ChunkKey
 
 __all__ = [
     "CraftEngine",
@@ -155,6 +158,7 @@ class CraftEngine:
         tokenizer: Tokenizer | None = None,
         block_hasher: BlockHasher | None = None,
         chat_renderer: RenderFn | None = None,
+        history_budget: HistoryBudget | None = DEFAULT_HISTORY_BUDGET,
     ) -> None:
         """Start the engine. ``backend``/``tokenizer``/``block_hasher``/``chat_renderer``
         replace the vLLM and model pieces (tests use fakes); by default the model is resolved
@@ -164,6 +168,10 @@ class CraftEngine:
         ``planner`` serves unsalted requests; each cache salt gets its own planner from
         ``salt_planner_factory`` (default: a ``CraftPlanner`` with ``planner``'s config), at
         most ``max_salt_namespaces`` of them (least recently used dropped).
+
+        ``history_budget`` bounds each conversation's stored prompt history (oldest whole turns
+        dropped, with hysteresis; see :class:`HistoryBudget`); ``None``: only ``max_model_len``
+        bounds it.
 
         ``ImportError`` (vLLM or converter missing) and :class:`EngineStartError` name the fix.
         """
@@ -221,6 +229,8 @@ class CraftEngine:
             max_model_len=backend.max_model_len,
             max_conversations=max_conversations,
             on_forget=self._forget_planned,
+            history_budget=history_budget,
+            on_drop=self._forget_dropped_turns,
         )
         self._driver = EngineDriver(backend)
 
@@ -278,6 +288,45 @@ class CraftEngine:
         if planner is not None:
             planner.end_conversation(conversation_id)
 
+    def _forget_dropped_turns(self, conversation_id: str, cache_salt: str | None, n: int) -> None:
+        """The prompt history dropped its ``n`` oldest turns: the salt's planner forgets their
+        chunks, so one retrieved again is sent again (a planner that cannot forget single turns
+        forgets the conversation; its next turn then starts a fresh prompt)."""
+        planner = self._namespaces.peek(CacheSalt(cache_salt) if cache_salt is not None else None)
+        if planner is None:
+            return
+        forget = getattr(planner, "forget_turns", None)
+        if callable(forget):
+            forget(conversation_id, n)
+        else:
+            planner.end_conversation(conversation_id)
+
+    def fit_turn(
+        self,
+        chunks: Sequence[Chunk],
+        question: str,
+        *,
+        conversation_id: str | None,
+        max_tokens: int,
+        cache_salt: str | None = None,
+    ) -> frozenset[ChunkKey]:
+        """Make room for a turn before planning it yourself (``plan=``): drop the conversation's
+        oldest whole turns until ``chunks`` (all retrieved, before dedup) and ``question`` fit
+        with ``max_tokens``; the planner forgets the dropped turns' chunks. Engine-made plans
+        do this themselves. Returns the chunk keys no longer in the prompt. O(turns)."""
+        need = self.conversations.turn_token_count(chunks, question)
+        salt = self._salt(cache_salt)
+        return self.conversations.fit(conversation_id, need, max_tokens, salt)
+
+    def side_prompt_ids(
+        self, conversation_id: str | None, text: str, *, cache_salt: str | None = None
+    ) -> tuple[int, ...]:
+        """Token ids of a one-off question asked after the conversation's stored prompt (its
+        cached prefix) without joining it, e.g. a condense step; serve them with
+        :meth:`generate_tokens` (same ``cache_salt``) for a report of their own. ``text`` is
+        tokenized as plain text. ``ValueError`` for empty text or another salt."""
+        return self.conversations.side_prompt(conversation_id, text, self._salt(cache_salt))
+
     def message_token_ids(self, messages: Sequence[ChatTurn]) -> tuple[int, ...]:
         """The token ids :meth:`generate_messages` sends for ``messages``: the chat template's
         rendering with the generation prompt, one tokenized segment per message (see
@@ -326,12 +375,24 @@ class CraftEngine:
         planner = self._namespaces.get(salt)
         self._event_barrier()
         caller_plan = request.plan is not None
+        fit_id = conversation_id or getattr(request.plan, "conversation_id", None)
+        need = self.conversations.turn_token_count(request.chunks, question)
+        # Before planning: dedup may only count chunks of turns that stay in the prompt.
+        lost = self.conversations.fit(fit_id, need, sampling.max_tokens, salt)
         if request.plan is None:
             plan: PlanLike = planner.plan(list(request.chunks), conversation_id)
         else:
             plan = check_plan(request.plan, planner, request.chunks, conversation_id, salt=salt)
             conversation_id = plan.conversation_id
             self.conversations.check_salt(conversation_id, salt)
+            gone = sorted(lost & {c.key for c in plan.removed_duplicates})
+            if gone:
+                msg = (
+                    f"plan {plan.plan_id} removed chunks {gone[:3]} as already sent, but the "
+                    "turns carrying them were dropped to fit the context; call "
+                    "engine.fit_turn(...) before planning, or plan the turn again"
+                )
+                raise RuntimeError(msg)
             self._hold_plan(planner, plan)
         try:
             rendered = self._render(plan, question, sampling, conversation_id, salt)
@@ -464,7 +525,7 @@ class CraftEngine:
             chunk_order=tuple(c.key for c in plan.ordered),
             removed_duplicates=tuple(c.key for c in plan.removed_duplicates),
             repeated_in_request=tuple(c.key for c in plan.repeated_in_request),
-            dropped_turns=rag.rendered.dropped_turns,
+            dropped_turns=rag.rendered.left_out,
             conversation_id=rag.rendered.conversation_id,
             turn=plan.turn,
             plan_id=plan_id if isinstance(plan_id, int) else None,
