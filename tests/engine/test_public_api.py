@@ -8,6 +8,7 @@ import sys
 import craft_rag.engine as engine_pkg
 
 EXPECTED = {
+    "DEFAULT_HISTORY_BUDGET",
     "BlockHasher",
     "ChatTurn",
     "ConversationPrompts",
@@ -16,6 +17,7 @@ EXPECTED = {
     "EngineSettings",
     "EngineStartError",
     "GenerationResult",
+    "HistoryBudget",
     "KVEventSync",
     "PlanLike",
     "PlannerLike",

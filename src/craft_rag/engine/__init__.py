@@ -5,7 +5,12 @@ or the embedded model is converted. See docs/engine.md.
 """
 
 from craft_rag.engine.chat_format import derive_chat_format
-from craft_rag.engine.conversation_prompts import ConversationPrompts, RenderedTurn
+from craft_rag.engine.conversation_prompts import (
+    DEFAULT_HISTORY_BUDGET,
+    ConversationPrompts,
+    HistoryBudget,
+    RenderedTurn,
+)
 from craft_rag.engine.driver import EngineFailure, RequestCancelled
 from craft_rag.engine.engine import CraftEngine, reused_chunk_count
 from craft_rag.engine.kv_events import BlockHasher, KVEventSync
@@ -19,9 +24,16 @@ from craft_rag.engine.results import (
     SamplingRequest,
     StreamChunk,
 )
+from craft_rag.engine.server_backend import (
+    ServerError,
+    ServerRejected,
+    ServerSettings,
+    ServerUnavailable,
+)
 from craft_rag.engine.vllm_backend import EngineSettings, EngineStartError
 
 __all__ = [
+    "DEFAULT_HISTORY_BUDGET",
     "BlockHasher",
     "ChatTurn",
     "ConversationPrompts",
@@ -30,6 +42,7 @@ __all__ = [
     "EngineSettings",
     "EngineStartError",
     "GenerationResult",
+    "HistoryBudget",
     "KVEventSync",
     "PlanLike",
     "PlannerLike",
@@ -39,6 +52,10 @@ __all__ = [
     "RequestCancelled",
     "ReuseReport",
     "SamplingRequest",
+    "ServerError",
+    "ServerRejected",
+    "ServerSettings",
+    "ServerUnavailable",
     "StreamChunk",
     "derive_chat_format",
     "prepare_default_model",

@@ -7,9 +7,19 @@ turn's prompt therefore starts with the previous turn's prompt and reply, token 
 vLLM's prefix cache reuses all of it. Replies are kept as the token ids the model generated
 (trailing stop tokens replaced by the template's close), so even the reply's KV is reusable.
 
-When ``history + new turn + max_tokens`` exceeds ``max_model_len``, whole oldest turns are left
-out (never part of a turn, never part of a chunk) and forgotten once the turn completes; the
-count is reported. A turn that cannot fit even alone raises ``ValueError``.
+**History budget.** On this engine TTFT grows with the cached length too (attention over the
+whole prefix), so an ever-growing history makes later turns slower even when they are mostly
+cached. A :class:`HistoryBudget` bounds the stored history (head excluded): when a completed
+turn takes it over ``max_tokens``, whole oldest turns are dropped until it is at most
+``keep_tokens``. The first turn after a drop recomputes the shorter history once; the low-water
+mark then leaves room for several turns that only append (the prefix stays stable and reused)
+instead of sliding, and recomputing, every turn. Dropped turns are reported through
+``on_drop`` so the planner forgets their chunks: conversation dedup is only correct while the
+turn carrying a chunk is still in the prompt.
+
+When ``history + new turn + max_tokens`` would exceed ``max_model_len``, :meth:`fit` drops whole
+oldest turns before the turn is planned (never part of a turn, never part of a chunk); the count
+is reported. A turn that cannot fit even alone raises ``ValueError``.
 """
 
 from __future__ import annotations
@@ -21,11 +31,43 @@ from dataclasses import dataclass, field
 
 from craft_rag.chunk import Chunk
 from craft_rag.prompt import AssembledPrompt, PromptAssembler
+from craft_rag.types import ChunkKey
 
 DEFAULT_MAX_CONVERSATIONS = 1024
 
 OnForget = Callable[[str, str | None], object]
 """Called with ``(conversation_id, cache_salt)`` when a history is evicted or ended."""
+
+OnDrop = Callable[[str, str | None, int], object]
+"""Called with ``(conversation_id, cache_salt, n)`` when the ``n`` oldest turns of a history are
+dropped (budget or context length); the history itself lives on."""
+
+
+@dataclass(frozen=True, slots=True)
+class HistoryBudget:
+    """Token budget of a conversation's stored history (head excluded), like LlamaIndex's
+    ``ChatMemoryBuffer.token_limit``. Over ``max_tokens`` after a turn, the oldest whole turns
+    are dropped until at most ``keep_tokens`` remain (the newest turn is always kept).
+    ``keep_tokens < max_tokens`` is the hysteresis that keeps the new prefix stable for
+    several turns. Defaults (:data:`DEFAULT_HISTORY_BUDGET`) come from ``craft-rag bench chat``."""
+
+    max_tokens: int
+    keep_tokens: int
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.max_tokens, int) or self.max_tokens < 1:
+            msg = f"HistoryBudget.max_tokens must be an int >= 1, got {self.max_tokens!r}"
+            raise ValueError(msg)
+        if not isinstance(self.keep_tokens, int) or not 0 <= self.keep_tokens <= self.max_tokens:
+            msg = (
+                f"HistoryBudget.keep_tokens must be an int in [0, max_tokens={self.max_tokens}], "
+                f"got {self.keep_tokens!r}"
+            )
+            raise ValueError(msg)
+
+
+DEFAULT_HISTORY_BUDGET = HistoryBudget(max_tokens=1536, keep_tokens=768)
+"""Chosen by measurement (docs/benchmarks.md, "Multi-turn chat"); ``None`` disables it."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -39,6 +81,14 @@ class RenderedTurn:
     dropped_turns: int
     kept_turns: int
     turn_ids: tuple[int, ...]
+    earlier_dropped: int = 0
+    """Turns dropped since the previous served turn (history budget, :meth:`fit`): also left
+    out of this prompt, already forgotten. Reports add it to ``dropped_turns``."""
+
+    @property
+    def left_out(self) -> int:
+        """Every turn this prompt no longer holds since the previous one."""
+        return self.dropped_turns + self.earlier_dropped
 
 
 @dataclass(slots=True)
@@ -46,8 +96,12 @@ class _History:
     """One conversation's stored turns. Owner: :class:`ConversationPrompts` (under its lock)."""
 
     turns: list[tuple[int, ...]] = field(default_factory=list)
+    keys: list[tuple[ChunkKey, ...]] = field(default_factory=list)
+    """The chunk keys each stored turn carries (parallel to ``turns``)."""
     tokens: int = 0
     in_flight: bool = False
+    dropped_since: int = 0
+    """Turns dropped since the last served turn (reported by the next one)."""
     cache_salt: str | None = None
     """The prefix-cache namespace of every turn; fixed for the history's lifetime."""
 
@@ -76,16 +130,23 @@ class ConversationPrompts:
         max_model_len: int,
         max_conversations: int = DEFAULT_MAX_CONVERSATIONS,
         on_forget: OnForget | None = None,
+        history_budget: HistoryBudget | None = None,
+        on_drop: OnDrop | None = None,
     ) -> None:
         if max_conversations < 1:
             msg = f"max_conversations must be >= 1, got {max_conversations}"
             raise ValueError(msg)
+        if history_budget is not None and not isinstance(history_budget, HistoryBudget):
+            msg = f"history_budget must be a HistoryBudget or None, got {history_budget!r}"
+            raise ValueError(msg)
         self.assembler = assembler
         self.max_model_len = max_model_len
         self.max_conversations = max_conversations
+        self.history_budget = history_budget
         self._lock = threading.Lock()
         self._histories: OrderedDict[str, _History] = OrderedDict()
         self._on_forget = on_forget
+        self._on_drop = on_drop
         self._close_ids = assembler.answer_ids("")
 
     def render(
@@ -170,6 +231,7 @@ class ConversationPrompts:
                 dropped_turns=dropped,
                 kept_turns=len(turns) - dropped,
                 turn_ids=tuple(segment),
+                earlier_dropped=history.dropped_since if history is not None else 0,
             )
 
     def complete(
@@ -186,15 +248,96 @@ class ConversationPrompts:
         while reply and reply[-1] in stop_token_ids:
             reply.pop()
         stored = (*rendered.turn_ids, *reply, *self._close_ids)
+        cid = rendered.conversation_id
         with self._lock:
-            history = self._histories.get(rendered.conversation_id)
+            history = self._histories.get(cid)
             if history is None:  # ended while in flight: nothing to continue
                 return
-            del history.turns[: rendered.dropped_turns]
+            self._drop(cid, history, rendered.dropped_turns)
             history.turns.append(stored)
-            history.tokens = sum(len(t) for t in history.turns)
+            history.keys.append(rendered.prompt.chunk_keys)
+            history.tokens += len(stored)
+            budget = self.history_budget
+            history.dropped_since = 0
+            if budget is not None and history.tokens > budget.max_tokens:
+                n, left = 0, history.tokens
+                while n < len(history.turns) - 1 and left > budget.keep_tokens:
+                    left -= len(history.turns[n])
+                    n += 1
+                self._drop(cid, history, n)
+                history.dropped_since = n
             history.in_flight = False
             self._evict_over_bound()
+
+    def fit(
+        self,
+        conversation_id: str | None,
+        turn_tokens: int,
+        max_tokens: int,
+        cache_salt: str | None = None,
+    ) -> frozenset[ChunkKey]:
+        """Drop the oldest whole turns of an idle conversation until a turn of ``turn_tokens``
+        (chunks and question, an upper bound) plus ``max_tokens`` fits after the head and the
+        history in ``max_model_len``; call before planning the turn, so the plan's dedup only
+        counts chunks still in the prompt. Returns the keys no kept turn carries any more
+        (empty when nothing was dropped). Unknown, in-flight or other-salt conversations are
+        left alone (``render`` reports those). O(turns)."""
+        if conversation_id is None:
+            return frozenset()
+        with self._lock:
+            history = self._histories.get(conversation_id)
+            if history is None or history.in_flight or history.cache_salt != cache_salt:
+                return frozenset()
+            budget = self.max_model_len - max_tokens - len(self.assembler.head_ids) - turn_tokens
+            n, left = 0, history.tokens
+            while n < len(history.turns) and left > budget:
+                left -= len(history.turns[n])
+                n += 1
+            if n == 0:
+                return frozenset()
+            dropped = {k for keys in history.keys[:n] for k in keys}
+            kept = {k for keys in history.keys[n:] for k in keys}
+            self._drop(conversation_id, history, n)
+            history.dropped_since += n
+            return frozenset(dropped - kept)
+
+    def turn_token_count(self, chunks: Sequence[Chunk], question: str) -> int:
+        """Tokens of one turn's segment (chunks, question, tail) as :meth:`render` builds it."""
+        with self._lock:
+            a = self.assembler
+            return sum(len(a.chunk_ids(c)) for c in chunks) + len(a.question_ids(question))
+
+    def side_prompt(
+        self, conversation_id: str | None, text: str, cache_salt: str | None = None
+    ) -> tuple[int, ...]:
+        """``[head][stored turns][text as a user question][assistant opener]``: a one-off
+        request (e.g. condensing a follow-up) that continues the conversation's cached prefix
+        without becoming part of it (nothing is stored). ``text`` is tokenized as plain text.
+        An unknown conversation gives ``[head][text]``. ``ValueError`` when a known
+        conversation has another ``cache_salt``. O(prompt tokens)."""
+        if not isinstance(text, str) or not text.strip():
+            msg = "text must be a non-empty string"
+            raise ValueError(msg)
+        with self._lock:
+            ids = list(self.assembler.head_ids)
+            history = self._histories.get(conversation_id) if conversation_id else None
+            if history is not None:
+                assert conversation_id is not None
+                _check_salt(conversation_id, history, cache_salt)
+                for turn in history.turns:
+                    ids.extend(turn)
+            ids.extend(self.assembler.question_ids(text))
+            return tuple(ids)
+
+    def _drop(self, conversation_id: str, history: _History, n: int) -> None:
+        """Drop the ``n`` oldest turns and tell ``on_drop`` (caller holds the lock)."""
+        if n <= 0:
+            return
+        del history.turns[:n]
+        del history.keys[:n]
+        history.tokens = sum(len(t) for t in history.turns)
+        if self._on_drop is not None:
+            self._on_drop(conversation_id, history.cache_salt, n)
 
     def cancel(self, rendered: RenderedTurn) -> None:
         """The turn was not served (engine failure, abort): keep the history as it was."""
@@ -268,6 +411,7 @@ class ConversationPrompts:
             )
             for history in self._histories.values():
                 assert history.tokens == sum(len(t) for t in history.turns)
+                assert len(history.keys) == len(history.turns)
 
 
 def _check_salt(conversation_id: str, history: _History, cache_salt: str | None) -> None:
