@@ -68,6 +68,8 @@ from craft_rag.engine.results import (
     StepOutput,
     StreamChunk,
 )
+from craft_rag.engine.server_backend import ServerBackend, ServerSettings, connect_server
+from craft_rag.engine.server_driver import ServerDriver
 from craft_rag.engine.vllm_backend import EngineSettings, EngineStartError, VLLMBackend
 from craft_rag.metrics import chunks_inside_cache, chunks_with_cached_blocks
 from craft_rag.prompt import DEFAULT_INSTRUCTIONS, PromptAssembler, PromptFormat
@@ -159,6 +161,7 @@ class CraftEngine:
         block_hasher: BlockHasher | None = None,
         chat_renderer: RenderFn | None = None,
         history_budget: HistoryBudget | None = DEFAULT_HISTORY_BUDGET,
+        server: str | ServerSettings | None = None,
     ) -> None:
         """Start the engine. ``backend``/``tokenizer``/``block_hasher``/``chat_renderer``
         replace the vLLM and model pieces (tests use fakes); by default the model is resolved
@@ -172,6 +175,11 @@ class CraftEngine:
         ``history_budget`` bounds each conversation's stored prompt history (oldest whole turns
         dropped, with hysteresis; see :class:`HistoryBudget`); ``None``: only ``max_model_len``
         bounds it.
+
+        ``server``: a vLLM OpenAI-compatible server's URL (or :class:`ServerSettings`) to serve
+        through instead of an in-process engine; ``settings.model`` then names the local folder
+        of the served model's tokenizer and chat template (see
+        :mod:`craft_rag.engine.server_backend`; ``ServerUnavailable``/``ValueError`` name the fix).
 
         ``ImportError`` (vLLM or converter missing) and :class:`EngineStartError` name the fix.
         """
@@ -206,7 +214,16 @@ class CraftEngine:
         self.prompt_format = prompt_format
         self.assembler = PromptAssembler(tokenizer, prompt_format)
 
-        if backend is None:
+        server_backend: ServerBackend | None = None
+        if server is not None:
+            if backend is not None:
+                msg = "pass server= (a vLLM server URL) or backend=, not both"
+                raise ValueError(msg)
+            server_backend, self.kv_events, hasher = connect_server(
+                server, model_path, tokenizer, self._namespaces
+            )
+            block_hasher = block_hasher or hasher
+        elif backend is None:
             assert model_path is not None
             vllm_backend = VLLMBackend(self.settings, model_path)
             if vllm_backend.kv_events_endpoint is not None:
@@ -221,18 +238,28 @@ class CraftEngine:
             backend = vllm_backend
             if block_hasher is None and vllm_backend.prefix_caching:
                 block_hasher = BlockHasher.from_engine(vllm_backend.vllm_config)
-        self._backend: ManagedBackend = backend
-        self._backend_takes_salt = _takes_keyword(backend.add_request, "cache_salt")
+        self._backend: ManagedBackend | ServerBackend
+        if server_backend is not None:
+            self._backend, self._backend_takes_salt = server_backend, True
+        else:
+            assert backend is not None
+            self._backend = backend
+            self._backend_takes_salt = _takes_keyword(backend.add_request, "cache_salt")
         self.block_hasher = block_hasher
         self.conversations = ConversationPrompts(
             self.assembler,
-            max_model_len=backend.max_model_len,
+            max_model_len=self._backend.max_model_len,
             max_conversations=max_conversations,
             on_forget=self._forget_planned,
             history_budget=history_budget,
             on_drop=self._forget_dropped_turns,
         )
-        self._driver = EngineDriver(backend)
+        self._driver: EngineDriver | ServerDriver
+        if server_backend is not None:
+            lost = self._namespaces.on_all_blocks_cleared  # a restarted server's cache is empty
+            self._driver = ServerDriver(server_backend, on_server_lost=lost)
+        else:
+            self._driver = EngineDriver(self._backend)  # type: ignore[arg-type]
 
     # ---- configuration -----------------------------------------------------------------------
 

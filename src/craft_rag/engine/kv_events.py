@@ -24,7 +24,15 @@ Consistency: events arrive asynchronously (vLLM's publisher thread, then this th
 evicted between a request's completion and its planner commit can leave a stale CP-Tree node;
 the next commit that matches it sees fewer cached chunks than predicted and removes it
 (``reused_chunks`` in :meth:`craft_rag.planner.CraftPlanner.commit`). A gap in sequence numbers
-(dropped messages) is counted in :attr:`KVEventStats.gaps` and corrected the same way.
+(dropped messages: evictions may be lost) or a sequence number going back (the engine or server
+restarted: its cache is empty) resyncs by clearing: ``on_all_blocks_cleared`` before the batch
+is applied, counted in :attr:`KVEventStats.gaps` / :attr:`KVEventStats.restarts`.
+
+Over a vLLM server (:mod:`craft_rag.engine.server_backend`) the endpoint is ``tcp://HOST:PORT``
+(the server's publisher binds ``tcp://*:PORT``; ZMQ reconnects by itself after a restart) and
+hashes are 64-bit ints; with :meth:`KVEventSync.set_hasher` the sync also checks that the first
+block of each unsalted stored chain hashes as expected (:attr:`KVEventStats.hash_mismatches`
+> 0 means the CP-Tree cannot hear evictions: wrong ``hash_seed``/algorithm).
 """
 
 from __future__ import annotations
@@ -250,6 +258,9 @@ class KVEventStats:
     clears: int = 0
     nodes_removed: int = 0
     gaps: int = 0
+    restarts: int = 0
+    hash_checks: int = 0
+    hash_mismatches: int = 0
     undecodable: int = 0
     barrier_timeouts: int = 0
     last_seq: int = -1
@@ -289,6 +300,7 @@ class KVEventSync:
         self._listener = listener
         self._clock = clock
         self._recent = _Recent()
+        self._hasher: BlockHasher | None = None
         self._cond = threading.Condition()
         self._ctx = zmq.Context()
         self._sock = self._ctx.socket(zmq.SUB)
@@ -298,6 +310,11 @@ class KVEventSync:
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="craft-kv-events", daemon=True)
         self._thread.start()
+
+    def set_hasher(self, hasher: BlockHasher | None) -> None:
+        """Check stored first blocks against ``hasher`` (see the module doc)."""
+        with self._cond:
+            self._hasher = hasher
 
     def set_listener(self, listener: EvictionListener | None) -> None:
         """Route future evictions to ``listener`` (e.g. a new planner)."""
@@ -334,11 +351,23 @@ class KVEventSync:
             self.stats.undecodable += 1
             events = []
         with self._cond:
-            listener = self._listener
+            listener, hasher = self._listener, self._hasher
         stats = self.stats
+        last = stats.last_seq
+        if last >= 0 and (seq > last + 1 or seq < last):
+            # Lost batches (evictions we never heard) or a restarted engine (empty cache):
+            # the CP-Tree can no longer be trusted; resync by clearing it.
+            if seq < last:
+                stats.restarts += 1
+            else:
+                stats.gaps += 1
+            if listener is not None:
+                listener.on_all_blocks_cleared()
         for event in events:
             if isinstance(event, BlocksStored):
                 stats.blocks_stored += len(event.hashes)
+                if hasher is not None:
+                    self._check_hash(hasher, event)
             elif isinstance(event, BlocksRemoved):
                 stats.blocks_removed += len(event.hashes)
                 if listener is not None:
@@ -349,13 +378,24 @@ class KVEventSync:
                     listener.on_all_blocks_cleared()
         # Advance the sequence only once the batch is applied: wait_through relies on it.
         with self._cond:
-            if stats.last_seq >= 0 and seq > stats.last_seq + 1:
-                stats.gaps += 1
-            stats.last_seq = max(stats.last_seq, seq)
+            stats.last_seq = seq if seq < last else max(last, seq)
             stats.batches += 1
             self._recent.events.extend(events)
             stats.last_event_time = self._clock()
             self._cond.notify_all()
+
+    def _check_hash(self, hasher: BlockHasher, event: BlocksStored) -> None:
+        """Compare an unsalted chain's first block with the hash we would expect for it."""
+        keys = event.extra_keys
+        if event.parent is not None or not event.hashes or (keys and any(keys[:1])):
+            return
+        size = hasher.block_size
+        if event.block_size != size or len(event.token_ids) < size:
+            return
+        expected = hasher.block_hashes(event.token_ids[:size])
+        self.stats.hash_checks += 1
+        if expected[0] != event.hashes[0]:
+            self.stats.hash_mismatches += 1
 
     def recent_events(self) -> list[KVEvent]:
         """The last (up to 4,096) events received, oldest first. O(n) copy."""

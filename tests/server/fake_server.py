@@ -1,0 +1,158 @@
+"""A tiny in-process stand-in for vLLM's OpenAI-compatible server (unit tests only).
+
+It speaks the parts of the wire format the server backend uses (``/v1/models``, ``/metrics``,
+``/tokenize``, streamed ``/v1/completions`` with ``return_token_ids`` and usage,
+``/reset_prefix_cache``) and keeps a block-granular prefix cache per ``cache_salt`` like vLLM
+(whole blocks, the last prompt token always recomputed). Faults are scripted through
+``FakeServer.fail_next`` (HTTP statuses to answer before serving normally) and ``drop_after``.
+"""
+
+from __future__ import annotations
+
+import json
+import threading
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from typing import Any
+
+from craft_rag.tokenizer import HashingTokenizer
+
+BLOCK = 4
+MAX_MODEL_LEN = 512
+
+
+@dataclass
+class FakeServer:
+    block_size: int = BLOCK
+    report_cached: bool = True
+    reset_endpoint: bool = True
+    fail_next: list[int] = field(default_factory=list)
+    drop_after: int | None = None  # close the stream after this many tokens
+    cached: set[tuple[str | None, tuple[int, ...]]] = field(default_factory=set)
+    bodies: list[dict[str, Any]] = field(default_factory=list)
+    reported: list[int] = field(default_factory=list)  # cached_tokens answered, in order
+    lock: threading.Lock = field(default_factory=threading.Lock)
+
+    def cached_tokens(self, salt: str | None, ids: list[int]) -> int:
+        """Longest cached whole-block prefix (not the last token); then cache every block."""
+        size = self.block_size
+        hit = 0
+        with self.lock:
+            for end in range(size, len(ids), size):
+                if (salt, tuple(ids[:end])) not in self.cached:
+                    break
+                hit = end
+            for end in range(size, len(ids) + 1, size):
+                self.cached.add((salt, tuple(ids[:end])))
+        return hit
+
+
+def _handler(fake: FakeServer) -> type[BaseHTTPRequestHandler]:
+    class Handler(BaseHTTPRequestHandler):
+        protocol_version = "HTTP/1.1"
+
+        def log_message(self, *args: object) -> None:
+            pass
+
+        def _send(self, status: int, body: bytes, ctype: str = "application/json") -> None:
+            self.send_response(status)
+            self.send_header("Content-Type", ctype)
+            self.send_header("Content-Length", str(len(body)))
+            self.end_headers()
+            self.wfile.write(body)
+
+        def _scripted_failure(self) -> bool:
+            with fake.lock:
+                status = fake.fail_next.pop(0) if fake.fail_next else None
+            if status is None:
+                return False
+            self._send(status, json.dumps({"error": f"scripted {status}"}).encode())
+            return True
+
+        def do_GET(self) -> None:
+            if self._scripted_failure():
+                return
+            if self.path == "/v1/models":
+                data = {"data": [{"id": "fake-model", "max_model_len": MAX_MODEL_LEN}]}
+                self._send(200, json.dumps(data).encode())
+            elif self.path == "/metrics":
+                line = (
+                    f'vllm:cache_config_info{{block_size="{fake.block_size}",'
+                    'enable_prefix_caching="True",prefix_caching_hash_algo="sha256"} 1.0\n'
+                )
+                self._send(200, line.encode(), "text/plain")
+            else:
+                self._send(404, b'{"detail":"Not Found"}')
+
+        def do_POST(self) -> None:
+            length = int(self.headers.get("Content-Length", "0"))
+            body = json.loads(self.rfile.read(length) or b"{}")
+            if self._scripted_failure():
+                return
+            if self.path == "/tokenize":
+                tokens = HashingTokenizer().encode(body["prompt"])
+                self._send(200, json.dumps({"tokens": tokens}).encode())
+            elif self.path == "/reset_prefix_cache" and fake.reset_endpoint:
+                with fake.lock:
+                    fake.cached.clear()
+                self._send(200, b"")
+            elif self.path == "/v1/completions":
+                with fake.lock:
+                    fake.bodies.append(body)
+                self._complete(body)
+            else:
+                self._send(404, b'{"detail":"Not Found"}')
+
+        def _complete(self, body: dict[str, Any]) -> None:
+            if body.get("model") != "fake-model":
+                self._send(404, b'{"error": "model not found"}')
+                return
+            ids = list(body["prompt"])
+            cached = fake.cached_tokens(body.get("cache_salt"), ids)
+            with fake.lock:
+                fake.reported.append(cached)
+            self.send_response(200)
+            self.send_header("Content-Type", "text/event-stream")
+            self.send_header("Connection", "close")
+            self.end_headers()
+            n = int(body["max_tokens"])
+            for i in range(n):
+                if fake.drop_after is not None and i >= fake.drop_after:
+                    self.wfile.flush()
+                    self.close_connection = True
+                    return
+                token = 1000 + (sum(ids) + i) % 50
+                choice = {
+                    "text": f" t{token}",
+                    "token_ids": [token],
+                    "finish_reason": "length" if i == n - 1 else None,
+                }
+                self._event({"choices": [choice]})
+            details = {"cached_tokens": cached} if fake.report_cached else None
+            usage = {"prompt_tokens": len(ids), "prompt_tokens_details": details}
+            self._event({"choices": [], "usage": usage})
+            self.wfile.write(b"data: [DONE]\n\n")
+            self.wfile.flush()
+            self.close_connection = True
+
+        def _event(self, data: dict[str, Any]) -> None:
+            self.wfile.write(b"data: " + json.dumps(data).encode() + b"\n\n")
+            self.wfile.flush()
+
+    return Handler
+
+
+@contextmanager
+def running(fake: FakeServer) -> Iterator[str]:
+    """Serve ``fake`` on a free loopback port; yields its URL."""
+    server = ThreadingHTTPServer(("127.0.0.1", 0), _handler(fake))
+    server.daemon_threads = True
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    try:
+        yield f"http://127.0.0.1:{server.server_address[1]}"
+    finally:
+        server.shutdown()
+        server.server_close()
