@@ -8,14 +8,16 @@ stores that fill ``Document.id`` (FAISS, Chroma, InMemoryVectorStore...) give th
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass
 from typing import Any
 from uuid import UUID
 
 from langchain_core.documents import Document
 from langchain_core.runnables import RunnableConfig
 
-from craft_rag import Chunk, Plan, make_chunk
+from craft_rag import Chunk, Plan, content_key, make_chunk
+from craft_rag.tokenizer import check_text
 
 DEFAULT_CONVERSATION_KEYS: tuple[str, ...] = ("conversation_id", "session_id", "thread_id")
 """Keys of ``config["configurable"]`` read, in this order, as the conversation id."""
@@ -28,14 +30,23 @@ class CraftDocuments(list[Document]):
     """The documents to render, in CRAFT order, plus what the plan left out.
 
     A plain ``list`` for every LangChain consumer; the extra attributes say what happened:
-    ``plan`` (``None`` for an empty input), ``removed_duplicates`` (sent in an earlier turn of
-    the conversation), ``repeated_in_request`` (same key twice in this request; the first one is
-    kept), ``committed`` (whether the planner already recorded this request) and ``planner``
-    (the planner that made the plan). Every input
-    document is in exactly one of the list, ``removed_duplicates`` and ``repeated_in_request``.
+    ``plan`` (``None`` when no document had text), ``removed_duplicates`` (sent in an earlier
+    turn of a conversation whose prompt keeps them), ``repeated_in_request`` (exact duplicates:
+    same id and same text, the first one is kept), ``passthrough`` (documents without text:
+    returned after the planned ones, in input order, never planned), ``committed`` (whether the
+    planner already recorded this request) and ``planner`` (the planner that made the plan).
+    Invariant: every input document is in exactly one of the list, ``removed_duplicates`` and
+    ``repeated_in_request``; ``passthrough`` documents are in the list.
     """
 
-    __slots__ = ("committed", "plan", "planner", "removed_duplicates", "repeated_in_request")
+    __slots__ = (
+        "committed",
+        "passthrough",
+        "plan",
+        "planner",
+        "removed_duplicates",
+        "repeated_in_request",
+    )
 
     def __init__(
         self,
@@ -44,6 +55,7 @@ class CraftDocuments(list[Document]):
         plan: Plan | None = None,
         removed_duplicates: Sequence[Document] = (),
         repeated_in_request: Sequence[Document] = (),
+        passthrough: Sequence[Document] = (),
         committed: bool = False,
         planner: object | None = None,
     ) -> None:
@@ -52,7 +64,19 @@ class CraftDocuments(list[Document]):
         self.planner = planner
         self.removed_duplicates: tuple[Document, ...] = tuple(removed_duplicates)
         self.repeated_in_request: tuple[Document, ...] = tuple(repeated_in_request)
+        self.passthrough: tuple[Document, ...] = tuple(passthrough)
         self.committed = committed
+
+
+@dataclass(frozen=True, slots=True)
+class SplitDocuments:
+    """Input documents split into plannable ones (``chunks[i]`` built from ``plannable[i]``)
+    and ``passthrough`` ones (no text). ``documents`` is the materialised input."""
+
+    documents: tuple[Document, ...]
+    chunks: tuple[Chunk, ...]
+    plannable: tuple[Document, ...]
+    passthrough: tuple[Document, ...]
 
 
 def document_key(doc: Document, id_key: str | None) -> str | None:
@@ -66,23 +90,40 @@ def document_key(doc: Document, id_key: str | None) -> str | None:
     return None
 
 
-def documents_to_chunks(documents: Sequence[Any], id_key: str | None) -> list[Chunk]:
-    """One chunk per document, in input order. O(total text) for content hashing.
-
-    Raises ``ValueError`` for an item that is not a ``Document`` or whose ``page_content`` is not
-    a string, and for two documents with the same id but different text (CRAFT would render only
-    one of them; give them distinct ids). Same id and same text is a plain duplicate: the planner
-    keeps the first and reports the rest in ``repeated_in_request``.
-    """
-    if isinstance(documents, str | bytes | Document):
+def materialise(documents: object) -> tuple[Any, ...]:
+    """``documents`` as a tuple, read once (a generator is consumed here, before any planner
+    state changes). ``ValueError`` for a single document, a string, a mapping or a
+    non-iterable."""
+    if isinstance(documents, str | bytes | Document | Mapping) or not isinstance(
+        documents, Iterable
+    ):
         msg = (
             f"expected a sequence of Documents, got a single {type(documents).__name__}; "
             "wrap it in a list"
         )
         raise ValueError(msg)
+    return tuple(documents)
+
+
+def split_documents(documents: object, id_key: str | None) -> SplitDocuments:
+    """One chunk per document with text, in input order; documents without text set aside.
+    O(total text) for content hashing.
+
+    Identity: the caller's id (:func:`document_key`), else the text's content hash. Two
+    documents without ids and with equal text are one item only when they are equal in full
+    (metadata too): an exact duplicate, reported by the planner in ``repeated_in_request``;
+    otherwise the later one gets its own key (``<hash>#2``...) and is kept. Raises
+    ``ValueError`` for an item that is not a ``Document``, a ``page_content`` that is not
+    valid text, and two documents with the same id but different text (CRAFT would render
+    only one of them; give them distinct ids).
+    """
+    docs = materialise(documents)
     chunks: list[Chunk] = []
+    plannable: list[Document] = []
+    passthrough: list[Document] = []
     texts: dict[str, str] = {}
-    for i, doc in enumerate(documents):
+    anonymous: dict[str, list[Document]] = {}
+    for i, doc in enumerate(docs):
         if not isinstance(doc, Document):
             msg = (
                 f"documents[{i}] is a {type(doc).__name__}, not a langchain_core Document; "
@@ -96,7 +137,19 @@ def documents_to_chunks(documents: Sequence[Any], id_key: str | None) -> list[Ch
                 "set page_content to the passage text"
             )
             raise ValueError(msg)
+        check_text(text, f"documents[{i}].page_content")
+        if not text.strip():
+            passthrough.append(doc)
+            continue
         key = document_key(doc, id_key)
+        if key is None:
+            base = content_key(text)
+            same = anonymous.setdefault(base, [])
+            match = next((n for n, other in enumerate(same) if other == doc), None)
+            if match is None:
+                same.append(doc)
+                match = len(same) - 1
+            key = base if match == 0 else f"{base}#{match + 1}"
         chunk = make_chunk(text, id=key)
         seen = texts.setdefault(chunk.key, text)
         if seen != text:
@@ -107,31 +160,41 @@ def documents_to_chunks(documents: Sequence[Any], id_key: str | None) -> list[Ch
             )
             raise ValueError(msg)
         chunks.append(chunk)
-    return chunks
+        plannable.append(doc)
+    return SplitDocuments(docs, tuple(chunks), tuple(plannable), tuple(passthrough))
+
+
+def documents_to_chunks(documents: object, id_key: str | None) -> list[Chunk]:
+    """The chunks of :func:`split_documents` (documents without text have none)."""
+    return list(split_documents(documents, id_key).chunks)
 
 
 def apply_plan(
-    documents: Sequence[Document],
-    chunks: Sequence[Chunk],
+    split: SplitDocuments,
     plan: Plan,
     *,
     committed: bool,
     planner: object | None = None,
 ) -> CraftDocuments:
-    """Map a plan over ``chunks`` (built from ``documents``, same order) back to the documents.
+    """Map a plan over ``split.chunks`` back to the documents; pass-through documents follow
+    the planned ones in input order.
 
     The plan holds the very chunk objects it was given, so identity maps them back: metadata,
     ids and any subclass of each document are kept as they were. O(k).
     """
-    by_chunk = {id(c): d for c, d in zip(chunks, documents, strict=True)}
-    return CraftDocuments(
-        [by_chunk[id(c)] for c in plan.ordered],
+    by_chunk = {id(c): d for c, d in zip(split.chunks, split.plannable, strict=True)}
+    out = CraftDocuments(
+        [*(by_chunk[id(c)] for c in plan.ordered), *split.passthrough],
         plan=plan,
         removed_duplicates=[by_chunk[id(c)] for c in plan.removed_duplicates],
         repeated_in_request=[by_chunk[id(c)] for c in plan.repeated_in_request],
+        passthrough=split.passthrough,
         committed=committed,
         planner=planner,
     )
+    lost = len(split.documents) - len(out) - len(out.removed_duplicates)
+    assert lost == len(out.repeated_in_request), "a document was lost"
+    return out
 
 
 def plan_summary(plan: Plan, *, committed: bool) -> dict[str, Any]:
@@ -150,14 +213,32 @@ def plan_summary(plan: Plan, *, committed: bool) -> dict[str, Any]:
     }
 
 
+def validate_conversation_id(value: object, field: str = "conversation_id") -> str | None:
+    """The one rule for conversation ids in this package: ``None`` is "no conversation";
+    a non-empty ``str``, an ``int`` (not ``bool``) or a ``UUID`` is an id, as a string
+    (``0`` is the conversation ``"0"``, never "none"). Anything else: ``ValueError`` naming
+    ``field``. O(len(value))."""
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, str | int | UUID):
+        msg = (
+            f"{field} must be a non-empty str, an int or a UUID (None: no conversation), "
+            f"got {type(value).__name__} {value!r}"
+        )
+        raise ValueError(msg)
+    text = str(value)
+    if not text.strip():
+        msg = f"{field} must not be empty or blank (None: no conversation), got {value!r}"
+        raise ValueError(msg)
+    return text
+
+
 def conversation_id_from_config(
     config: RunnableConfig | Mapping[str, Any] | None, keys: Sequence[str]
 ) -> str | None:
-    """The first of ``keys`` set in ``config["configurable"]``, as a string; else ``None``.
-
-    ``str``, ``int`` and ``UUID`` values are accepted (LangGraph thread ids are often UUIDs);
-    anything else, or an empty string, raises ``ValueError`` naming the key.
-    """
+    """The first of ``keys`` set (not ``None``) in ``config["configurable"]``, normalised by
+    :func:`validate_conversation_id`; else ``None``. A bad value raises ``ValueError`` naming
+    the key (LangGraph thread ids are often UUIDs or ints: both are accepted)."""
     if not config:
         return None
     configurable = config.get("configurable") or {}
@@ -165,11 +246,5 @@ def conversation_id_from_config(
         value = configurable.get(key)
         if value is None:
             continue
-        if isinstance(value, bool) or not isinstance(value, str | int | UUID) or value == "":
-            msg = (
-                f'config["configurable"][{key!r}] must be a non-empty str, int or UUID '
-                f"conversation id, got {value!r}"
-            )
-            raise ValueError(msg)
-        return str(value)
+        return validate_conversation_id(value, f'config["configurable"][{key!r}]')
     return None

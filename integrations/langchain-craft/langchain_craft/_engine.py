@@ -22,6 +22,7 @@ from langchain_core.messages.ai import InputTokenDetails, UsageMetadata
 from pydantic import BaseModel, ConfigDict, Field, PrivateAttr
 
 from craft_rag import Chunk
+from langchain_craft._documents import validate_conversation_id
 
 if TYPE_CHECKING:
     from craft_rag.engine.engine import CraftEngine
@@ -239,7 +240,7 @@ class CraftEngineParams(BaseModel):
         return EngineRequest(
             chunks=tuple(chunks),
             question=question,
-            conversation_id=conversation_id,
+            conversation_id=validate_conversation_id(conversation_id),
             sampling=self._sampling(stop, call),
             cache_salt=kwargs.get("cache_salt", self.cache_salt),
             plan=plan,

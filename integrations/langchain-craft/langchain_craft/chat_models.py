@@ -39,6 +39,7 @@ from langchain_core.messages import (
 from langchain_core.outputs import ChatGeneration, ChatGenerationChunk, ChatResult
 
 from craft_rag import CraftPlanner
+from langchain_craft._documents import validate_conversation_id
 from langchain_craft._engine import CraftEngineParams, EngineRequest, final_metadata, usage_metadata
 from langchain_craft.prompt import CraftContext, build_context, craft_context
 from langchain_craft.reorder import CraftReorder
@@ -110,6 +111,7 @@ class ChatCraftVLLM(CraftEngineParams, BaseChatModel):
         if not isinstance(planner, CraftPlanner):
             msg = f"the engine's planner is a {type(planner).__name__}, not a CraftPlanner"
             raise TypeError(msg)
+        kwargs.setdefault("keeps_earlier_chunks", True)  # the engine's prompts are append-only
         return CraftReorder(planner=planner, commit=False, **kwargs)
 
     # ---- messages -> one engine request --------------------------------------------------------
@@ -154,16 +156,16 @@ class ChatCraftVLLM(CraftEngineParams, BaseChatModel):
                 "commits with what vLLM actually reused"
             )
             raise ValueError(msg)
-        # A pending plan of this request's planner is served as is (the previewed order) and
-        # committed by the engine; another planner's plan is only an order hint.
+        if conversation_id is None:
+            conversation_id = context.conversation_id
+        conversation_id = validate_conversation_id(conversation_id)
+        # A pending plan of this request's planner and conversation is served as is (the
+        # previewed order) and committed by the engine; any other plan is only an order hint.
         plan = context.plan if context.planned_by is planner else None
+        if plan is not None and plan.conversation_id != conversation_id:
+            plan = None
         return self._engine_request(
-            context.chunks,
-            context.question,
-            conversation_id or context.conversation_id,
-            stop,
-            kwargs,
-            plan=plan,
+            context.chunks, context.question, conversation_id, stop, kwargs, plan=plan
         )
 
     # ---- streaming is the one path -------------------------------------------------------------

@@ -16,6 +16,8 @@ from langchain_core.callbacks import AsyncCallbackManagerForLLMRun, CallbackMana
 from langchain_core.language_models import BaseLLM, LangSmithParams
 from langchain_core.outputs import Generation, GenerationChunk, LLMResult
 
+from craft_rag.tokenizer import check_text
+from langchain_craft._documents import validate_conversation_id
 from langchain_craft._engine import CraftEngineParams, EngineRequest, final_metadata, usage_metadata
 from langchain_craft.prompt import build_context
 
@@ -46,7 +48,8 @@ class CraftVLLM(CraftEngineParams, BaseLLM):
         if not isinstance(prompt, str) or not prompt.strip():
             msg = f"prompt must be a non-empty string, got {prompt!r}"
             raise ValueError(msg)
-        conversation_id = kwargs.get("conversation_id")
+        check_text(prompt, "prompt")
+        conversation_id = validate_conversation_id(kwargs.get("conversation_id"))
         documents = kwargs.get("documents")
         chunks: tuple[Any, ...] = ()
         if documents is not None:

@@ -24,11 +24,13 @@ from pydantic import Field
 
 from craft_rag import Chunk, Plan
 from craft_rag.prompt import DEFAULT_INSTRUCTIONS
+from craft_rag.tokenizer import check_text
 from langchain_craft._documents import (
     DEFAULT_CONVERSATION_KEYS,
     CraftDocuments,
     conversation_id_from_config,
     documents_to_chunks,
+    validate_conversation_id,
 )
 
 CRAFT_CONTEXT_KEY = "craft"
@@ -78,6 +80,8 @@ def build_context(
     if not isinstance(question, str) or not question.strip():
         msg = f"question must be a non-empty string, got {question!r}"
         raise ValueError(msg)
+    check_text(question, "question")
+    conversation_id = validate_conversation_id(conversation_id)
     if isinstance(documents, CraftDocuments) and documents.plan is not None:
         plan = documents.plan
         if conversation_id is None:
@@ -87,7 +91,8 @@ def build_context(
         return CraftContext(
             plan.ordered, question, conversation_id, plan, planned_by=documents.planner
         )
-    # Repeated ids stay in: the engine's planner keeps the first and reports the rest.
+    # Exact duplicates stay in: the engine's planner keeps the first and reports the rest.
+    # Documents without text have no chunk (nothing to render).
     chunks = tuple(documents_to_chunks(documents, id_key))
     return CraftContext(chunks, question, conversation_id, None)
 

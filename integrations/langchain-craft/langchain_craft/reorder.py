@@ -13,8 +13,11 @@ When is the planner committed? A plan is a prediction; ``commit`` records what w
 
 Conversation dedup (a chunk sent in an earlier turn of the same conversation is removed) is only
 correct when the prompt keeps earlier turns' documents, as the engine's append-only
-conversations do. A chain whose history holds only questions and answers should not pass a
-conversation id here (or use ``PlannerConfig(dedup=False)``).
+conversations do. So it happens only when the caller says so: ``keeps_earlier_chunks=True``
+(``ChatCraftVLLM.reorder_step()`` sets it: the engine serves its plans in append-only
+conversations). Otherwise a conversation id (``session_id`` of ``RunnableWithMessageHistory``,
+a LangGraph ``thread_id``, ``conversation_id=``) is ignored: the step reorders and never drops
+a document, because a history of questions and answers does not carry earlier passages.
 """
 
 from __future__ import annotations
@@ -31,7 +34,7 @@ from langchain_core.callbacks import (
 )
 from langchain_core.documents import BaseDocumentCompressor, BaseDocumentTransformer, Document
 from langchain_core.runnables import RunnableConfig, RunnableSerializable, ensure_config
-from pydantic import ConfigDict, Field
+from pydantic import ConfigDict, Field, ValidationInfo, field_validator
 
 from craft_rag import CraftPlanner
 from langchain_craft._documents import (
@@ -40,8 +43,10 @@ from langchain_craft._documents import (
     CraftDocuments,
     apply_plan,
     conversation_id_from_config,
-    documents_to_chunks,
+    materialise,
     plan_summary,
+    split_documents,
+    validate_conversation_id,
 )
 
 
@@ -91,27 +96,55 @@ class CraftReorder(
         default="id",
         description="Metadata key holding a chunk id for documents without Document.id.",
     )
+    keeps_earlier_chunks: bool = Field(
+        default=False,
+        description=(
+            "True only when the prompt downstream keeps every earlier turn's documents "
+            "(append-only, e.g. the engine's conversations): then documents sent in an earlier "
+            "turn of the conversation are removed. False: conversation ids are ignored and "
+            "nothing is ever removed but exact duplicates."
+        ),
+    )
 
     model_config = ConfigDict(arbitrary_types_allowed=True)
+
+    @field_validator("conversation_id", mode="before")
+    @classmethod
+    def _check_conversation(cls, value: object) -> str | None:
+        return validate_conversation_id(value, "conversation_id")
+
+    @field_validator("commit", "keeps_earlier_chunks", mode="before")
+    @classmethod
+    def _check_bool(cls, value: object, info: ValidationInfo) -> bool:
+        if not isinstance(value, bool):
+            msg = f"{info.field_name} must be True or False, got {value!r}"
+            raise ValueError(msg)
+        return value
 
     # ---- the one core function ---------------------------------------------------------------
 
     def plan_documents(
-        self, documents: Sequence[Document], conversation_id: str | None = None
+        self, documents: Sequence[Document], conversation_id: object = None
     ) -> CraftDocuments:
         """Plan (and with ``commit=True`` commit) one request's documents.
 
-        An empty input comes back as an empty :class:`CraftDocuments` with no plan and no planner
-        state touched. ``ValueError`` for non-documents, non-string ``page_content`` or one id
-        with two texts (see :func:`langchain_craft._documents.documents_to_chunks`).
+        The input is read once (a generator works) and fully checked before the planner is
+        touched. Documents without text come back after the planned ones; an input without
+        any text comes back as is with no plan and no planner state touched. The conversation
+        id (this argument, else the field) is used only with ``keeps_earlier_chunks=True``.
+        ``ValueError`` for non-documents, bad ``page_content``, one id with two texts (see
+        :func:`langchain_craft._documents.split_documents`) or a bad conversation id.
         """
-        chunks = documents_to_chunks(documents, self.id_key)
-        if not chunks:
-            return CraftDocuments()
-        plan = self.planner.plan(chunks, conversation_id or self.conversation_id)
+        conversation = validate_conversation_id(conversation_id) or self.conversation_id
+        split = split_documents(documents, self.id_key)
+        if not split.chunks:
+            return CraftDocuments(split.passthrough, passthrough=split.passthrough)
+        plan = self.planner.plan(
+            list(split.chunks), conversation if self.keeps_earlier_chunks else None
+        )
         if self.commit:
             self.planner.commit(plan)
-        return apply_plan(documents, chunks, plan, committed=self.commit, planner=self.planner)
+        return apply_plan(split, plan, committed=self.commit, planner=self.planner)
 
     def _conversation(self, config: RunnableConfig | None) -> str | None:
         return conversation_id_from_config(config, self.conversation_keys)
@@ -135,7 +168,9 @@ class CraftReorder(
         config: RunnableConfig | None = None,
         **kwargs: Any,
     ) -> list[Document]:
-        return self._call_with_config(self._run, input, config)
+        # Read a one-shot iterable once, before callbacks or the planner see it.
+        documents = list(materialise(input))
+        return self._call_with_config(self._run, documents, config)
 
     async def ainvoke(
         self,
@@ -143,7 +178,8 @@ class CraftReorder(
         config: RunnableConfig | None = None,
         **kwargs: Any,
     ) -> list[Document]:
-        return await self._acall_with_config(self._arun, input, config)
+        documents = list(materialise(input))
+        return await self._acall_with_config(self._arun, documents, config)
 
     def _run(
         self,
@@ -178,7 +214,9 @@ class CraftReorder(
     ) -> Sequence[Document]:
         """Drop-in for ``LongContextReorder.transform_documents``; ``conversation_id=`` optional
         (else read from the enclosing runnable's config, if any)."""
-        conversation_id = kwargs.get("conversation_id") or self._conversation(ensure_config())
+        conversation_id = kwargs.get("conversation_id")
+        if conversation_id is None:
+            conversation_id = self._conversation(ensure_config())
         return self.plan_documents(documents, conversation_id)
 
     async def atransform_documents(

@@ -86,7 +86,7 @@ def test_shared_planner_across_steps() -> None:
 
 
 def test_conversation_dedup_from_config_reports_removed() -> None:
-    reorder = CraftReorder()
+    reorder = CraftReorder(keeps_earlier_chunks=True)
     config: Any = {"configurable": {"session_id": "s1"}}
     reorder.invoke(make_docs("a", "b"), config)
     out = reorder.invoke(make_docs("b", "c", "a"), config)
@@ -111,13 +111,16 @@ def test_conversation_dedup_from_config_reports_removed() -> None:
     ],
 )
 def test_conversation_id_keys(configurable: dict[str, Any], expected: str | None) -> None:
-    out = CraftReorder().invoke(make_docs("a"), {"configurable": configurable})
+    step = CraftReorder(keeps_earlier_chunks=True)
+    out = step.invoke(make_docs("a"), {"configurable": configurable})
     assert isinstance(out, CraftDocuments) and out.plan is not None
     assert out.plan.conversation_id == expected
 
 
 def test_conversation_keys_can_be_disabled_and_fixed_id_used() -> None:
-    out = CraftReorder(conversation_keys=(), conversation_id="fixed").invoke(
+    out = CraftReorder(
+        conversation_keys=(), conversation_id="fixed", keeps_earlier_chunks=True
+    ).invoke(
         make_docs("a"), {"configurable": {"session_id": "s"}}
     )
     assert isinstance(out, CraftDocuments) and out.plan is not None
@@ -173,7 +176,7 @@ def test_commit_false_leaves_the_plan_pending() -> None:
 
 def test_transformer_drop_in_for_long_context_reorder() -> None:
     docs = make_docs("a", "b", "c", "d")
-    out = CraftReorder().transform_documents(docs, conversation_id="conv")
+    out = CraftReorder(keeps_earlier_chunks=True).transform_documents(docs, conversation_id="conv")
     assert sorted(ids(out)) == sorted(ids(docs))
     assert isinstance(out, CraftDocuments) and out.plan is not None
     assert out.plan.conversation_id == "conv"
@@ -188,7 +191,7 @@ async def test_atransform_documents() -> None:
 
 
 def test_compressor_reads_conversation_from_enclosing_chain() -> None:
-    reorder = CraftReorder()
+    reorder = CraftReorder(keeps_earlier_chunks=True)
 
     def step(docs: list[Document]) -> Sequence[Document]:
         return reorder.compress_documents(docs, "query")

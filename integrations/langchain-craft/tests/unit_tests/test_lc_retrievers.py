@@ -42,7 +42,8 @@ def test_k_kwarg_overrides_and_is_validated() -> None:
 
 
 def test_conversation_from_config_dedups_across_turns() -> None:
-    retriever = CraftRetriever(retriever=make_base(), k=3)
+    reorder = CraftReorder(keeps_earlier_chunks=True)
+    retriever = CraftRetriever(retriever=make_base(), k=3, reorder=reorder)
     config = {"configurable": {"conversation_id": "c1"}}
     first = retriever.invoke("passage 1", config)  # type: ignore[arg-type]
     second = retriever.invoke("passage 1", config, k=5)  # type: ignore[arg-type]
