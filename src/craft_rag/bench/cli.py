@@ -2,7 +2,8 @@
 
 Suites (one module each under ``craft_rag.bench``): ``overlap``, ``sensitivity``,
 ``overhead`` (no engine), then ``ttft``, ``kv``, ``quality``, ``topk``, ``load`` (the
-in-process vLLM engine; ONE engine serves them all within a process). ``all`` runs every suite
+in-process vLLM engine; ONE engine serves them all within a process), ``routing``
+(simulated replicas; its full run fits the prefill model on the engine). ``all`` runs every suite
 in that order. Each suite writes ``<out>/<suite>.json`` and ``<out>/<suite>.png``; the report
 ``<out>/report.md`` is regenerated from every JSON result in ``<out>`` after each suite.
 ``--quick`` shrinks every size (CI smoke test) and writes under ``benchmarks/results/quick``
@@ -65,6 +66,7 @@ SUITES: dict[str, Suite] = {
     "quality": _lazy("quality"),
     "topk": _lazy("topk"),
     "load": _lazy("load"),
+    "routing": _lazy("routing"),
 }
 """Suite name -> function; ``all`` runs them in this order (engine suites last)."""
 
@@ -82,6 +84,9 @@ def add_bench_parser(subparsers: Any) -> None:
                    "workloads built from shared/data)")
     p.add_argument("--distinct", type=int, default=None,
                    help="distinct chunks for overhead (default 1,000,000; quick 20,000)")
+    p.add_argument("--replicas", default=None,
+                   help="routing: replica counts to simulate, e.g. 2,8,32,128 "
+                   "(default 2,8,32,128; quick 2,8)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--block-size", type=int, default=32, help="engine KV block size")
     p.add_argument("--max-model-len", type=int, default=4096)
@@ -102,9 +107,17 @@ def run_bench(args: argparse.Namespace) -> int:
     if args.trace and not Path(args.trace).is_file():
         msg = f"--trace {args.trace}: no such file"
         raise FileNotFoundError(msg)
+    if args.replicas is not None:
+        from craft_rag.bench.routing import parse_replicas
+
+        replicas = parse_replicas(args.replicas)
+    else:
+        replicas = None
     if args.distinct is not None:
         ctx.with_sizes(overhead_distinct=args.distinct)
     out = Path(args.out) if args.out else (QUICK_OUT if args.quick else DEFAULT_OUT)
+    if replicas is not None:
+        ctx.with_sizes(routing_replicas=replicas)
     names = list(SUITES) if args.suite == "all" else [args.suite]
     started = time.perf_counter()
     try:

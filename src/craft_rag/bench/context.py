@@ -63,6 +63,7 @@ class BenchSizes:
     dedup_max_tokens: int = 24
     overhead_distinct: int = 1_000_000
     overhead_memory: bool = True
+    routing_replicas: tuple[int, ...] = (2, 8, 32, 128)
 
 
 FULL = BenchSizes()
@@ -87,6 +88,7 @@ QUICK = BenchSizes(
     dedup_max_tokens=8,
     overhead_distinct=20_000,
     overhead_memory=False,
+    routing_replicas=(2, 8),
 )
 
 

@@ -208,6 +208,12 @@ def plot_overhead(result: Mapping[str, Any], path: Path) -> None:
     _save(fig, path)
 
 
+def plot_routing(result: Mapping[str, Any], path: Path) -> None:
+    from craft_rag.bench.routing import plot
+
+    plot(dict(result), path)
+
+
 PLOTTERS: dict[str, Callable[[Mapping[str, Any], Path], None]] = {
     "overlap": plot_overlap,
     "kv": plot_kv,
@@ -217,4 +223,5 @@ PLOTTERS: dict[str, Callable[[Mapping[str, Any], Path], None]] = {
     "sensitivity": plot_sensitivity,
     "quality": plot_quality,
     "overhead": plot_overhead,
+    "routing": plot_routing,
 }

@@ -188,6 +188,12 @@ def _quality(r: Mapping[str, Any]) -> list[str]:
     return out
 
 
+def _routing(r: Mapping[str, Any]) -> list[str]:
+    from craft_rag.bench.routing import section
+
+    return section(dict(r))
+
+
 SECTIONS: dict[str, tuple[str, Section]] = {
     "overhead": ("Planner overhead", _overhead),
     "overlap": ("Overlap: Prefix vs Total (Fig. 3) and replay under the three policies",
@@ -199,6 +205,7 @@ SECTIONS: dict[str, tuple[str, Section]] = {
     "topk": ("TTFT vs top-k (Fig. 13c)", _topk),
     "sensitivity": ("CA-Table window and promotion threshold (Figs. 14, 15)", _sensitivity),
     "quality": ("Answer quality: chunk order (Fig. 5) and dedup (Fig. 7)", _quality),
+    "routing": ("KV-aware routing across replicas (simulated cluster)", _routing),
 }
 
 

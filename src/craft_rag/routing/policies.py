@@ -16,8 +16,9 @@ where ``cached_r`` is the predicted cached prefix on replica ``r`` (whole blocks
 A hot prefix cannot pile onto one replica: ``r`` is a candidate only while
 ``assigned(r) < balance_slack * (assigned_total + 1) / healthy + balance_headroom``
 (see :meth:`ClusterView.assign_bound`). Only replicas whose tree holds one of the request's
-chunks at its root are evaluated, plus the least-loaded admissible replica, so a decision
-costs O(N * k) dictionary probes plus a few set matches.
+chunks at its root are evaluated (the router keeps a root-key -> replicas hint index, checked
+against the trees on use), plus the least-loaded admissible replica, so a decision costs one
+O(N) scan of loads plus a few set matches.
 """
 
 from __future__ import annotations
@@ -59,6 +60,10 @@ class ClusterView:
     """What a policy may read: the healthy replicas (in index order) and the cost settings."""
 
     healthy: Sequence[Replica]
+    holders: Callable[[RouteRequest], Sequence[Replica]]
+    """Healthy replicas whose tree for the request's salt has one of its keys at the root
+    (only these can have a non-empty match), in index order."""
+    assigned_total: int
     ttft_model: TTFTModel
     load_weight: float
     balance_slack: float
@@ -67,9 +72,9 @@ class ClusterView:
 
     def assign_bound(self) -> float:
         """A replica with ``assigned >= bound`` takes no new request (except its own
-        conversations' turns). Always admits the least-assigned replica. O(N)."""
-        total = sum(r.load.assigned for r in self.healthy)
-        return self.balance_slack * (total + 1) / len(self.healthy) + self.balance_headroom
+        conversations' turns). Always admits the least-assigned replica. O(1)."""
+        mean = (self.assigned_total + 1) / len(self.healthy)
+        return self.balance_slack * mean + self.balance_headroom
 
     def cached_tokens(self, match: PrefixMatch, request: RouteRequest) -> int:
         """Predicted cached tokens of a prompt whose first ``match.length`` chunks are cached:
@@ -157,8 +162,8 @@ class _KVAware:
     def choose(self, request: RouteRequest, view: ClusterView) -> Candidate:
         bound = view.assign_bound()
         best = view.candidate(view.least_loaded(bound), request, 0)
-        for replica in view.healthy:
-            if replica.load.assigned >= bound or not replica.holds_any(request.salt, request.keys):
+        for replica in view.holders(request):
+            if replica.load.assigned >= bound:
                 continue
             tree = replica.tree(request.salt)
             assert tree is not None

@@ -84,8 +84,7 @@ class Replica:
         tree = self.tree(salt)
         if tree is None:
             return False
-        roots = tree.root.children
-        return any(k in roots for k in keys)
+        return not tree.root.children.keys().isdisjoint(keys)
 
     def tree_nodes(self) -> int:
         """CP-Tree nodes over all salts. O(salts)."""

@@ -28,7 +28,7 @@ from craft_rag.planner import CraftPlanner, Plan, PlannerConfig
 from craft_rag.routing.policies import ClusterView, RouteRequest, get_routing_policy
 from craft_rag.routing.queueing import DEFAULT_TTFT_MODEL, TTFTModel
 from craft_rag.routing.replica import PlannerSource, Replica, ReplicaId, ReplicaLoad
-from craft_rag.types import BlockHash, ConversationId
+from craft_rag.types import BlockHash, ChunkKey, ConversationId
 
 
 @dataclass(frozen=True, slots=True)
@@ -144,6 +144,16 @@ class Router:
             for i, n in enumerate(names)
         }
         self._order: tuple[Replica, ...] = tuple(self._replicas.values())
+        # Derived from the replicas' health and loads; refreshed where those change.
+        self._healthy: tuple[Replica, ...] = self._order
+        self._assigned_total = 0
+        # Hint: (salt, chunk key) -> indexes of replicas whose tree may have that key at its
+        # root. Added when a first turn is planned there, pruned on use against the trees, so
+        # a stale entry costs one probe and a tree can never hold a root the hint lacks (its
+        # roots come only from plans this router made). Engine-owned planners can gain roots
+        # behind our back, so with planner_sources every replica is scanned instead.
+        self._roots: dict[tuple[str | None, ChunkKey], set[int]] = {}
+        self._scan_all = bool(sources)
         self._homes: dict[ConversationId, tuple[ReplicaId, str | None]] = {}
         self._restart: set[ConversationId] = set()
         self._inflight: dict[int, RouteDecision] = {}
@@ -232,6 +242,8 @@ class Router:
                 choice = self.policy.choose(request, view)
                 replica, sticky = choice.replica, False
             plan = replica.planner(salt).plan(chunks, conversation_id)
+            if plan.turn == 1 and plan.ordered:
+                self._roots.setdefault((salt, plan.ordered[0].key), set()).add(replica.index)
             if sticky:
                 if plan.turn > 1:
                     cached = self._history_tokens(plan, prompt_tokens)
@@ -261,6 +273,7 @@ class Router:
             load.prompt_tokens += prompt_tokens
             load.work_s += work
             load.assigned += 1
+            self._assigned_total += 1
             self._inflight[decision.decision_id] = decision
             if conv is not None:
                 self._homes[conv] = (replica.id, salt)
@@ -342,7 +355,9 @@ class Router:
                 return FaultReport(replica.id, 0, 0, ())
             convs = sorted(replica.conversations)
             lost = replica.load.requests
+            self._assigned_total -= replica.load.assigned
             dropped = replica.go_down()
+            self._healthy = tuple(r for r in self._order if r.healthy)
             self.stats.faults += 1
             for decision_id in [d for d, x in self._inflight.items() if x.replica == replica.id]:
                 del self._inflight[decision_id]
@@ -373,13 +388,34 @@ class Router:
             replica = self.replica(replica_id)
             if not replica.healthy:
                 replica.come_up()
+                self._healthy = tuple(r for r in self._order if r.healthy)
 
     # ---- internals -----------------------------------------------------------------------------
+
+    def _holders(self, request: RouteRequest) -> list[Replica]:
+        if self._scan_all:
+            return [r for r in self._healthy if r.holds_any(request.salt, request.keys)]
+        found: set[int] = set()
+        for key in request.keys:
+            entry = self._roots.get((request.salt, key))
+            if not entry:
+                continue
+            for index in list(entry):
+                tree = self._order[index].tree(request.salt)
+                if tree is None or key not in tree.root.children:
+                    entry.discard(index)  # evicted, or the replica went down
+                else:
+                    found.add(index)
+            if not entry:
+                del self._roots[(request.salt, key)]
+        return [self._order[i] for i in sorted(found)]
 
     def _view(self) -> ClusterView:
         c = self.config
         return ClusterView(
-            healthy=[r for r in self._order if r.healthy],
+            healthy=self._healthy,
+            holders=self._holders,
+            assigned_total=self._assigned_total,
             ttft_model=c.ttft_model,
             load_weight=c.load_weight,
             balance_slack=c.balance_slack,
@@ -404,3 +440,5 @@ class Router:
         for conv, (rid, _) in self._homes.items():
             assert self._replicas[rid].healthy and conv in self._replicas[rid].conversations
         assert self._restart <= self._homes.keys()
+        assert self._healthy == tuple(r for r in self._order if r.healthy)
+        assert self._assigned_total == sum(r.load.assigned for r in self._healthy)
