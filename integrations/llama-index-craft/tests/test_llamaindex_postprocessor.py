@@ -100,7 +100,7 @@ async def test_sync_and_async_agree() -> None:
 
 
 def test_conversation_dedup_drops_and_reports_earlier_chunks() -> None:
-    pp = CraftReorderPostprocessor(conversation_id="chat-1")
+    pp = CraftReorderPostprocessor(conversation_id="chat-1", keeps_earlier_chunks=True)
     pp.postprocess_nodes(make_nodes([1, 2]))
     result = pp.reorder(make_nodes([2, 3]))
     assert node_ids(result.nodes) == ["n3"]
@@ -159,11 +159,13 @@ def test_duplicate_node_ids_with_different_text_raise() -> None:
     assert len(result.nodes) == 2
 
 
-def test_content_hash_keys_merge_equal_text_under_different_ids() -> None:
+def test_content_hash_keeps_equal_text_under_different_ids() -> None:
+    """Issue 11 item 10: only the same node (id and text) twice is one chunk."""
     a, b = make_node("a", "shared paragraph"), make_node("b", "shared paragraph")
-    result = CraftReorderPostprocessor(key_source="content_hash").reorder([a, b])
-    assert result.nodes == [a] and result.repeated_in_request == (b,)
+    result = CraftReorderPostprocessor(key_source="content_hash").reorder([a, b, a])
+    assert sorted(node_ids(result.nodes)) == ["na", "nb"] and result.repeated_in_request == (a,)
     assert result.plan is not None and result.plan.keys[0].startswith("sha256:")
+    assert sorted(result.plan.keys)[1] == sorted(result.plan.keys)[0] + "#2"
 
 
 def test_items_that_are_not_nodes_with_score_raise() -> None:
@@ -172,7 +174,7 @@ def test_items_that_are_not_nodes_with_score_raise() -> None:
 
 
 def test_events_carry_the_plan(events: EventRecorder) -> None:
-    pp = CraftReorderPostprocessor(conversation_id="c")
+    pp = CraftReorderPostprocessor(conversation_id="c", keeps_earlier_chunks=True)
     pp.postprocess_nodes(make_nodes([1]), query_bundle=QueryBundle("q1"))
     pp.postprocess_nodes(make_nodes([1, 2]), query_bundle=QueryBundle("q2"))
     starts = events.of(CraftReorderStartEvent)

@@ -8,11 +8,14 @@ their KV. Nothing is planned or committed for such prompts.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 from llama_index.core.base.llms.types import ChatMessage, MessageRole, TextBlock
 
 from craft_rag.engine.messages import ChatTurn
+from craft_rag.tokenizer import Tokenizer, check_text, encode_pieces
+
+_PROMPT_SENTINEL = "CRAFTPROMPTSENTINEL"
 
 
 def message_text(message: ChatMessage, index: int) -> str:
@@ -27,7 +30,7 @@ def message_text(message: ChatMessage, index: int) -> str:
             )
             raise ValueError(msg)
         parts.append(block.text)
-    return "".join(parts)
+    return check_text("".join(parts), f"messages[{index}] content")
 
 
 def chat_turns(messages: Sequence[ChatMessage], system_prompt: str | None = None) -> list[ChatTurn]:
@@ -42,3 +45,22 @@ def chat_turns(messages: Sequence[ChatMessage], system_prompt: str | None = None
         turns.append((MessageRole.SYSTEM.value, system_prompt))
     turns.extend((m.role.value, message_text(m, i)) for i, m in enumerate(messages))
     return turns
+
+
+def completion_ids(
+    tokenizer: Tokenizer, prompt: str, to_prompt: Callable[[str], str] | None = None
+) -> list[int]:
+    """Token ids of a completion prompt. ``prompt`` is caller text (a formatted prompt holds
+    retrieved passages): plain text, never control ids. ``to_prompt`` (an LLM's
+    ``completion_to_prompt``) is trusted: the text it wraps around the prompt may hold the
+    template's control tokens, found by calling it once with a sentinel; when the wrapping
+    cannot be isolated that way, the whole result is tokenized as plain text. ``ValueError``
+    naming ``prompt`` for text that is not valid Unicode. O(len(prompt))."""
+    check_text(prompt, "prompt")
+    if to_prompt is None:
+        return encode_pieces(tokenizer, [(prompt, False)])
+    text = to_prompt(prompt)
+    before, found, after = to_prompt(_PROMPT_SENTINEL).partition(_PROMPT_SENTINEL)
+    if found and _PROMPT_SENTINEL not in after and text == before + prompt + after:
+        return encode_pieces(tokenizer, [(before, True), (prompt, False), (after, True)])
+    return encode_pieces(tokenizer, [(check_text(text, "completion_to_prompt(prompt)"), False)])

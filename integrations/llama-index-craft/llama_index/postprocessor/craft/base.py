@@ -15,6 +15,15 @@ When does the planner commit?
       failed request changes nothing. Use this mode only with a consumer that claims plans;
       otherwise nothing is learned. The planner must be the engine's
       (``engine.planner_for(cache_salt)``): the engine refuses plans made by another planner.
+
+When are chunks dropped as "sent in an earlier turn"?
+    Only when the prompt downstream keeps every earlier turn's chunks (append-only, as the
+    engine's conversations behind ``CraftSynthesizer``/``CraftChatEngine`` are):
+    ``keeps_earlier_chunks=True``, or ``None`` (default) with ``commit_mode="engine"`` (the
+    engine commits only plans it served in such a conversation). With the default
+    ``commit_mode="postprocess"`` a conversation id alone never drops a node: a standard
+    synthesizer's prompt holds this turn's nodes only (and a chat memory only questions and
+    answers), so a dropped node would be context silently lost.
 """
 
 from __future__ import annotations
@@ -32,7 +41,12 @@ from llama_index.postprocessor.craft.events import (
     CraftReorderStartEvent,
 )
 from llama_index.postprocessor.craft.handoff import PlanHandoff
-from llama_index.postprocessor.craft.nodes import KEY_SOURCES, KeySource, split_nodes
+from llama_index.postprocessor.craft.nodes import (
+    KEY_SOURCES,
+    KeySource,
+    split_nodes,
+    validate_conversation_id,
+)
 from llama_index_instrumentation import get_dispatcher  # = llama_index.core.instrumentation's
 
 from craft_rag import CraftPlanner, Plan, PlannerConfig
@@ -108,7 +122,18 @@ class CraftReorderPostprocessor(BaseNodePostprocessor):
     )
     conversation_id: str | None = Field(
         default=None,
-        description="Deduplicate against earlier turns of this conversation (None: no dedup).",
+        description=(
+            "The conversation (str, int or UUID; None: none). Nodes sent in its earlier turns "
+            "are dropped only when the prompt keeps them (see keeps_earlier_chunks)."
+        ),
+    )
+    keeps_earlier_chunks: bool | None = Field(
+        default=None,
+        description=(
+            "True only when the prompt downstream keeps every earlier turn's chunks "
+            "(append-only): then nodes sent earlier in the conversation are dropped. None: "
+            "True with commit_mode='engine', False with 'postprocess' (reorder, never drop)."
+        ),
     )
     commit_mode: CommitMode = Field(
         default="postprocess",
@@ -155,6 +180,33 @@ class CraftReorderPostprocessor(BaseNodePostprocessor):
             raise ValueError(msg)
         return value
 
+    @field_validator("conversation_id", mode="before")
+    @classmethod
+    def _check_conversation(cls, value: object) -> str | None:
+        return validate_conversation_id(value, "conversation_id")
+
+    @field_validator("keeps_earlier_chunks", mode="before")
+    @classmethod
+    def _check_keeps(cls, value: object) -> bool | None:
+        if value is not None and not isinstance(value, bool):
+            msg = f"keeps_earlier_chunks must be True, False or None, got {value!r}"
+            raise ValueError(msg)
+        return value
+
+    @property
+    def deduplicates(self) -> bool:
+        """Whether a conversation id drops chunks sent in earlier turns (see the module)."""
+        if self.keeps_earlier_chunks is not None:
+            return self.keeps_earlier_chunks
+        return self.commit_mode == "engine"
+
+    def _conversation(self, conversation_id: object) -> str | None:
+        """The conversation to plan with: ``None`` unless :attr:`deduplicates`."""
+        conv = validate_conversation_id(conversation_id)
+        if conv is None:
+            conv = self.conversation_id
+        return conv if self.deduplicates else None
+
     @field_validator("window", "threshold")
     @classmethod
     def _check_at_least_one(cls, value: int | None, info: ValidationInfo) -> int | None:
@@ -185,7 +237,7 @@ class CraftReorderPostprocessor(BaseNodePostprocessor):
         nodes: Sequence[NodeWithScore],
         query: QueryType | None = None,
         *,
-        conversation_id: str | None = None,
+        conversation_id: object = None,
         park: bool = True,
     ) -> CraftReorderResult:
         """Plan ``nodes`` and return them in CRAFT order (see :class:`CraftReorderResult`).
@@ -198,8 +250,8 @@ class CraftReorderPostprocessor(BaseNodePostprocessor):
         ``plan=`` (the chat engine does). Raises ``ValueError`` for items that are not
         ``NodeWithScore`` and for two nodes with one id but different text.
         """
-        conv = conversation_id if conversation_id is not None else self.conversation_id
-        nodes = list(nodes)
+        conv = self._conversation(conversation_id)
+        nodes = list(nodes)  # read once: a generator works
         dispatcher.event(
             CraftReorderStartEvent(
                 query=query, nodes=nodes, conversation_id=conv, policy=self.policy
@@ -249,15 +301,15 @@ class CraftReorderPostprocessor(BaseNodePostprocessor):
         )
 
     def claim_plan(
-        self, nodes: Sequence[NodeWithScore], conversation_id: str | None = None
+        self, nodes: Sequence[NodeWithScore], conversation_id: object = None
     ) -> Plan | None:
         """Take the parked plan whose planned nodes are the plannable prefix of ``nodes``.
 
         For the engine path with ``commit_mode="engine"``: returns ``None`` when no such plan
         is parked (postprocess mode, or a later postprocessor changed the nodes). O(k).
         """
-        conv = conversation_id if conversation_id is not None else self.conversation_id
-        split = split_nodes(nodes, self.key_source)
+        conv = self._conversation(conversation_id)
+        split = split_nodes(list(nodes), self.key_source)
         return self._handoff.claim(conv, [c.key for c in split.chunks])
 
     # ---- LlamaIndex hooks: sync and async share reorder() --------------------------------------

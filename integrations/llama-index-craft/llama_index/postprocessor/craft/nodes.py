@@ -18,6 +18,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Literal
+from uuid import UUID
 
 from llama_index.core.schema import (
     BaseNode,
@@ -28,7 +29,8 @@ from llama_index.core.schema import (
     TextNode,
 )
 
-from craft_rag import Chunk, make_chunk
+from craft_rag import Chunk, content_key, make_chunk
+from craft_rag.tokenizer import check_text
 from craft_rag.types import ChunkKey
 
 KeySource = Literal["node_id", "content_hash"]
@@ -79,18 +81,42 @@ def node_key(node: BaseNode, key_source: KeySource) -> str | None:
     raise ValueError(msg)
 
 
+def validate_conversation_id(value: object, field: str = "conversation_id") -> str | None:
+    """The one rule for conversation ids in this package: ``None`` is "no conversation"; a
+    non-empty ``str``, an ``int`` (not ``bool``) or a ``UUID`` is an id, as a string (``0`` is
+    the conversation ``"0"``). Anything else: ``ValueError`` naming ``field``."""
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, str | int | UUID):
+        msg = (
+            f"{field} must be a non-empty str, an int or a UUID (None: no conversation), "
+            f"got {type(value).__name__} {value!r}"
+        )
+        raise ValueError(msg)
+    text = str(value)
+    if not text.strip():
+        msg = f"{field} must not be empty or blank (None: no conversation), got {value!r}"
+        raise ValueError(msg)
+    return text
+
+
 def split_nodes(nodes: Sequence[NodeWithScore], key_source: KeySource) -> SplitNodes:
     """Build a chunk for each plannable node; set the others aside. O(total text).
 
-    Raises ``ValueError`` when an item is not a ``NodeWithScore``, or when two nodes share a
-    node id but differ in text (keyed by node id they would be one chunk and one text would be
-    lost; give them distinct ids or use ``key_source="content_hash"``).
+    Nothing is merged that the caller passed as distinct: with ``key_source="content_hash"``
+    two nodes with equal text but different node ids get distinct keys (``<hash>#2``...);
+    only the same node id with the same text is one chunk (an exact duplicate, reported by
+    the planner). Raises ``ValueError`` when an item is not a ``NodeWithScore``, for text that
+    is not valid Unicode (naming the node), or when two nodes share a node id but differ in
+    text (keyed by node id they would be one chunk and one text would be lost; give them
+    distinct ids or use ``key_source="content_hash"``).
     """
     chunks: list[Chunk] = []
     plannable: list[NodeWithScore] = []
     passthrough: list[NodeWithScore] = []
     reasons: list[str] = []
     seen_text: dict[ChunkKey, str] = {}
+    same_text: dict[str, list[str]] = {}
     for i, nws in enumerate(nodes):
         if not isinstance(nws, NodeWithScore):
             msg = (
@@ -103,8 +129,16 @@ def split_nodes(nodes: Sequence[NodeWithScore], key_source: KeySource) -> SplitN
             passthrough.append(nws)
             reasons.append(reason)
             continue
-        text = node_text(nws.node)
-        chunk = make_chunk(text, id=node_key(nws.node, key_source), score=nws.score)
+        text = check_text(node_text(nws.node), f"nodes[{i}] ({nws.node.node_id!r}) text")
+        key = node_key(nws.node, key_source)
+        if key is None:
+            base = content_key(text)
+            ids = same_text.setdefault(base, [])
+            if nws.node.node_id not in ids:
+                ids.append(nws.node.node_id)
+            n = ids.index(nws.node.node_id)
+            key = base if n == 0 else f"{base}#{n + 1}"
+        chunk = make_chunk(text, id=key, score=nws.score)
         previous = seen_text.setdefault(chunk.key, text)
         if previous != text:
             msg = (
