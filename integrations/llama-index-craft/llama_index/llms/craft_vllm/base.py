@@ -22,7 +22,7 @@ response (empty delta) carries the report. All twelve entry points go through
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from typing import Any
 
 from llama_index.core.base.llms.types import (
@@ -52,14 +52,16 @@ from llama_index.llms.craft_vllm.calls import (
     respond,
     respond_stream,
 )
-from llama_index.llms.craft_vllm.prompts import chat_turns
+from llama_index.llms.craft_vllm.prompts import chat_turns, completion_ids
 from llama_index.postprocessor.craft.base import CraftReorderPostprocessor
 from llama_index.postprocessor.craft.handoff import PlanHandoff
+from llama_index.postprocessor.craft.nodes import validate_conversation_id
 
 from craft_rag import Chunk, CraftPlanner, Plan
 from craft_rag.engine.engine import CraftEngine, EngineSettings
 from craft_rag.engine.planners import validate_cache_salt
 from craft_rag.engine.results import SamplingRequest
+from craft_rag.tokenizer import check_text
 
 __all__ = ["EMBEDDED_MODEL_NAME", "REUSE_KEY", "CraftVLLM"]
 
@@ -245,10 +247,12 @@ class CraftVLLM(LLM):
         if not formatted and to_prompt is None:
             # An instruct model: a bare prompt is one user message in its chat template.
             return self._messages_call([ChatMessage(role=MessageRole.USER, content=prompt)], kwargs)
-        text = to_prompt(prompt) if to_prompt is not None and not formatted else prompt
         engine = self._engine
         methods = (engine.generate_tokens, engine.stream_tokens, engine.astream_tokens)
-        ids = engine.assembler.tokenizer.encode(text)
+        # The prompt (retrieved text included) is plain text; only completion_to_prompt's own
+        # wrapping may hold control tokens.
+        wrap = to_prompt if not formatted else None
+        ids = completion_ids(engine.assembler.tokenizer, prompt, wrap)
         return EngineCall.bind(methods, ids, **self._options(kwargs))
 
     def _chunks_call(
@@ -265,6 +269,9 @@ class CraftVLLM(LLM):
         if not isinstance(question, str) or not question.strip():
             msg = "question must be a non-empty string"
             raise ValueError(msg)
+        check_text(question, "question")
+        chunks = _chunk_list(chunks)  # read once (a generator works), checked before planning
+        conversation_id = validate_conversation_id(conversation_id)
         options = self._options(kwargs)
         salt = options["cache_salt"]
         if plan is None and salt == self.cache_salt:
@@ -387,3 +394,17 @@ class CraftVLLM(LLM):
         """Async streaming :meth:`complete_chunks`."""
         call = self._chunks_call(chunks, question, conversation_id, plan, kwargs)
         return arespond_stream(call, completion_response)
+
+
+def _chunk_list(chunks: object) -> list[Chunk]:
+    """``chunks`` read once into a list; ``ValueError`` for a string, a non-iterable or an
+    item that is not a ``craft_rag.Chunk`` (naming its index), before any state changes."""
+    if isinstance(chunks, str | bytes | Chunk) or not isinstance(chunks, Iterable):
+        msg = f"chunks must be a sequence of craft_rag.Chunk, got {type(chunks).__name__}"
+        raise ValueError(msg)
+    out = list(chunks)
+    for i, chunk in enumerate(out):
+        if not isinstance(chunk, Chunk):
+            msg = f"chunks[{i}] is a {type(chunk).__name__}, not a craft_rag.Chunk (make_chunk)"
+            raise ValueError(msg)
+    return out
