@@ -106,12 +106,18 @@ class ChatCraftVLLM(CraftEngineParams, BaseChatModel):
         this model to see the order before generation; the engine then serves exactly the
         previewed plan (``plan=``) and commits it with what vLLM reused. A per-call
         ``cache_salt`` other than the model's makes the engine refuse the plan
-        (``RuntimeError``: it belongs to another salt's planner)."""
+        (``RuntimeError``: it belongs to another salt's planner).
+
+        Conversations: by default the preview ignores the conversation id (it reorders, never
+        drops), and for a conversation turn the engine plans on its own in the previewed
+        order. Pass ``keeps_earlier_chunks=True`` only when the step feeds ``CraftRAGPrompt |
+        this model`` (the engine's append-only conversation): the preview then drops what
+        earlier turns sent and is served as is; a conversation plan that is never served
+        blocks the conversation's next plan (the planner allows one pending plan each)."""
         planner = self.get_engine().planner_for(self.cache_salt)
         if not isinstance(planner, CraftPlanner):
             msg = f"the engine's planner is a {type(planner).__name__}, not a CraftPlanner"
             raise TypeError(msg)
-        kwargs.setdefault("keeps_earlier_chunks", True)  # the engine's prompts are append-only
         return CraftReorder(planner=planner, commit=False, **kwargs)
 
     # ---- messages -> one engine request --------------------------------------------------------
