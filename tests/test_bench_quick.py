@@ -26,7 +26,8 @@ from craft_rag.trace import TraceRequest, write_trace
 if TYPE_CHECKING:
     from craft_rag.engine import CraftEngine
 
-SUITE_NAMES = {"overlap", "kv", "ttft", "load", "topk", "sensitivity", "quality", "overhead"}
+SUITE_NAMES = {"overlap", "kv", "ttft", "load", "topk", "sensitivity", "quality", "overhead",
+               "routing"}
 
 
 def make_trace(path: Path, requests: int = 24, seed: int = 0) -> Path:

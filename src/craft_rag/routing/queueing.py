@@ -78,6 +78,12 @@ def fit_ttft_model(points: Sequence[TTFTPoint], *, with_cached: bool = True) -> 
     active = list(columns)
     while active:
         x = np.stack([data[n] for n in active], axis=1)
+        if np.linalg.matrix_rank(x) < len(active):
+            msg = (
+                "the points cannot separate the coefficients: vary the uncached (and cached) "
+                "token counts independently"
+            )
+            raise ValueError(msg)
         solution, *_ = np.linalg.lstsq(x, y, rcond=None)
         values = dict(zip(active, (float(v) for v in solution), strict=True))
         negative = [n for n, v in values.items() if v < 0 and n != "b"]

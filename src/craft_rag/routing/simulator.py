@@ -11,8 +11,9 @@ blocks its prefill evicted — then its commit with the cache's reuse report, th
 ``finish``), route, render the token-exact prompt in the planned order, serve it on that
 replica's cache, and queue it. Per replica, events reach the router in the order the cache saw
 the requests, so each replica's CP-Tree stays true up to the requests still in flight.
-Conversations render append-only (history = previous prompt + answer); a turn whose planner
-says ``turn == 1`` (new, or re-homed after a fault) starts fresh. Prompts are not cut to a
+Conversations render append-only (history = previous prompt + answer); a turn arrives no
+earlier than its previous turn's finish (no think time); a turn whose planner says
+``turn == 1`` (new, or re-homed after a fault) starts fresh. Prompts are not cut to a
 model length. Everything is a function of (trace, config): same seed, same result.
 """
 
@@ -183,10 +184,13 @@ def _chunk_blocks(
     return [tuple(x) for x in out]
 
 
-def simulate(trace: PreparedTrace, config: SimConfig) -> SimResult:
+def simulate(
+    trace: PreparedTrace, config: SimConfig, *, check_invariants: bool = False
+) -> SimResult:
     """Run ``trace`` through ``config.replicas`` simulated replicas. Deterministic given the
     config's seed (wall-clock decision timings aside). Cost: O(prompt tokens) hashing plus one
-    routing decision per request."""
+    routing decision per request; ``check_invariants`` (tests) checks the router after every
+    request, O(state) each."""
     n, block, model = config.replicas, config.block_size, config.ttft_model
     now = [0.0]
     base = config.router or RouterConfig()
@@ -210,6 +214,7 @@ def simulate(trace: PreparedTrace, config: SimConfig) -> SimResult:
     rng = random.Random(config.seed)
     faults = sorted(config.faults, key=lambda f: f.at_request)
     histories: dict[ConversationId, tuple[int, ...]] = {}
+    open_turn: dict[ConversationId, float] = {}  # finish time of each conversation's last turn
     free_at = [0.0] * n
     served = [0] * n
     pending: list[tuple[float, int, _InFlight]] = []
@@ -251,8 +256,16 @@ def simulate(trace: PreparedTrace, config: SimConfig) -> SimResult:
         while pending and pending[0][0] <= t:
             at, _, item = heapq.heappop(pending)
             complete(item, at)
-        now[0] = t
         conv = request.conversation_id
+        arrival = t
+        if conv is not None and conv in open_turn:
+            # A user sends the next turn after the previous answer: hold this turn until its
+            # previous turn finished (completions up to then are applied first).
+            arrival = max(t, open_turn[conv])
+            while pending and pending[0][0] <= arrival:
+                at, _, item = heapq.heappop(pending)
+                complete(item, at)
+        now[0] = arrival
         history = histories.get(conv, head) if conv is not None else head
         estimate = trace.prompt_tokens[i] + len(history) - len(head)
         started, cpu_started = time.perf_counter_ns(), time.thread_time_ns()
@@ -278,13 +291,17 @@ def simulate(trace: PreparedTrace, config: SimConfig) -> SimResult:
         if conv is not None:
             histories[conv] = tuple(tokens) + trace.answer_ids[i]
         service = model.predict(len(tokens) - cached, cached)
-        finish = max(t, free_at[r]) + service
+        finish = max(arrival, free_at[r]) + service
         free_at[r] = finish
-        ttfts.append(finish - t)
+        ttfts.append(finish - arrival)
+        if conv is not None:
+            open_turn[conv] = finish
         served[r] += 1
         prompt_total += len(tokens)
         cached_total += cached
         heapq.heappush(pending, (finish, i, item))
+        if check_invariants:
+            router._check_invariants()
         t += rng.expovariate(rate)
     while pending:
         at, _, item = heapq.heappop(pending)
