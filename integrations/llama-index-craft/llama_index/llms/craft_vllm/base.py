@@ -61,7 +61,6 @@ from craft_rag import Chunk, CraftPlanner, Plan
 from craft_rag.engine.engine import CraftEngine, EngineSettings
 from craft_rag.engine.planners import validate_cache_salt
 from craft_rag.engine.results import SamplingRequest
-from craft_rag.engine.server_backend import ServerSettings
 from craft_rag.tokenizer import check_text
 
 __all__ = ["EMBEDDED_MODEL_NAME", "REUSE_KEY", "CraftVLLM"]
@@ -76,9 +75,7 @@ class CraftVLLM(LLM):
     """LlamaIndex LLM over one :class:`craft_rag.engine.engine.CraftEngine`.
 
     Pass a running ``engine`` (shared, not closed by this object), or ``engine_settings`` (or
-    nothing, for the embedded default model) to start one that :meth:`close` stops; with
-    ``server="http://HOST:PORT"`` that engine serves through a vLLM OpenAI-compatible server
-    (``settings.model``: the local folder of its tokenizer; see ``craft-rag serve``).
+    nothing, for the embedded default model) to start one that :meth:`close` stops.
 
     The engine's state is left alone: requests are planned and committed by the engine's
     planner for :attr:`cache_salt` (``engine.planner_for(cache_salt)``, which must be a
@@ -117,7 +114,6 @@ class CraftVLLM(LLM):
         engine: CraftEngine | None = None,
         *,
         engine_settings: EngineSettings | None = None,
-        server: str | ServerSettings | None = None,
         **data: Any,
     ) -> None:
         if "planner" in data:
@@ -130,16 +126,13 @@ class CraftVLLM(LLM):
         if engine is not None and engine_settings is not None:
             msg = "pass either engine= (a running CraftEngine) or engine_settings=, not both"
             raise ValueError(msg)
-        if engine is not None and server is not None:
-            msg = "pass either engine= or server= (a vLLM server URL), not both"
-            raise ValueError(msg)
         if engine is not None and not isinstance(engine, CraftEngine):
             msg = f"engine must be a craft_rag CraftEngine, got {type(engine).__name__}"
             raise ValueError(msg)
         super().__init__(**data)  # validates cache_salt before an engine is started
         owns = engine is None
         if engine is None:
-            engine = CraftEngine(engine_settings or EngineSettings(), server=server)
+            engine = CraftEngine(engine_settings or EngineSettings())
         if "model" not in data and engine.settings.model is not None:
             self.model = str(engine.settings.model)
         self._engine = engine
@@ -189,14 +182,20 @@ class CraftVLLM(LLM):
         """A :class:`CraftReorderPostprocessor` wired to this LLM: the engine's planner for
         :attr:`cache_salt`, ``commit_mode="engine"``, plans parked in :attr:`handoff` where
         :meth:`complete_chunks` claims them. ``settings`` are its other fields
-        (``key_source``, ``conversation_id``). Build it after any ``engine.set_planner``: it
-        keeps the planner it was built with."""
+        (``key_source``, ``conversation_id``, ``keeps_earlier_chunks``). Build it after any
+        ``engine.set_planner``: it keeps the planner it was built with.
+
+        A conversation id only reorders unless ``keeps_earlier_chunks=True``: a query engine
+        with LlamaIndex's own synthesizer sends this turn's nodes only, so nothing may be
+        dropped as "sent earlier" (``craft_query_engine`` sets it: its synthesizer serves the
+        engine's append-only conversation)."""
         for name in ("planner", "commit_mode", "handoff"):
             if name in settings:
                 msg = (
                     f"{name} is set by CraftVLLM.reorderer(); pass only key_source/conversation_id"
                 )
                 raise ValueError(msg)
+        settings.setdefault("keeps_earlier_chunks", False)
         return CraftReorderPostprocessor(
             planner=self.planner, handoff=self._handoff, commit_mode="engine", **settings
         )

@@ -290,7 +290,10 @@ def craft_query_engine(
             "cache_salt; build the LLM with the salt instead: CraftVLLM(engine, cache_salt=...)"
         )
         raise ValueError(msg)
-    reorderer = llm.reorderer(key_source=key_source, conversation_id=conversation_id)
+    # CraftSynthesizer serves the engine's append-only conversation: earlier chunks stay in it.
+    reorderer = llm.reorderer(
+        key_source=key_source, conversation_id=conversation_id, keeps_earlier_chunks=True
+    )
     synthesizer = CraftSynthesizer(
         llm,
         streaming=streaming,
