@@ -22,7 +22,7 @@ import re
 import tempfile
 import time
 import zlib
-from collections.abc import Sequence
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -159,6 +159,68 @@ def measure_ttft_points(
             out.append(TTFTPoint(report.uncached_tokens, report.cached_tokens,
                                  report.ttft_ms / 1000))
     return out[:points]
+
+
+# ---- real replicas ---------------------------------------------------------------------------
+
+
+def serve_on_replicas(
+    engines: Mapping[str, CraftEngine],
+    trace: Sequence[TraceRequest],
+    policy: str,
+    prompt_tokens: Callable[[TraceRequest], int],
+    *,
+    max_tokens: int = 1,
+) -> dict[str, Any]:
+    """Serve ``trace`` (single-turn requests, one at a time) through a :class:`Router` over
+    real engines (``CraftEngine(server=URL)`` each), every engine starting from an empty
+    prefix cache and a fresh planner configured as the policy's replicas. The router reads the
+    engines' own planners (kept true by their KV events); each engine commits its plan.
+    Returns cached-token fraction, mean/p99 TTFT and requests per replica."""
+    from typing import cast
+
+    from craft_rag.planner import CraftPlanner
+    from craft_rag.replay import percentile
+    from craft_rag.routing.router import Router, RouterConfig
+
+    block = next(iter(engines.values())).block_size
+    sources = {
+        name: (lambda salt, e=engine: cast(CraftPlanner, e.planner_for(salt)))
+        for name, engine in engines.items()
+    }
+    router = Router(list(engines), policy, RouterConfig(block_size=block),
+                    planner_sources=sources)
+    for engine in engines.values():
+        engine.set_planner(CraftPlanner(router.planner_config))
+        if not engine.reset_prefix_cache():
+            msg = "could not reset a replica's prefix cache (requests still running?)"
+            raise RuntimeError(msg)
+    ttfts: list[float] = []
+    cached = prompt = 0
+    per_replica = dict.fromkeys(engines, 0)
+    for request in trace:
+        decision = router.route(request.chunks, prompt_tokens=prompt_tokens(request))
+        try:
+            result = engines[decision.replica].generate(
+                list(decision.plan.ordered), request.query, plan=decision.plan,
+                max_tokens=max_tokens,
+            )
+        finally:
+            router.finish(decision)
+        ttfts.append(result.report.ttft_ms)
+        cached += result.report.cached_tokens
+        prompt += result.report.prompt_tokens
+        per_replica[decision.replica] += 1
+    return {
+        "policy": policy,
+        "requests": len(ttfts),
+        "cached_tokens": cached,
+        "prompt_tokens": prompt,
+        "cached_token_fraction": cached / prompt if prompt else 0.0,
+        "mean_ttft_ms": sum(ttfts) / len(ttfts) if ttfts else 0.0,
+        "p99_ttft_ms": percentile(ttfts, 99),
+        "requests_per_replica": per_replica,
+    }
 
 
 # ---- the suite ------------------------------------------------------------------------------

@@ -134,6 +134,7 @@ class Router:
         planner_config = replace(
             self.config.planner, policy=self.policy.ordering, promotion="served"
         )
+        self._planner_config = planner_config
         sources = dict(planner_sources or {})
         unknown = set(sources) - set(names)
         if unknown:
@@ -162,6 +163,12 @@ class Router:
         self.stats = RouterStats()
 
     # ---- reading -------------------------------------------------------------------------------
+
+    @property
+    def planner_config(self) -> PlannerConfig:
+        """The settings every replica planner uses under this policy (give engine-owned
+        planners the same: ``engine.set_planner(CraftPlanner(router.planner_config))``)."""
+        return self._planner_config
 
     @property
     def replica_ids(self) -> tuple[ReplicaId, ...]:
