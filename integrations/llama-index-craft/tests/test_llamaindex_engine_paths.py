@@ -146,7 +146,10 @@ def test_chat_engine_is_append_only_and_dedups(
 ) -> None:
     retriever = squad_index.index.as_retriever(similarity_top_k=TOP_K)
     memory = ChatMemoryBuffer.from_defaults(llm=llm)
-    chat = CraftChatEngine(retriever, llm, memory=memory, conversation_id="li-chat-test")
+    # condense=False: turn 3 must retrieve exactly turn 1's chunks (the raw question).
+    chat = CraftChatEngine(
+        retriever, llm, memory=memory, conversation_id="li-chat-test", condense=False
+    )
     questions = squad_index.questions[:2]
     first = chat.chat(questions[0])
     r1 = chat.last_reuse_report

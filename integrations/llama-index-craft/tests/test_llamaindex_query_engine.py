@@ -130,10 +130,16 @@ def test_public_api_is_pinned() -> None:
     import llama_index.llms.craft_vllm as llms
 
     assert set(llms.__all__) == {
+        "CONDENSE_METADATA_KEY",
         "REUSE_KEY",
+        "REUSE_METADATA_KEY",
+        "REUSE_REPORTS_KEY",
         "SKIPPED_KEY",
         "CraftChatEngine",
         "CraftSynthesizer",
         "CraftVLLM",
+        "ReuseCollector",
+        "as_craft_chat_engine",
+        "collect_reuse",
         "craft_query_engine",
     }

@@ -14,7 +14,9 @@ Two kinds of calls:
   :class:`~.synthesizer.CraftSynthesizer` and :class:`~.chat_engine.CraftChatEngine` use it.
 
 Every response carries the engine's :class:`craft_rag.engine.results.ReuseReport` in
-``additional_kwargs["reuse_report"]`` and the full ``GenerationResult`` in ``raw``. Streaming
+``additional_kwargs["reuse_report"]`` and the full ``GenerationResult`` in ``raw``; a query
+engine's ``Response.metadata["craft_reuse"]`` gets it too, whatever synthesizer it uses
+(:mod:`~llama_index.llms.craft_vllm.reuse`). Streaming
 is real: each delta is yielded when the engine's driver thread produces it; the last streamed
 response (empty delta) carries the report. All twelve entry points go through
 :mod:`~llama_index.llms.craft_vllm.calls`.
@@ -53,6 +55,7 @@ from llama_index.llms.craft_vllm.calls import (
     respond_stream,
 )
 from llama_index.llms.craft_vllm.prompts import chat_turns, completion_ids
+from llama_index.llms.craft_vllm.reuse import install_reuse_metadata
 from llama_index.postprocessor.craft.base import CraftReorderPostprocessor
 from llama_index.postprocessor.craft.handoff import PlanHandoff
 from llama_index.postprocessor.craft.nodes import validate_conversation_id
@@ -146,6 +149,8 @@ class CraftVLLM(LLM):
         validate_cache_salt(value)
         return value
 
+        # Reports reach Response.metadata["craft_reuse"] on any synthesizer (see reuse.py).
+        install_reuse_metadata()
     @classmethod
     def class_name(cls) -> str:
         return "CraftVLLM"

@@ -23,6 +23,7 @@ from llama_index.core.base.llms.types import (
     CompletionResponse,
     MessageRole,
 )
+from llama_index.llms.craft_vllm.reuse import ReuseCollector, open_collectors
 from llama_index.postprocessor.craft.events import CraftCommitEvent
 from llama_index_instrumentation import get_dispatcher
 
@@ -61,6 +62,9 @@ class EngineCall:
     stream: Callable[[], Iterator[StreamChunk]]
     astream: Callable[[], AsyncIterator[StreamChunk]]
     plan: Plan | None = None
+    collectors: tuple[ReuseCollector, ...] = ()
+    """Reuse collectors open when the call was made (a synthesis in progress): each gets the
+    report, also when a stream finishes after the synthesis returned."""
 
     @classmethod
     def bind(
@@ -76,11 +80,15 @@ class EngineCall:
             partial(stream, *args, **kwargs),
             partial(astream, *args, **kwargs),
             plan,
+            open_collectors(),
         )
 
     def served(self, result: GenerationResult) -> GenerationResult:
         """Emit ``CraftCommitEvent(source="engine")`` for the plan the engine just committed
-        (it commits a served plan exactly when the request finished). Returns ``result``."""
+        (it commits a served plan exactly when the request finished) and hand the report to
+        the open reuse collectors. Returns ``result``."""
+        for collector in self.collectors:
+            collector.add(result.report)
         if self.plan is not None:
             assert result.report.plan_id == self.plan.plan_id, "the engine served another plan"
             dispatcher.event(CraftCommitEvent(plan=self.plan, source="engine", reuse=result.report))

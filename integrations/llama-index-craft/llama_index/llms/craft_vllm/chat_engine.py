@@ -11,6 +11,14 @@ vLLM reuses all of it.
 The LlamaIndex memory (``ChatMemoryBuffer`` by default, or any ``BaseMemory`` such as
 ``Memory``) stores the user and assistant messages as usual, for the application to show and
 persist; the prompt itself comes from the engine's append-only history, not from the memory.
+The engine bounds that history with its ``HistoryBudget`` (``ChatMemoryBuffer.token_limit``'s
+role): oldest whole turns are dropped, and their chunks are sent again if retrieved again.
+
+Follow-ups are condensed before retrieval, as ``CondensePlusContextChatEngine`` (LlamaIndex's
+default chat mode) does: from the second turn on, the engine rewrites the message into a
+standalone question on the conversation's own cached prefix (:mod:`craft_rag.engine.condense`),
+retrieval uses it, and the prompt keeps the user's message. ``condense=False`` retrieves with
+the raw message (``ContextChatEngine``'s behaviour).
 """
 
 from __future__ import annotations
@@ -42,7 +50,20 @@ from llama_index.postprocessor.craft.base import CraftReorderPostprocessor, Craf
 from llama_index.postprocessor.craft.nodes import KeySource, split_nodes
 
 from craft_rag import Chunk
+from craft_rag.engine.condense import (
+    CONDENSE_INSTRUCTION,
+    DEFAULT_CONDENSE_MAX_TOKENS,
+    Condensed,
+    acondense,
+    condense,
+)
 from craft_rag.engine.results import ReuseReport
+
+REUSE_METADATA_KEY = "craft_reuse"
+"""Response metadata key of the turn's :class:`ReuseReport` (also under ``reuse_report``)."""
+CONDENSE_METADATA_KEY = "craft_condense"
+"""Response metadata key of the turn's :class:`~craft_rag.engine.condense.Condensed` (the
+question retrieval used and the condense request's own report)."""
 
 
 class CraftChatEngine(BaseChatEngine):
@@ -56,7 +77,13 @@ class CraftChatEngine(BaseChatEngine):
     the engine with ``plan=`` (served as planned, appended to the conversation, committed with
     what vLLM reused), store both messages in ``memory``. ``source_nodes`` of a response are
     this turn's new nodes followed by the retrieved nodes an earlier turn already put in the
-    prompt. :attr:`last_reuse_report` holds the engine's report of the latest finished turn.
+    prompt. :attr:`last_reuse_report` holds the engine's report of the latest finished turn;
+    response ``metadata["craft_reuse"]`` holds it too, and ``metadata["craft_condense"]`` the
+    condense step (:attr:`last_condense`).
+
+    ``condense`` (default on, as LlamaIndex's default chat mode): retrieve with the follow-up
+    rewritten by the engine on the conversation's cached prefix (``condense_prompt`` holds
+    ``{question}``; at most ``condense_max_tokens``), reported separately.
 
     ``chat_history=`` arguments cannot rewrite a conversation whose tokens already sit in the
     engine: passing one that differs from the memory raises ``ValueError`` (call :meth:`reset`
@@ -73,6 +100,9 @@ class CraftChatEngine(BaseChatEngine):
         cache_salt: str | None = None,
         node_postprocessors: Sequence[BaseNodePostprocessor] = (),
         key_source: KeySource = "node_id",
+        condense: bool = True,
+        condense_prompt: str = CONDENSE_INSTRUCTION,
+        condense_max_tokens: int = DEFAULT_CONDENSE_MAX_TOKENS,
         **sampling: Any,
     ) -> None:
         if not isinstance(llm, CraftVLLM):
@@ -84,6 +114,15 @@ class CraftChatEngine(BaseChatEngine):
         if "cache_salt" in sampling:
             msg = "pass cache_salt= once (keyword of CraftChatEngine), not as a sampling setting"
             raise ValueError(msg)
+        if "{question}" not in condense_prompt:
+            msg = "condense_prompt must contain '{question}' where the follow-up goes"
+            raise ValueError(msg)
+        if not isinstance(condense_max_tokens, int) or condense_max_tokens < 1:
+            msg = f"condense_max_tokens must be an int >= 1, got {condense_max_tokens!r}"
+            raise ValueError(msg)
+        self._condense = bool(condense)
+        self._condense_prompt = condense_prompt
+        self._condense_max_tokens = condense_max_tokens
         self._retriever = retriever
         self._llm = llm
         self._memory = memory if memory is not None else ChatMemoryBuffer.from_defaults(llm=llm)
@@ -100,6 +139,28 @@ class CraftChatEngine(BaseChatEngine):
         llm._options(dict(self._sampling))  # validate names and the salt now
         self.last_reorder: CraftReorderResult | None = None
         self.last_reuse_report: ReuseReport | None = None
+        self.last_condense: Condensed | None = None
+
+    @classmethod
+    def from_index(
+        cls,
+        index: Any,
+        llm: CraftVLLM | None = None,
+        *,
+        similarity_top_k: int = 5,
+        **kwargs: Any,
+    ) -> CraftChatEngine:
+        """A chat engine over ``index.as_retriever(similarity_top_k=...)`` (any LlamaIndex
+        index) and ``llm`` (default: a ``CraftVLLM`` on the embedded model, started now:
+        seconds). ``kwargs`` are :class:`CraftChatEngine`'s."""
+        as_retriever = getattr(index, "as_retriever", None)
+        if not callable(as_retriever):
+            msg = (
+                "index must be a LlamaIndex index with as_retriever(), got "
+                f"{type(index).__name__}"
+            )
+            raise ValueError(msg)
+        return cls(as_retriever(similarity_top_k=similarity_top_k), llm or CraftVLLM(), **kwargs)
 
     @property
     def memory(self) -> BaseMemory:
@@ -115,6 +176,7 @@ class CraftChatEngine(BaseChatEngine):
         self._memory.reset()
         self.last_reorder = None
         self.last_reuse_report = None
+        self.last_condense = None
 
     # ---- one turn, shared by the four entry points ----
 
@@ -135,8 +197,33 @@ class CraftChatEngine(BaseChatEngine):
                 raise ValueError(msg)
         return _Turn(message, QueryBundle(message))
 
+    def _condense_kwargs(self) -> dict[str, Any]:
+        users = [m for m in self._memory.get_all() if m.role == MessageRole.USER]
+        return {
+            "cache_salt": self.cache_salt,
+            "max_tokens": self._condense_max_tokens,
+            "instruction": self._condense_prompt,
+            "previous": str(users[-1].content) if users else None,
+        }
+
+    def _condensed(self, turn: _Turn, condensed: Condensed) -> _Turn:
+        self.last_condense = condensed
+        turn.condensed = condensed
+        turn.bundle = QueryBundle(condensed.question)
+        return turn
+
     def _plan(self, turn: _Turn, nodes: list[NodeWithScore]) -> _Turn:
-        """Plan the retrieved nodes for this turn (nothing committed yet: the engine does)."""
+        """Plan the retrieved nodes for this turn (nothing committed yet: the engine does).
+        First make room: turns the engine drops to fit this one are forgotten by the planner,
+        so the plan never removes a chunk whose turn is about to leave the prompt."""
+        max_tokens = int(self._sampling.get("max_tokens") or self._llm.max_tokens)
+        self._llm.engine.fit_turn(
+            split_nodes(nodes, self._key_source).chunks,
+            turn.message,
+            conversation_id=self.conversation_id,
+            max_tokens=max_tokens,
+            cache_salt=self.cache_salt,
+        )
         result = self._reorderer.reorder(
             nodes, turn.bundle, conversation_id=self.conversation_id, park=False
         )
@@ -152,6 +239,11 @@ class CraftChatEngine(BaseChatEngine):
 
     def _prepare(self, message: str, chat_history: list[ChatMessage] | None) -> _Turn:
         turn = self._open(message, chat_history)
+        if self._condense:
+            engine = self._llm.engine
+            self._condensed(
+                turn, condense(engine, self.conversation_id, message, **self._condense_kwargs())
+            )
         nodes = self._retriever.retrieve(turn.bundle)
         for pp in self._postprocessors:
             nodes = pp.postprocess_nodes(nodes, query_bundle=turn.bundle)
@@ -159,6 +251,12 @@ class CraftChatEngine(BaseChatEngine):
 
     async def _aprepare(self, message: str, chat_history: list[ChatMessage] | None) -> _Turn:
         turn = self._open(message, chat_history)
+        if self._condense:
+            engine = self._llm.engine
+            condensed = await acondense(
+                engine, self.conversation_id, message, **self._condense_kwargs()
+            )
+            self._condensed(turn, condensed)
         nodes = await self._retriever.aretrieve(turn.bundle)
         for pp in self._postprocessors:
             nodes = await pp.apostprocess_nodes(nodes, query_bundle=turn.bundle)
@@ -183,7 +281,11 @@ class CraftChatEngine(BaseChatEngine):
         return AgentChatResponse(
             response=done.text,
             source_nodes=turn.sources,
-            metadata={REUSE_KEY: self.last_reuse_report},
+            metadata={
+                REUSE_KEY: self.last_reuse_report,
+                REUSE_METADATA_KEY: self.last_reuse_report,
+                CONDENSE_METADATA_KEY: turn.condensed,
+            },
         )
 
     def chat(
@@ -256,6 +358,7 @@ class _Turn:
     chunks: list[Chunk] = field(default_factory=list)
     kwargs: dict[str, Any] = field(default_factory=dict)
     reply: ChatMessage | None = None
+    condensed: Condensed | None = None
 
     @property
     def user(self) -> ChatMessage:
@@ -270,3 +373,11 @@ class _Turn:
     def messages(self) -> list[ChatMessage]:
         """What the turn adds to memory: the user message, then the reply once there is one."""
         return [self.user] if self.reply is None else [self.user, self.reply]
+
+
+def as_craft_chat_engine(
+    index: Any, llm: CraftVLLM | None = None, **kwargs: Any
+) -> CraftChatEngine:
+    """One call from an index to CRAFT chat (``index.as_chat_engine()``'s counterpart):
+    :meth:`CraftChatEngine.from_index`."""
+    return CraftChatEngine.from_index(index, llm, **kwargs)

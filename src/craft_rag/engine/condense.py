@@ -1,0 +1,158 @@
+"""Condensing a follow-up into a standalone question, on the conversation's cached prefix.
+
+Chat retrieval with the raw turn text fails on follow-ups ("Who was his mother?"). LlamaIndex's
+``CondensePlusContextChatEngine`` and LangChain's history-aware retrievers first ask the LLM to
+rewrite the follow-up using the conversation. Their condense prompt is a new text prompt (the
+history re-rendered into a template), so none of it is cached. Here the condense request is
+``[head][the conversation's stored turns][instruction + follow-up][assistant opener]``
+(:meth:`CraftEngine.side_prompt_ids`): everything but the instruction is the conversation's own
+prompt, already in vLLM's prefix cache, and the request is not stored in the conversation (the
+next turn continues from the same prefix). It is served as a plain token request, so its cost
+is reported on its own :class:`~craft_rag.engine.results.ReuseReport`.
+
+Small models often echo the follow-up unchanged (the embedded SmolLM2-135M mostly does). When
+the reply is the follow-up itself and the caller passes the ``previous`` user message, the
+question retrieval uses is ``previous + " " + follow-up`` instead (``method="history"``): the
+follow-up's missing referent is almost always in the previous question. ``method`` says which
+rule produced the question.
+
+The follow-up is caller text: it is tokenized as plain text (control-token spellings stay
+text) and formatted into the instruction as a value, never as a template.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+from craft_rag.engine.results import ReuseReport
+
+if TYPE_CHECKING:
+    from craft_rag.engine.engine import CraftEngine
+
+CONDENSE_INSTRUCTION = (
+    "Rewrite the follow-up question below as one standalone question that can be understood "
+    "without the conversation above (replace pronouns with the names they refer to). Reply "
+    "with the question only.\nFollow-up question: {question}"
+)
+"""Default instruction; ``{question}`` is replaced by the follow-up (as a value)."""
+
+DEFAULT_CONDENSE_MAX_TOKENS = 40
+
+_PREFIXES = ("standalone question:", "question:", "rewritten question:")
+
+
+@dataclass(frozen=True, slots=True)
+class Condensed:
+    """The question to retrieve with. ``report`` is the condense request's own reuse report
+    (``None`` when nothing was asked: no earlier turn in the engine, or condensing is off)."""
+
+    question: str
+    original: str
+    report: ReuseReport | None = None
+    method: str = "none"
+    """``"llm"`` (the model's rewrite), ``"history"`` (previous message + follow-up, when the
+    model echoed the follow-up) or ``"none"`` (the follow-up as is)."""
+
+    @property
+    def rewritten(self) -> bool:
+        return self.question != self.original
+
+
+def condense_ids(
+    engine: CraftEngine,
+    conversation_id: str | None,
+    question: str,
+    *,
+    cache_salt: str | None = None,
+    instruction: str = CONDENSE_INSTRUCTION,
+) -> tuple[int, ...] | None:
+    """The condense request's token ids, or ``None`` when the engine holds no earlier turn of
+    the conversation (a first turn is its own standalone question). ``ValueError`` for an
+    empty question, an instruction without ``{question}`` or another salt. O(prompt tokens)."""
+    if not isinstance(question, str) or not question.strip():
+        msg = "question must be a non-empty string"
+        raise ValueError(msg)
+    if "{question}" not in instruction:
+        msg = "the condense instruction must contain '{question}' where the follow-up goes"
+        raise ValueError(msg)
+    if conversation_id is None or engine.conversations.turn_count(conversation_id) == 0:
+        return None
+    text = instruction.replace("{question}", question)
+    return engine.side_prompt_ids(conversation_id, text, cache_salt=cache_salt)
+
+
+def clean_condensed(text: str, original: str) -> str:
+    """The first non-empty line of the model's reply without a "Standalone question:" prefix
+    or quotes; ``original`` when nothing usable is left."""
+    for line in text.strip().splitlines():
+        line = line.strip().strip('"').strip()
+        low = line.lower()
+        for prefix in _PREFIXES:
+            if low.startswith(prefix):
+                line = line[len(prefix) :].strip().strip('"').strip()
+                break
+        if len(line) >= 3:
+            return line
+    return original
+
+
+def _condensed(reply: str, question: str, previous: str | None, report: ReuseReport) -> Condensed:
+    text = clean_condensed(reply, question)
+    if _same(text, question):
+        if previous and previous.strip() and not _same(previous, question):
+            return Condensed(f"{previous.strip()} {question}", question, report, "history")
+        return Condensed(question, question, report, "none")
+    return Condensed(text, question, report, "llm")
+
+
+def _same(a: str, b: str) -> bool:
+    return a.strip().strip("?.!").casefold() == b.strip().strip("?.!").casefold()
+
+
+def condense(
+    engine: CraftEngine,
+    conversation_id: str | None,
+    question: str,
+    *,
+    cache_salt: str | None = None,
+    max_tokens: int = DEFAULT_CONDENSE_MAX_TOKENS,
+    instruction: str = CONDENSE_INSTRUCTION,
+    previous: str | None = None,
+) -> Condensed:
+    """Rewrite ``question`` into a standalone question with the conversation's prefix (greedy,
+    at most ``max_tokens``); ``previous`` (the previous user message) is the fallback when
+    the model only echoes the follow-up. Blocks. Cost: the instruction and follow-up (~40-60
+    uncached tokens) plus up to ``max_tokens`` decode steps; nothing without an earlier
+    turn."""
+    ids = condense_ids(
+        engine, conversation_id, question, cache_salt=cache_salt, instruction=instruction
+    )
+    if ids is None:
+        return Condensed(question, question)
+    result = engine.generate_tokens(ids, max_tokens=max_tokens, cache_salt=cache_salt)
+    return _condensed(result.text, question, previous, result.report)
+
+
+async def acondense(
+    engine: CraftEngine,
+    conversation_id: str | None,
+    question: str,
+    *,
+    cache_salt: str | None = None,
+    max_tokens: int = DEFAULT_CONDENSE_MAX_TOKENS,
+    instruction: str = CONDENSE_INSTRUCTION,
+    previous: str | None = None,
+) -> Condensed:
+    """Async :func:`condense` (waits on the engine's async stream)."""
+    ids = condense_ids(
+        engine, conversation_id, question, cache_salt=cache_salt, instruction=instruction
+    )
+    if ids is None:
+        return Condensed(question, question)
+    pieces = engine.astream_tokens(ids, max_tokens=max_tokens, cache_salt=cache_salt)
+    async for piece in pieces:
+        if piece.result is not None:
+            return _condensed(piece.result.text, question, previous, piece.result.report)
+    msg = "the engine stream ended without a result"
+    raise RuntimeError(msg)
