@@ -217,7 +217,8 @@ def validate_conversation_id(value: object, field: str = "conversation_id") -> s
     """The one rule for conversation ids in this package: ``None`` is "no conversation";
     a non-empty ``str``, an ``int`` (not ``bool``) or a ``UUID`` is an id, as a string
     (``0`` is the conversation ``"0"``, never "none"). Anything else: ``ValueError`` naming
-    ``field``. O(len(value))."""
+    ``field``. Framework ids (LangGraph thread ids are often ints or UUIDs) are turned into
+    the core's string ids here, at the boundary. O(len(value))."""
     if value is None:
         return None
     if isinstance(value, bool) or not isinstance(value, str | int | UUID):
@@ -226,7 +227,7 @@ def validate_conversation_id(value: object, field: str = "conversation_id") -> s
             f"got {type(value).__name__} {value!r}"
         )
         raise ValueError(msg)
-    text = str(value)
+    text = check_text(str(value), field)
     if not text.strip():
         msg = f"{field} must not be empty or blank (None: no conversation), got {value!r}"
         raise ValueError(msg)

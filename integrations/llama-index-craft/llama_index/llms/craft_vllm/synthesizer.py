@@ -47,7 +47,7 @@ from llama_index.core.response_synthesizers.base import BaseSynthesizer, QueryTe
 from llama_index.core.schema import NodeWithScore
 from llama_index.core.types import RESPONSE_TEXT_TYPE
 from llama_index.llms.craft_vllm.base import REUSE_KEY, CraftVLLM
-from llama_index.postprocessor.craft.nodes import KeySource, split_nodes
+from llama_index.postprocessor.craft.nodes import KeySource, split_nodes, validate_conversation_id
 from llama_index_instrumentation import get_dispatcher
 
 from craft_rag import Chunk, make_chunk
@@ -86,7 +86,7 @@ class CraftSynthesizer(BaseSynthesizer):
         super().__init__(llm=llm, callback_manager=callback_manager, streaming=streaming)
         self._craft_llm = llm
         self._key_source: KeySource = key_source
-        self._conversation_id = conversation_id
+        self._conversation_id = validate_conversation_id(conversation_id)
         self._sampling = dict(sampling)
         llm._options(dict(sampling))  # validate the names now, not on the first query
 

@@ -84,7 +84,8 @@ def node_key(node: BaseNode, key_source: KeySource) -> str | None:
 def validate_conversation_id(value: object, field: str = "conversation_id") -> str | None:
     """The one rule for conversation ids in this package: ``None`` is "no conversation"; a
     non-empty ``str``, an ``int`` (not ``bool``) or a ``UUID`` is an id, as a string (``0`` is
-    the conversation ``"0"``). Anything else: ``ValueError`` naming ``field``."""
+    the conversation ``"0"``). Anything else: ``ValueError`` naming ``field``. Framework ids
+    (ints, UUIDs) become the core's string ids here, at the boundary."""
     if value is None:
         return None
     if isinstance(value, bool) or not isinstance(value, str | int | UUID):
@@ -93,7 +94,7 @@ def validate_conversation_id(value: object, field: str = "conversation_id") -> s
             f"got {type(value).__name__} {value!r}"
         )
         raise ValueError(msg)
-    text = str(value)
+    text = check_text(str(value), field)
     if not text.strip():
         msg = f"{field} must not be empty or blank (None: no conversation), got {value!r}"
         raise ValueError(msg)
