@@ -7,7 +7,8 @@
 * :class:`ChatCraftVLLM` / :class:`CraftVLLM`: chat model and LLM over ``CraftEngine`` with
   real streaming, usage, and the engine's reuse report in the metadata.
 * :class:`CraftConversation`: append-only, deduplicated multi-turn RAG chat per session id over
-  any ``BaseChatMessageHistory``.
+  any ``BaseChatMessageHistory``, with a condense step for follow-ups.
+* :func:`craft_minilm_embeddings`: the packaged MiniLM as ``HuggingFaceEmbeddings``.
 
 The engine (vLLM) is imported only when a model first serves a request.
 """
@@ -15,6 +16,7 @@ The engine (vLLM) is imported only when a model first serves a request.
 from langchain_craft._documents import CRAFT_PLAN_EVENT, CraftDocuments
 from langchain_craft.chat_models import ChatCraftVLLM
 from langchain_craft.conversation import CraftConversation
+from langchain_craft.embeddings import craft_minilm_embeddings
 from langchain_craft.llms import CraftVLLM
 from langchain_craft.prompt import CraftContext, CraftRAGPrompt, craft_context
 from langchain_craft.reorder import CraftReorder
@@ -31,5 +33,6 @@ __all__ = [
     "CraftRetriever",
     "CraftVLLM",
     "craft_context",
+    "craft_minilm_embeddings",
 ]
 __version__ = "0.1.0"

@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING, Any, TypeVar
 
 from langchain_core.callbacks import AsyncCallbackManagerForLLMRun, CallbackManagerForLLMRun
 from langchain_core.messages.ai import InputTokenDetails, UsageMetadata
-from pydantic import BaseModel, ConfigDict, Field, PrivateAttr
+from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, model_validator
 
 from craft_rag import Chunk
 from langchain_craft._documents import validate_conversation_id
@@ -27,7 +27,12 @@ from langchain_craft._documents import validate_conversation_id
 if TYPE_CHECKING:
     from craft_rag.engine.engine import CraftEngine
     from craft_rag.engine.planners import PlanLike
-    from craft_rag.engine.results import GenerationResult, SamplingRequest, StreamChunk
+    from craft_rag.engine.results import (
+        GenerationResult,
+        ReuseReport,
+        SamplingRequest,
+        StreamChunk,
+    )
 
 ChunkT = TypeVar("ChunkT")
 
@@ -79,7 +84,11 @@ class EngineRequest:
 
 def report_dict(result: GenerationResult) -> dict[str, Any]:
     """The engine's ``ReuseReport`` as JSON-ready data, plus ``cached_fraction``."""
-    report = result.report
+    return reuse_dict(result.report)
+
+
+def reuse_dict(report: ReuseReport) -> dict[str, Any]:
+    """A ``ReuseReport`` as JSON-ready data, plus ``cached_fraction``."""
     data = asdict(report)
     for key, value in data.items():
         if isinstance(value, tuple):
@@ -151,6 +160,35 @@ class CraftEngineParams(BaseModel):
         """The engine: ``engine`` if given, else the embedded default, started on first call
         (seconds; ~30 s more the very first time the model is converted). Thread-safe."""
         if self.engine is not None:
+    _text_tokenizer: Any = PrivateAttr(default=None)
+
+    @model_validator(mode="after")
+    def _name_the_model(self) -> Any:
+        """``model_name`` is never None: the served model's name (LangChain tracing, callbacks
+        and ``_identifying_params`` read it)."""
+        if not self.model_name:
+            self.model_name = self.served_model_name()
+        return self
+
+    def get_token_ids(self, text: str) -> list[int]:
+        """Token ids of ``text`` with the served model's own tokenizer, as plain text (no
+        special tokens); ``get_num_tokens`` counts these. Uses the running engine's tokenizer,
+        else loads the model folder's ``tokenizer.json`` (no engine start; the embedded model
+        is prepared on first use). O(len(text))."""
+        engine = self.engine if self.engine is not None else self._owned_engine
+        if engine is not None:
+            return list(engine.assembler.tokenizer.encode(text))
+        with self._engine_lock:
+            if self._text_tokenizer is None:
+                try:
+                    from craft_rag.engine.model import resolve_model
+                    from craft_rag.tokenizer import HFTokenizer
+                except ImportError as exc:
+                    raise ImportError(ENGINE_INSTALL_HINT) from exc
+                folder = Path(resolve_model(self.engine_settings.get("model")))
+                self._text_tokenizer = HFTokenizer(folder / "tokenizer.json")
+            tokenizer = self._text_tokenizer
+        return list(tokenizer.encode(text))
             return self.engine  # type: ignore[no-any-return]
         with self._engine_lock:
             if self._owned_engine is None:

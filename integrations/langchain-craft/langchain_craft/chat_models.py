@@ -91,6 +91,29 @@ class ChatCraftVLLM(CraftEngineParams, BaseChatModel):
     def _llm_type(self) -> str:
         return "craft-vllm-chat"
 
+    def bind_tools(self, tools: Sequence[Any], **kwargs: Any) -> Any:
+        """Not supported: ``NotImplementedError`` saying why and what to use instead."""
+        msg = (
+            "ChatCraftVLLM does not call tools: the engine serves CRAFT-planned RAG prompts and "
+            "the embedded SmolLM2-135M has no tool-calling chat template. Retrieve first and "
+            "pass documents (CraftRAGPrompt, CraftConversation), or bind tools on a "
+            "tool-calling chat model (e.g. langchain-openai's ChatOpenAI against a vLLM server "
+            "started with --enable-auto-tool-choice) and keep ChatCraftVLLM for the RAG step"
+        )
+        raise NotImplementedError(msg)
+
+    def get_num_tokens_from_messages(
+        self, messages: list[BaseMessage], tools: Sequence[Any] | None = None
+    ) -> int:
+        """Prompt tokens of ``messages`` as a plain chat: the model's chat template with the
+        generation prompt, as :meth:`CraftEngine.message_token_ids` renders it (starts the
+        engine if it is not running). Messages carrying a CRAFT context count their text only.
+        """
+        if tools:
+            return self.bind_tools(tools)  # type: ignore[no-any-return]
+        chat = [(_role(m), _text(m, i)) for i, m in enumerate(messages)]
+        return len(self.get_engine().message_token_ids(chat))
+
     def _get_ls_params(self, stop: list[str] | None = None, **kwargs: Any) -> LangSmithParams:
         params = self._craft_ls_params(super()._get_ls_params(stop=stop, **kwargs), kwargs)
         if stop or self.stop:

@@ -15,6 +15,14 @@ deprecated since langchain-core 1.6.4). The history is optional: it is the recor
 application; the engine's token history is the prompt. When the engine does not know a session
 that has history (the process restarted, or the engine evicted the conversation), the first
 turn served carries the earlier questions and answers as text, so the model keeps the context.
+
+Follow-ups are condensed before retrieval (``condense=True``, the default; LangChain's
+``create_history_aware_retriever`` step): from the second turn on, the engine rewrites the
+question into a standalone one on the conversation's own cached prefix
+(:mod:`craft_rag.engine.condense`), the retriever gets the rewrite, the prompt keeps the user's
+question, and ``response_metadata["craft_condense"]`` reports the rewrite and its own cost.
+The engine's ``HistoryBudget`` bounds the prompt history (oldest whole turns dropped; their
+chunks are sent again when retrieved again).
 """
 
 from __future__ import annotations
@@ -33,7 +41,15 @@ from langchain_core.runnables import Runnable, RunnableConfig, RunnableSerializa
 from langchain_core.runnables.config import patch_config
 from pydantic import ConfigDict, Field
 
+from craft_rag.engine.condense import (
+    CONDENSE_INSTRUCTION,
+    DEFAULT_CONDENSE_MAX_TOKENS,
+    Condensed,
+    acondense,
+    condense,
+)
 from langchain_craft._documents import DEFAULT_CONVERSATION_KEYS, conversation_id_from_config
+from langchain_craft._engine import reuse_dict
 from langchain_craft.chat_models import ChatCraftVLLM
 from langchain_craft.prompt import CRAFT_CONTEXT_KEY, build_context
 
@@ -60,6 +76,18 @@ class _Turn:
     question: str
     documents: Sequence[Document] | None
     llm_kwargs: dict[str, Any]
+
+    @property
+    def cache_salt(self) -> str | None:
+        salt = self.llm_kwargs.get("cache_salt")
+        return salt if isinstance(salt, str) else None
+
+    def previous_question(self) -> str | None:
+        """The last human message of the session's history (the condense fallback)."""
+        if self.history is None:
+            return None
+        humans = [m for m in self.history.messages if m.type == "human"]
+        return humans[-1].text if humans else None
 
 
 def _transcript(messages: Sequence[BaseMessage]) -> str:
@@ -101,6 +129,16 @@ class CraftConversation(RunnableSerializable[ConversationInput, AIMessage]):
         default=None,
         description='Default cache salt; config["configurable"]["cache_salt"] overrides it.',
     )
+    condense: bool = Field(
+        default=True,
+        description="Rewrite follow-ups into standalone questions (on the conversation's "
+        "cached prefix) before calling the retriever.",
+    )
+    condense_prompt: str = Field(
+        default=CONDENSE_INSTRUCTION,
+        description="The condense instruction; must contain '{question}'.",
+    )
+    condense_max_tokens: int = Field(default=DEFAULT_CONDENSE_MAX_TOKENS, ge=1)
 
     model_config = ConfigDict(arbitrary_types_allowed=True)
 
@@ -157,6 +195,18 @@ class CraftConversation(RunnableSerializable[ConversationInput, AIMessage]):
 
     # ---- one turn: invoke is the aggregated stream ------------------------------------------
 
+    def _ckw(self, turn: _Turn) -> dict[str, Any]:
+        """Keyword arguments of the condense step for ``turn``."""
+        if "{question}" not in self.condense_prompt:
+            msg = "condense_prompt must contain '{question}' where the follow-up goes"
+            raise ValueError(msg)
+        return {
+            "cache_salt": turn.cache_salt,
+            "max_tokens": self.condense_max_tokens,
+            "instruction": self.condense_prompt,
+            "previous": turn.previous_question(),
+        }
+
     def _retriever(self) -> Runnable[str, list[Document]]:
         assert self.retriever is not None, "_prepare checks documents or a retriever"
         return self.retriever
@@ -170,11 +220,17 @@ class CraftConversation(RunnableSerializable[ConversationInput, AIMessage]):
         turn = self._prepare(_single(inputs), config)
         child = self._child(config, run_manager)
         documents = turn.documents
+        condensed: Condensed | None = None
         if documents is None:
-            documents = self._retriever().invoke(turn.question, child)
+            if self.condense:
+                condensed = condense(
+                    self.llm.get_engine(), turn.session_id, turn.question, **self._ckw(turn)
+                )
+            query = condensed.question if condensed is not None else turn.question
+            documents = self._retriever().invoke(query, child)
         chunks: list[AIMessageChunk] = []
         for chunk in self.llm.stream(self._prompt(turn, documents), child, **turn.llm_kwargs):
-            chunks.append(_ai_chunk(chunk))
+            chunks.append(_with_condense(_ai_chunk(chunk), condensed))
             yield chunks[-1]
         self._record(turn, chunks)
 
@@ -187,12 +243,18 @@ class CraftConversation(RunnableSerializable[ConversationInput, AIMessage]):
         turn = self._prepare(_single([item async for item in inputs]), config)
         child = self._child(config, run_manager)
         documents = turn.documents
+        condensed: Condensed | None = None
         if documents is None:
-            documents = await self._retriever().ainvoke(turn.question, child)
+            if self.condense:
+                condensed = await acondense(
+                    self.llm.get_engine(), turn.session_id, turn.question, **self._ckw(turn)
+                )
+            query = condensed.question if condensed is not None else turn.question
+            documents = await self._retriever().ainvoke(query, child)
         chunks: list[AIMessageChunk] = []
         prompt = self._prompt(turn, documents)
         async for chunk in self.llm.astream(prompt, child, **turn.llm_kwargs):
-            chunks.append(_ai_chunk(chunk))
+            chunks.append(_with_condense(_ai_chunk(chunk), condensed))
             yield chunks[-1]
         self._record(turn, chunks)
 
@@ -241,6 +303,23 @@ def _single(inputs: Iterable[ConversationInput]) -> ConversationInput:
         msg = f"CraftConversation streams one question at a time, got {len(items)} inputs"
         raise ValueError(msg)
     return items[0]
+
+
+def condense_dict(condensed: Condensed) -> dict[str, Any]:
+    """A :class:`Condensed` as JSON-ready metadata (``report`` as in ``"craft"``)."""
+    return {
+        "question": condensed.question,
+        "original": condensed.original,
+        "method": condensed.method,
+        "report": reuse_dict(condensed.report) if condensed.report is not None else None,
+    }
+
+
+def _with_condense(chunk: AIMessageChunk, condensed: Condensed | None) -> AIMessageChunk:
+    """The last chunk (the one with the reuse report) also reports the condense step."""
+    if condensed is not None and "craft" in chunk.response_metadata:
+        chunk.response_metadata["craft_condense"] = condense_dict(condensed)
+    return chunk
 
 
 def _ai_chunk(chunk: BaseMessage) -> AIMessageChunk:

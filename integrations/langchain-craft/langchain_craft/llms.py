@@ -4,7 +4,9 @@ A prompt string is the question; ``documents=`` (and ``conversation_id=``) on th
 RAG request that the engine plans, serves token-exactly and commits, as for ``ChatCraftVLLM``.
 (A completion LLM sees prompts as plain strings, so ``CraftRAGPrompt``'s structured context
 cannot reach it; use ``ChatCraftVLLM`` in LCEL RAG chains.) Each request streams from the engine:
-``on_llm_new_token`` fires per token, and ``generation_info["craft"]`` is the reuse report.
+``on_llm_new_token`` fires per token, and ``generation_info["craft"]`` is the reuse report
+(``llm_output["craft"]`` lists every prompt's report; ``invoke`` returns only the text, so use
+``generate``/``stream``'s last chunk or a callback to read it).
 """
 
 from __future__ import annotations
@@ -124,4 +126,7 @@ def _result(generations: list[list[Generation]]) -> LLMResult:
         "completion_tokens": sum(u["output_tokens"] for u in usage),
         "cached_tokens": sum(u["input_token_details"]["cache_read"] for u in usage),
     }
-    return LLMResult(generations=generations, llm_output={"token_usage": token_usage})
+    reports = [g[0].generation_info.get("craft") for g in generations if g[0].generation_info]
+    return LLMResult(
+        generations=generations, llm_output={"token_usage": token_usage, "craft": reports}
+    )

@@ -35,6 +35,14 @@ class TestChatCraftVLLMIntegration(ChatModelIntegrationTests):
         return ChatCraftVLLM
 
     @property
+    def has_tool_calling(self) -> bool:
+        return False  # bind_tools exists only to raise a NotImplementedError that says why
+
+    @property
+    def has_structured_output(self) -> bool:
+        return False
+
+    @property
     def chat_model_params(self) -> dict[str, Any]:
         return {"engine": self._engine, "max_tokens": 8}
 

@@ -21,5 +21,13 @@ class TestChatCraftVLLMUnit(ChatModelUnitTests):
         return ChatCraftVLLM
 
     @property
+    def has_tool_calling(self) -> bool:
+        return False  # bind_tools exists only to raise a NotImplementedError that says why
+
+    @property
+    def has_structured_output(self) -> bool:
+        return False
+
+    @property
     def chat_model_params(self) -> dict[str, Any]:
         return {"temperature": 0.0}

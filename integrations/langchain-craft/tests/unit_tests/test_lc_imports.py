@@ -13,6 +13,7 @@ EXPECTED_ALL = [
     "CraftRetriever",
     "CraftVLLM",
     "craft_context",
+    "craft_minilm_embeddings",
 ]
 
 
