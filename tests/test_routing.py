@@ -4,6 +4,7 @@ conversations, salts, KV events, faults, bad input, and a seeded stress run with
 from __future__ import annotations
 
 import random
+from collections.abc import Callable
 
 import pytest
 
@@ -324,4 +325,27 @@ def test_seeded_stress_keeps_invariants(policy: str) -> None:
         router._check_invariants()
     for d in open_:
         router.finish(d)
+    router._check_invariants()
+
+
+def test_engine_owned_planners_are_read_not_owned() -> None:
+    """With planner_sources (an engine's planner_for), the router plans on the engine's
+    planners, finds cached paths by scanning, and clears them when the replica goes down."""
+    owned: dict[str, CraftPlanner] = {}
+
+    def source(name: str) -> Callable[[str | None], CraftPlanner]:
+        def planner_for(salt: str | None) -> CraftPlanner:
+            return owned.setdefault(f"{name}/{salt}", CraftPlanner(router.planner_config))
+
+        return planner_for
+
+    router = Router(["r0", "r1"], "craft_joint",
+                    planner_sources={"r0": source("r0"), "r1": source("r1")})
+    assert router.planner_config.policy == "tree" and router.planner_config.promotion == "served"
+    assert serve(router, "a b c").replica == "r0"
+    assert len(owned["r0/None"].prefix_tree) == 3  # committed on the engine's planner
+    d = serve(router, "c a b")
+    assert (d.replica, order(d)) == ("r0", "a b c")
+    router.mark_down("r0")
+    assert len(owned["r0/None"].prefix_tree) == 0  # the engine-side view was cleared too
     router._check_invariants()

@@ -285,6 +285,7 @@ def _decision_latency(prepared: Any, model: TTFTModel, ctx: BenchContext) -> dic
     return {"replicas": LATENCY_REPLICAS, "policy": "craft_joint",
             "requests": result.requests, "p50_us": result.decision_us_p50,
             "p99_us": result.decision_us_p99,
+            "cpu_p50_us": result.decision_cpu_us_p50, "cpu_p99_us": result.decision_cpu_us_p99,
             "run_seconds": round(time.perf_counter() - started, 1)}
 
 
