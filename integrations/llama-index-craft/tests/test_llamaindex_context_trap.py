@@ -126,3 +126,25 @@ def test_poisoned_chunks_messages_and_prompts_add_no_control_ids(
     clean, poisoned = run("Calm words."), run(evil)
     assert len(clean) == 3 and clean[2] == 0  # a formatted prompt is all caller text
     assert poisoned == clean
+
+
+def test_one_shot_iterables_are_read_once_on_the_engine_paths(
+    llm: CraftVLLM, squad_index: SquadIndex, submitted: list[tuple[int, ...]]
+) -> None:
+    """Issue 11 item 3: a generator of nodes or chunks is neither lost nor half-used."""
+    from llama_index.llms.craft_vllm import CraftSynthesizer
+
+    nodes = squad_index.index.as_retriever(similarity_top_k=TOP_K).retrieve(
+        squad_index.questions[3]
+    )
+    response = CraftSynthesizer(llm, max_tokens=1).synthesize(
+        squad_index.questions[3], nodes=(n for n in nodes)
+    )
+    assert len(response.source_nodes) == len(nodes) == TOP_K
+    tag = uuid.uuid4().hex[:8]
+    chunks = [make_chunk(f"Gen chunk {i} {tag}.", id=f"g-{tag}-{i}") for i in range(2)]
+    before = len(submitted)
+    llm.complete_chunks((c for c in chunks), "Which chunks?")
+    assert all(c.text in decode(llm.engine, submitted[before]) for c in chunks)
+    with pytest.raises(ValueError, match=r"chunks\[1\] is a str"):
+        llm.complete_chunks(iter([chunks[0], "not a chunk"]), "q?")  # type: ignore[list-item]

@@ -117,6 +117,7 @@ class CraftSynthesizer(BaseSynthesizer):
         response_kwargs: dict[str, Any],
     ) -> _Job:
         question = query if isinstance(query, str) else query.query_str
+        nodes = list(nodes)  # read once: a generator feeds both the chunks and source_nodes
         split = split_nodes(nodes, self._key_source)
         sources = list(nodes) + list(additional_source_nodes or [])
         metadata: dict[str, Any] = self._get_metadata_for_response([n.node for n in sources]) or {}
