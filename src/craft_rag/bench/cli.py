@@ -70,7 +70,7 @@ SUITES: dict[str, Suite] = {
 }
 """Suite name -> function; ``all`` runs them in this order (engine suites last)."""
 
-ENGINE_SUITES = frozenset({"ttft", "kv", "quality", "topk", "load"})
+ENGINE_SUITES = frozenset({"ttft", "kv", "quality", "topk", "load", "chat"})
 
 
 def add_bench_parser(subparsers: Any) -> None:
@@ -80,6 +80,7 @@ def add_bench_parser(subparsers: Any) -> None:
     )
     p.add_argument("suite", choices=[*SUITES, "all"])
     p.add_argument("--quick", action="store_true", help="tiny sizes (CI smoke test, < 5 min)")
+    "chat": _lazy("chat"),
     p.add_argument("--trace", help="replay-format trace to use in every suite (instead of the "
                    "workloads built from shared/data)")
     p.add_argument("--distinct", type=int, default=None,

@@ -221,7 +221,14 @@ PLOTTERS: dict[str, Callable[[Mapping[str, Any], Path], None]] = {
     "load": plot_load,
     "topk": plot_topk,
     "sensitivity": plot_sensitivity,
+def plot_chat(result: Mapping[str, Any], path: Path) -> None:
+    from craft_rag.bench.chat import plot
+
+    plot(dict(result), path)
+
+
     "quality": plot_quality,
+    "chat": plot_chat,
     "overhead": plot_overhead,
     "routing": plot_routing,
 }
