@@ -153,13 +153,6 @@ class CraftEngineParams(BaseModel):
 
     _owned_engine: Any = PrivateAttr(default=None)
     _engine_lock: threading.Lock = PrivateAttr(default_factory=threading.Lock)
-
-    # ---- the engine ---------------------------------------------------------------------------
-
-    def get_engine(self) -> CraftEngine:
-        """The engine: ``engine`` if given, else the embedded default, started on first call
-        (seconds; ~30 s more the very first time the model is converted). Thread-safe."""
-        if self.engine is not None:
     _text_tokenizer: Any = PrivateAttr(default=None)
 
     @model_validator(mode="after")
@@ -189,6 +182,14 @@ class CraftEngineParams(BaseModel):
                 self._text_tokenizer = HFTokenizer(folder / "tokenizer.json")
             tokenizer = self._text_tokenizer
         return list(tokenizer.encode(text))
+
+
+    # ---- the engine ---------------------------------------------------------------------------
+
+    def get_engine(self) -> CraftEngine:
+        """The engine: ``engine`` if given, else the embedded default, started on first call
+        (seconds; ~30 s more the very first time the model is converted). Thread-safe."""
+        if self.engine is not None:
             return self.engine  # type: ignore[no-any-return]
         with self._engine_lock:
             if self._owned_engine is None:

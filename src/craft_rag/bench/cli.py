@@ -67,6 +67,7 @@ SUITES: dict[str, Suite] = {
     "topk": _lazy("topk"),
     "load": _lazy("load"),
     "routing": _lazy("routing"),
+    "chat": _lazy("chat"),
 }
 """Suite name -> function; ``all`` runs them in this order (engine suites last)."""
 
@@ -80,7 +81,6 @@ def add_bench_parser(subparsers: Any) -> None:
     )
     p.add_argument("suite", choices=[*SUITES, "all"])
     p.add_argument("--quick", action="store_true", help="tiny sizes (CI smoke test, < 5 min)")
-    "chat": _lazy("chat"),
     p.add_argument("--trace", help="replay-format trace to use in every suite (instead of the "
                    "workloads built from shared/data)")
     p.add_argument("--distinct", type=int, default=None,

@@ -214,21 +214,21 @@ def plot_routing(result: Mapping[str, Any], path: Path) -> None:
     plot(dict(result), path)
 
 
-PLOTTERS: dict[str, Callable[[Mapping[str, Any], Path], None]] = {
-    "overlap": plot_overlap,
-    "kv": plot_kv,
-    "ttft": plot_ttft,
-    "load": plot_load,
-    "topk": plot_topk,
-    "sensitivity": plot_sensitivity,
 def plot_chat(result: Mapping[str, Any], path: Path) -> None:
     from craft_rag.bench.chat import plot
 
     plot(dict(result), path)
 
 
-    "quality": plot_quality,
+PLOTTERS: dict[str, Callable[[Mapping[str, Any], Path], None]] = {
     "chat": plot_chat,
+    "overlap": plot_overlap,
+    "kv": plot_kv,
+    "ttft": plot_ttft,
+    "load": plot_load,
+    "topk": plot_topk,
+    "sensitivity": plot_sensitivity,
+    "quality": plot_quality,
     "overhead": plot_overhead,
     "routing": plot_routing,
 }
