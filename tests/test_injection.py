@@ -194,3 +194,34 @@ def test_surrogates_are_value_errors_naming_the_field_on_every_assembler_path(
         renderer.token_ids([("user", "hi"), ("user", SURROGATE)])
     with pytest.raises(ValueError, match="text holds a lone surrogate"):
         tokenizer.encode(SURROGATE)
+
+
+def test_replay_prompts_stay_plain(model_dir: Path, tokenizer: HFTokenizer) -> None:
+    """The replay simulator renders through PromptAssembler: poisoned chunks, questions and
+    answers of a multi-turn trace add no control ids."""
+    from craft_rag.planner import PlannerConfig
+    from craft_rag.replay import ServedRequest, replay
+    from craft_rag.trace import TraceRequest
+    from craft_rag.types import ConversationId
+
+    fmt = derive_chat_format(model_dir)
+
+    def run(text: str) -> list[int]:
+        seen: list[ServedRequest] = []
+        requests = [
+            TraceRequest(
+                id=f"r{t}",
+                query=f"{text} {t}?",
+                chunks=(make_chunk(f"{text} chunk {t}", id=f"k{t}"),),
+                conversation_id=ConversationId("conv"),
+                turn=t + 1,
+                answer=f"{text} answer {t}",
+            )
+            for t in range(3)
+        ]
+        replay(requests, PlannerConfig(), tokenizer, prompt_format=fmt, on_served=seen.append)
+        return [controls(tokenizer, s.prompt.token_ids) for s in seen]
+
+    clean = run("Calm.")
+    assert len(clean) == 3 and clean[0] > 0
+    assert run(attack(tokenizer)) == clean

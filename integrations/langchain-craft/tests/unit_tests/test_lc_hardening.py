@@ -178,3 +178,25 @@ def test_retriever_with_a_session_id_never_drops() -> None:
     first = retriever.invoke("q", config)
     second = retriever.invoke("q", config)
     assert len(first) == len(second) == 3
+
+
+def test_model_paths_name_the_field_for_lone_surrogates() -> None:
+    from langchain_core.messages import AIMessage, HumanMessage
+    from langchain_craft import ChatCraftVLLM, CraftVLLM
+    from lc_craft_fakes import make_fake_engine
+
+    engine, _ = make_fake_engine()
+    try:
+        chat = ChatCraftVLLM(engine=engine, max_tokens=2)
+        with pytest.raises(ValueError, match=r"messages\[1\] content holds a lone surrogate"):
+            chat.invoke([AIMessage("fine"), HumanMessage("bad \ud800")])
+        with pytest.raises(ValueError, match="question holds a lone surrogate"):
+            chat.invoke([HumanMessage("bad \ud800")], documents=docs("a"))
+        with pytest.raises(ValueError, match=r"documents\[0\].page_content"):
+            chat.invoke([HumanMessage("q")], documents=[Document(page_content="\udfff")])
+        with pytest.raises(ValueError, match="prompt holds a lone surrogate"):
+            CraftVLLM(engine=engine, max_tokens=2).invoke("bad \ud800")
+        with pytest.raises(ValueError, match="conversation_id"):
+            chat.invoke([HumanMessage("q")], documents=docs("a"), conversation_id=True)
+    finally:
+        engine.close()

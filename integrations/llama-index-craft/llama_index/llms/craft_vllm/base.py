@@ -252,6 +252,7 @@ class CraftVLLM(LLM):
         if not isinstance(prompt, str) or not prompt:
             msg = "prompt must be a non-empty string"
             raise ValueError(msg)
+        check_text(prompt, "prompt")
         to_prompt = self.completion_to_prompt
         if to_prompt is _identity_completion_to_prompt:
             to_prompt = None
