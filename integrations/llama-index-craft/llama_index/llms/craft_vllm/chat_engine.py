@@ -47,7 +47,7 @@ from llama_index.core.postprocessor.types import BaseNodePostprocessor
 from llama_index.core.schema import NodeWithScore, QueryBundle
 from llama_index.llms.craft_vllm.base import REUSE_KEY, CraftVLLM
 from llama_index.postprocessor.craft.base import CraftReorderPostprocessor, CraftReorderResult
-from llama_index.postprocessor.craft.nodes import KeySource, split_nodes
+from llama_index.postprocessor.craft.nodes import KeySource, split_nodes, validate_conversation_id
 
 from craft_rag import Chunk
 from craft_rag.engine.condense import (
@@ -126,7 +126,8 @@ class CraftChatEngine(BaseChatEngine):
         self._retriever = retriever
         self._llm = llm
         self._memory = memory if memory is not None else ChatMemoryBuffer.from_defaults(llm=llm)
-        self.conversation_id = conversation_id or f"llama-index-chat-{uuid.uuid4().hex}"
+        conv = validate_conversation_id(conversation_id)  # 0 is the conversation "0"
+        self.conversation_id = conv if conv is not None else f"llama-index-chat-{uuid.uuid4().hex}"
         self.cache_salt = cache_salt if cache_salt is not None else llm.cache_salt
         self._postprocessors = list(node_postprocessors)
         self._key_source: KeySource = key_source
