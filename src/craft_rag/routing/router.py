@@ -38,9 +38,9 @@ class RouterConfig:
     ``load_weight``: weight of in-flight predicted prefill seconds in the cost (1 = the cost is
     the predicted TTFT under FIFO prefill). ``balance_slack``/``balance_headroom``: the
     assignment bound ``slack * mean + headroom``; the run's max/mean assigned requests then stays
-    below ``slack + headroom * N / requests``. ``planner``: settings of every replica planner
-    (its ``policy`` is replaced by the routing policy's ordering, promotion is ``served``: a
-    replica caches every order it serves).
+    below ``slack + (headroom + 1) * N / requests`` (later conversation turns are exempt).
+    ``planner``: settings of every replica planner (its ``policy`` is replaced by the routing
+    policy's ordering, promotion is ``served``: a replica caches every order it serves).
     """
 
     load_weight: float = 1.0
