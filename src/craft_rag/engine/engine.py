@@ -49,6 +49,7 @@ from craft_rag.engine.driver import (
     RequestState,
 )
 from craft_rag.engine.kv_events import BlockHasher, KVEventSync
+from craft_rag.engine.logs import align_vllm_logging, start_progress
 from craft_rag.engine.messages import ChatTurn, MessageRenderer
 from craft_rag.engine.model import resolve_model
 from craft_rag.engine.planners import (
@@ -229,12 +230,15 @@ class CraftEngine:
             if vllm_backend.kv_events_endpoint is not None:
                 # Subscribe before the engine binds the endpoint (ZMQ connects lazily).
                 self.kv_events = KVEventSync(vllm_backend.kv_events_endpoint, self._namespaces)
+            align_vllm_logging()  # before vLLM is imported: its level follows craft-rag's
+            ready = start_progress(f"the vLLM engine ({model_path})")
             try:
                 vllm_backend.start()
             except BaseException:
                 if self.kv_events is not None:
                     self.kv_events.close()
                 raise
+            ready()
             backend = vllm_backend
             if block_hasher is None and vllm_backend.prefix_caching:
                 block_hasher = BlockHasher.from_engine(vllm_backend.vllm_config)
