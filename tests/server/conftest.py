@@ -7,9 +7,12 @@ from __future__ import annotations
 
 import os
 import socket
+import subprocess
 import tempfile
 from collections.abc import Iterator
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -42,9 +45,37 @@ def _free_pair() -> tuple[int, int]:
     raise RuntimeError("no free port pair")
 
 
+@dataclass
+class ServerHandle:
+    """The session's server process; :meth:`restart` stops it by PID and starts it again on
+    the same ports (the restart test)."""
+
+    config: ServeConfig
+    log: Any
+    proc: subprocess.Popen[bytes] | None = None
+
+    @property
+    def url(self) -> str:
+        return self.config.url
+
+    def start(self) -> None:
+        self.proc = start_server(self.config, log=self.log)
+        proc = self.proc
+        try:
+            wait_ready(self.url, timeout=400, alive=lambda: proc.poll() is None)
+        except RuntimeError as exc:
+            tail = Path(self.log.name).read_text(errors="replace")[-3000:]
+            _skip_or_fail(f"{exc}\n{tail}")
+
+    def stop(self) -> None:
+        if self.proc is not None:
+            stop_server(self.proc)
+            self.proc = None
+
+
 @pytest.fixture(scope="session")
-def vllm_server() -> Iterator[str]:
-    """The URL of the session's server (KV events on port + 1000, the default rule)."""
+def vllm_server_handle() -> Iterator[ServerHandle]:
+    """The session's server (KV events on port + 1000, the default rule)."""
     try:
         import vllm  # noqa: F401
 
@@ -62,13 +93,15 @@ def vllm_server() -> Iterator[str]:
         dev=True,
     )
     with tempfile.NamedTemporaryFile(prefix="craft-vllm-server-", suffix=".log") as log:
-        proc = start_server(config, log=log)
+        handle = ServerHandle(config, log)
         try:
-            try:
-                wait_ready(config.url, timeout=400, alive=lambda: proc.poll() is None)
-            except RuntimeError as exc:
-                tail = Path(log.name).read_text(errors="replace")[-3000:]
-                _skip_or_fail(f"{exc}\n{tail}")
-            yield config.url
+            handle.start()
+            yield handle
         finally:
-            stop_server(proc)
+            handle.stop()
+
+
+@pytest.fixture(scope="session")
+def vllm_server(vllm_server_handle: ServerHandle) -> str:
+    """The URL of the session's server."""
+    return vllm_server_handle.url

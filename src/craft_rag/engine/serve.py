@@ -17,6 +17,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import signal
 import subprocess
 import sys
 import time
@@ -216,6 +217,8 @@ def _run_serve(args: argparse.Namespace) -> int:
         file=sys.stderr,
     )
     proc = subprocess.Popen(argv, env=server_env(config))
+    # SIGTERM to this command stops the server too (it would otherwise outlive us).
+    signal.signal(signal.SIGTERM, lambda *_: proc.terminate())
     try:
         return proc.wait()
     except KeyboardInterrupt:

@@ -1,0 +1,63 @@
+"""``craft-rag serve``: the command line it builds, its environment and its checks (no server
+is started here; the real server tests start one through the same functions)."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from craft_rag.cli import main
+from craft_rag.engine.serve import ServeConfig, server_command, server_env
+
+
+def test_command_has_the_flags_craft_needs_and_the_events_port_rule() -> None:
+    argv = server_command(ServeConfig(model="/m", port=8100), python="py")
+    assert argv[:3] == ["py", "-m", "vllm.entrypoints.openai.api_server"]
+    for flag in (
+        "--enable-prefix-caching",
+        "--enable-prompt-tokens-details",
+        "--enforce-eager",
+    ):
+        assert flag in argv
+    assert argv[argv.index("--block-size") + 1] == "32"
+    assert argv[argv.index("--host") + 1] == "127.0.0.1"
+    events = json.loads(argv[argv.index("--kv-events-config") + 1])
+    assert events["endpoint"] == "tcp://*:9100" and events["enable_kv_cache_events"] is True
+    explicit = server_command(ServeConfig(model="/m", port=8100, kv_events_port=7000))
+    assert "tcp://*:7000" in explicit[explicit.index("--kv-events-config") + 1]
+
+
+def test_env_is_offline_without_hash_seed_and_dev_only_when_asked() -> None:
+    base = {"PYTHONHASHSEED": "1", "VLLM_SERVER_DEV_MODE": "1", "PATH": "/bin"}
+    env = server_env(ServeConfig(model="/m"), base)
+    assert env["HF_HUB_OFFLINE"] == "1" and "PYTHONHASHSEED" not in env
+    assert "VLLM_SERVER_DEV_MODE" not in env and env["PATH"] == "/bin"
+    assert server_env(ServeConfig(model="/m", dev=True), base)["VLLM_SERVER_DEV_MODE"] == "1"
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "match"),
+    [
+        ({"port": 0}, "port"),
+        ({"port": 70000}, "port"),
+        ({"port": 65000}, "--kv-events-port"),
+        ({"port": 8000, "kv_events_port": 8000}, "differ"),
+        ({"block_size": 20}, "multiple of 16"),
+        ({"max_model_len": 8}, "max_model_len"),
+    ],
+)
+def test_bad_config_is_a_value_error(kwargs: dict[str, int], match: str) -> None:
+    with pytest.raises(ValueError, match=match):
+        ServeConfig(model="/m", **kwargs)  # type: ignore[arg-type]
+
+
+def test_cli_prints_the_command(capsys: pytest.CaptureFixture[str], tmp_path: object) -> None:
+    from pathlib import Path
+
+    model = Path(str(tmp_path))
+    (model / "config.json").write_text("{}")
+    assert main(["serve", "--model", str(model), "--port", "8300", "--print-command"]) == 0
+    argv = json.loads(capsys.readouterr().out)
+    assert argv[argv.index("--model") + 1] == str(model)
+    assert argv[argv.index("--port") + 1] == "8300"
