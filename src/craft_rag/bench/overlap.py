@@ -7,14 +7,21 @@ reused token fraction with dedup off and on, from a replay with the embedded mod
 and chat format. Total overlap is order-free, the same under every policy; it bounds what any
 order can align. Multi-turn overlap counts chunks repeated within a conversation too.
 Cost: a replay is O(prompt tokens) per request.
+
+Peers (:mod:`craft_rag.bench.peers`) get rows too, with ``"peer": true`` and
+``"sees_future"`` (ContextPilot's offline batch mode reads the whole trace first): their order
+replayed by the ``retriever`` planner on the same simulator, without dedup in both reuse
+columns (dedup is CRAFT's). Rows of CRAFT's own policies carry ``"peer": false``.
 """
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import asdict
 from typing import Any
 
 from craft_rag.bench.context import MULTI_TURN, SINGLE_TURN, BenchContext
+from craft_rag.bench.peers import SEES_FUTURE, available_peers, peer_trace
 from craft_rag.metrics import prefix_overlap, total_overlap
 from craft_rag.planner import PlannerConfig
 from craft_rag.replay import ReplayResult, replay
@@ -75,29 +82,13 @@ def run(ctx: BenchContext) -> dict[str, Any]:
             # reuse with the library's default settings (dedup on).
             ordered = replay_policy(ctx, trace, PlannerConfig(policy=policy, dedup=False))
             result = replay_policy(ctx, trace, PlannerConfig(policy=policy))
-            rows.append(
-                {
-                    "workload": workload,
-                    "policy": policy,
-                    "requests": result.requests,
-                    "retrieved_prefix_overlap": prefix_overlap(retrieved),
-                    "retrieved_total_overlap": total_overlap(retrieved),
-                    "prefix_overlap": ordered.prefix_overlap,
-                    "total_overlap": ordered.total_overlap,
-                    "reused_token_fraction_no_dedup": ordered.reused_token_fraction,
-                    "reused_token_fraction": result.reused_token_fraction,
-                    "reused_chunk_fraction": result.reused_chunk_fraction,
-                    "dedup_removed_fraction": result.dedup_removed_fraction,
-                    "prompt_tokens": result.prompt_tokens,
-                    "cached_tokens": result.cached_tokens,
-                    "planner_us_p50": result.planner_us_p50,
-                    "planner_us_p99": result.planner_us_p99,
-                    "sharing": asdict(sharing),
-                }
-            )
-    by_policy = {
-        p: [r for r in rows if r["policy"] == p] for p in POLICIES
-    }
+            rows.append(_row(workload, policy, retrieved, ordered, result, sharing, peer=False))
+        for peer in available_peers():
+            served = peer_trace(peer, trace)
+            ordered = replay_policy(ctx, served, PlannerConfig(policy="retriever", dedup=False))
+            rows.append(_row(workload, peer, retrieved, ordered, ordered, sharing, peer=True))
+    names = list(dict.fromkeys(r["policy"] for r in rows))
+    by_policy = {p: [r for r in rows if r["policy"] == p] for p in names}
     mean = {
         p: {
             "prefix_overlap": _mean([r["prefix_overlap"] for r in rs]),
@@ -113,7 +104,65 @@ def run(ctx: BenchContext) -> dict[str, Any]:
         "block_size": 32,
         "rows": rows,
         "mean_over_workloads": mean,
+        "tree_vs_peers": tree_vs_peers(rows),
         "paper": {"prefix_overlap": 0.11, "total_overlap": 0.43},
+    }
+
+
+def tree_vs_peers(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Per workload and peer: CRAFT ``tree`` over the peer on Prefix overlap and on the
+    simulated reused-token fraction without dedup (issue 16's targets: >= 1.05 against
+    ContextPilot online, >= 0.95 against its offline mode)."""
+    out: list[dict[str, Any]] = []
+    tree = {r["workload"]: r for r in rows if r["policy"] == "tree"}
+    for r in rows:
+        t = tree.get(r["workload"])
+        if not r.get("peer") or t is None:
+            continue
+        out.append({
+            "workload": r["workload"],
+            "peer": r["policy"],
+            "sees_future": r["sees_future"],
+            "prefix_overlap_ratio": _ratio(t["prefix_overlap"], r["prefix_overlap"]),
+            "reused_token_ratio": _ratio(t["reused_token_fraction_no_dedup"],
+                                         r["reused_token_fraction_no_dedup"]),
+        })
+    return out
+
+
+def _ratio(a: float, b: float) -> float | None:
+    return a / b if b else None
+
+
+def _row(
+    workload: str,
+    policy: str,
+    retrieved: Sequence[Sequence[str]],
+    ordered: ReplayResult,
+    result: ReplayResult,
+    sharing: Any,
+    *,
+    peer: bool,
+) -> dict[str, Any]:
+    return {
+        "workload": workload,
+        "policy": policy,
+        "peer": peer,
+        "sees_future": policy in SEES_FUTURE,
+        "requests": result.requests,
+        "retrieved_prefix_overlap": prefix_overlap(retrieved),
+        "retrieved_total_overlap": total_overlap(retrieved),
+        "prefix_overlap": ordered.prefix_overlap,
+        "total_overlap": ordered.total_overlap,
+        "reused_token_fraction_no_dedup": ordered.reused_token_fraction,
+        "reused_token_fraction": result.reused_token_fraction,
+        "reused_chunk_fraction": result.reused_chunk_fraction,
+        "dedup_removed_fraction": result.dedup_removed_fraction,
+        "prompt_tokens": result.prompt_tokens,
+        "cached_tokens": result.cached_tokens,
+        "planner_us_p50": result.planner_us_p50,
+        "planner_us_p99": result.planner_us_p99,
+        "sharing": asdict(sharing),
     }
 
 

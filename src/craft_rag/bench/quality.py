@@ -2,7 +2,9 @@
 
 Fig. 5: for the first N single-turn questions (first asks only), the answer under the
 retriever's order, under CRAFT's order (the ``tree`` planner's order at that point of the
-trace, from a replay of the trace up to it) and under P seeded random permutations, greedy,
+trace, from a replay of the trace up to it), under each peer's order (ContextPilot online at
+that point of the trace, its offline batch order, LongContextReorder; issue 16) and under P
+seeded random permutations, greedy,
 scored against every gold answer with SQuAD exact match and token F1, and with a MiniLM
 cosine similarity (all-MiniLM-L6-v2 sentence embeddings of answer and gold, best over golds).
 That last score is NOT BERTScore (its RoBERTa model is not available offline); it plays the
@@ -21,6 +23,7 @@ from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
 from craft_rag.bench.context import BenchContext
+from craft_rag.bench.peers import available_peers, peer_trace
 from craft_rag.bench.qa_metrics import exact_match, paired_t_test, token_f1
 from craft_rag.bench.serving import SYSTEMS, serve
 from craft_rag.chunk import Chunk
@@ -98,6 +101,9 @@ def _permutation_study(ctx: BenchContext, scorer: Scorer) -> dict[str, Any]:
     picked = (firsts or [r for r in trace if r.conversation_id is None])[: sizes.quality_requests]
     golds = gold_answers(workload, trace)
     orders = craft_orders(ctx, trace)
+    # Peers' orders of each request at its point of the trace (online peers see the past).
+    peers = available_peers()
+    peer_by_id = {peer: {r.id: r.chunks for r in peer_trace(peer, trace)} for peer in peers}
     engine = ctx.get_engine()
     engine.set_planner(CraftPlanner(PlannerConfig(policy="retriever", dedup=False)))
     rng = random.Random(ctx.seed)
@@ -108,6 +114,7 @@ def _permutation_study(ctx: BenchContext, scorer: Scorer) -> dict[str, Any]:
         variants: list[list[Chunk]] = [
             list(request.chunks), craft_order or list(request.chunks)
         ]
+        variants += [list(peer_by_id[p].get(request.id, request.chunks)) for p in peers]
         for _ in range(sizes.quality_permutations):
             perm = list(request.chunks)
             rng.shuffle(perm)
@@ -118,7 +125,7 @@ def _permutation_study(ctx: BenchContext, scorer: Scorer) -> dict[str, Any]:
         )
         gold = golds.get(request.id, (request.answer or "",))
         scores = scorer.score([r.text.strip() for r in results], [gold] * len(results))
-        perms = scores[2:]
+        perms = scores[2 + len(peers):]
         row: dict[str, Any] = {
             "id": request.id,
             "question": request.query,
@@ -127,10 +134,14 @@ def _permutation_study(ctx: BenchContext, scorer: Scorer) -> dict[str, Any]:
             "craft_answer": results[1].text.strip(),
             "craft_order_differs": [c.key for c in variants[1]] != [c.key for c in variants[0]],
         }
+        for j, peer in enumerate(peers):
+            row[f"{peer}_answer"] = results[2 + j].text.strip()
         for metric in ("em", "f1", "minilm_cosine"):
             values = [s[metric] for s in perms]
             row[f"retriever_{metric}"] = scores[0][metric]
             row[f"craft_{metric}"] = scores[1][metric]
+            for j, peer in enumerate(peers):
+                row[f"{peer}_{metric}"] = scores[2 + j][metric]
             row[f"permutation_{metric}_mean"] = statistics.fmean(values) if values else None
             row[f"permutation_{metric}_std"] = statistics.pstdev(values) if values else None
         per_request.append(row)
@@ -150,11 +161,17 @@ def _permutation_study(ctx: BenchContext, scorer: Scorer) -> dict[str, Any]:
             ) if per_request and sizes.quality_permutations else None,
             "craft_vs_retriever_p": test.p,
         }
+        for peer in peers:
+            values = [r[f"{peer}_{metric}"] for r in per_request]
+            summary[metric][f"{peer}_mean"] = statistics.fmean(values) if values else None
+            summary[metric][f"{peer}_vs_retriever_p"] = paired_t_test(values, retriever).p
+            summary[metric][f"craft_vs_{peer}_p"] = paired_t_test(craft, values).p
     return {
         "workload": workload,
         "requests": len(per_request),
         "permutations": sizes.quality_permutations,
         "max_tokens": sizes.quality_max_tokens,
+        "peers": list(peers),
         "summary": summary,
         "per_request": per_request,
     }

@@ -56,7 +56,18 @@ def _overlap(r: Mapping[str, Any]) -> list[str]:
             + ", Prefix retriever " + _pct(mean["retriever"]["prefix_overlap"])
             + ", frequency " + _pct(mean["frequency"]["prefix_overlap"])
             + ", tree " + _pct(mean["tree"]["prefix_overlap"])
-            + " (paper: Total 43%, Prefix 11%)."]
+            + " (paper: Total 43%, Prefix 11%).", *_tree_vs_peers(r)]
+
+
+def _tree_vs_peers(r: Mapping[str, Any]) -> list[str]:
+    ratios = r.get("tree_vs_peers") or []
+    if not ratios:
+        return []
+    rows = [[x["workload"], x["peer"] + (" (sees the future)" if x["sees_future"] else ""),
+             _f(x["prefix_overlap_ratio"], 3), _f(x["reused_token_ratio"], 3)] for x in ratios]
+    return ["", "CRAFT `tree` over each peer (targets: >= 1.05x ContextPilot online, >= 0.95x "
+            "offline):", "", *_table(["workload", "peer", "Prefix overlap ratio",
+                                      "reused tokens ratio (no dedup)"], rows)]
 
 
 def _ttft(r: Mapping[str, Any]) -> list[str]:

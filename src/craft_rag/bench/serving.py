@@ -4,6 +4,10 @@ The four systems of the side-by-side run are :data:`craft_rag.demo.SYSTEMS` (ser
 :func:`craft_rag.demo.run_system`: fresh planner, warm-up, empty cache). The KV and quality
 suites also need variants the demo does not have (conversation dedup off); :func:`serve` is the
 same loop with an explicit :class:`PlannerConfig`.
+
+Peer systems (:mod:`craft_rag.bench.peers`: ContextPilot online/offline, LongContextReorder)
+are served by the same loop on the same engine: the peer orders the trace's chunks (online
+peers see only earlier requests), then the ``retriever`` planner keeps that order.
 """
 
 from __future__ import annotations
@@ -13,6 +17,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from craft_rag.bench.context import BenchContext
+from craft_rag.bench.peers import PEER_ORDERS, available_peers, peer_trace
 from craft_rag.chunk import make_chunk
 from craft_rag.demo import SYSTEMS as DEMO_SYSTEMS
 from craft_rag.demo import run_system
@@ -30,6 +35,8 @@ class BenchSystem:
     name: str
     config: PlannerConfig
     read_prefix_cache: bool = True
+    peer: str | None = None
+    """A peer order (:data:`craft_rag.bench.peers.PEER_ORDERS`) applied before planning."""
 
 
 SYSTEMS: dict[str, BenchSystem] = {
@@ -45,12 +52,20 @@ SYSTEMS: dict[str, BenchSystem] = {
         BenchSystem("prefix_cache_nodedup", PlannerConfig(policy="retriever", dedup=False)),
         BenchSystem("craft_frequency_nodedup", PlannerConfig(policy="frequency", dedup=False)),
         BenchSystem("craft_tree_nodedup", PlannerConfig(policy="tree", dedup=False)),
+        # Peers: their order, kept by the retriever planner; no conversation dedup (not theirs).
+        *(BenchSystem(p, PlannerConfig(policy="retriever", dedup=False), peer=p)
+          for p in PEER_ORDERS),
     )
 }
 """Name -> system. The first four are the demo's side-by-side systems."""
 
 SIDE_BY_SIDE: tuple[str, ...] = ("no_cache", "prefix_cache", "craft_frequency", "craft_tree")
 _DEMO_SYSTEMS = {s.name: s for s in DEMO_SYSTEMS}
+
+
+def peer_systems() -> tuple[str, ...]:
+    """The peer systems that can run here (ContextPilot is an optional dependency)."""
+    return available_peers()
 
 
 def warm_up(engine: CraftEngine) -> None:
@@ -71,6 +86,8 @@ def serve(
     """Serve ``trace`` one request at a time under ``system``, from an empty prefix cache and
     a fresh planner, after one unmeasured warm-up request. Cost: the prefill of every uncached
     prompt token plus ``max_tokens`` decode steps per request."""
+    if system.peer is not None:
+        trace = peer_trace(system.peer, trace)
     engine.set_planner(CraftPlanner(system.config))
     warm_up(engine)
     if not engine.reset_prefix_cache():

@@ -3,7 +3,8 @@
 For each k, the single-turn trace is rebuilt with top-k retrieval (with ``--trace``, each
 request's chunk list is cut to its first k) and served sequentially under no prefix caching,
 prefix caching with the retriever's order and CRAFT (``frequency`` and ``tree``) on the one
-engine, each from an empty cache.
+engine, each from an empty cache; then the peers (ContextPilot online/offline,
+LongContextReorder) on the same engine.
 """
 
 from __future__ import annotations
@@ -11,7 +12,7 @@ from __future__ import annotations
 from typing import Any
 
 from craft_rag.bench.context import BenchContext
-from craft_rag.bench.serving import SIDE_BY_SIDE, served
+from craft_rag.bench.serving import SIDE_BY_SIDE, peer_systems, served
 from craft_rag.demo import summarise
 
 
@@ -21,7 +22,7 @@ def run(ctx: BenchContext) -> dict[str, Any]:
     rows: list[dict[str, Any]] = []
     for k in sizes.topks:
         base_ms: float | None = None
-        for name in SIDE_BY_SIDE:
+        for name in (*SIDE_BY_SIDE, *peer_systems()):
             results = served(ctx, workload, sizes.topk_requests, name,
                              max_tokens=sizes.ttft_max_tokens, top_k=k)
             s = summarise(results)

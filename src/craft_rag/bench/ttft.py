@@ -13,6 +13,9 @@ The fifth column of issue 7, the Total-overlap bound, cannot be served: it is th
 fraction if every chunk seen in any earlier request (and the constant head) were reused, with
 an estimated TTFT from a least-squares line TTFT = a + b * computed tokens fitted to every
 request of the run (prefill dominates TTFT on this CPU).
+
+Peers (ContextPilot online/offline, LongContextReorder; :mod:`craft_rag.bench.peers`) are
+served on the same engine after CRAFT and appear as more entries of ``systems``.
 """
 
 from __future__ import annotations
@@ -21,7 +24,7 @@ from dataclasses import asdict
 from typing import TYPE_CHECKING, Any
 
 from craft_rag.bench.context import BenchContext
-from craft_rag.bench.serving import SIDE_BY_SIDE, served
+from craft_rag.bench.serving import SIDE_BY_SIDE, peer_systems, served
 from craft_rag.demo import summarise
 from craft_rag.trace import TraceRequest
 
@@ -86,6 +89,7 @@ def run(ctx: BenchContext) -> dict[str, Any]:
         multi_turn = any(r.conversation_id for r in trace)
         # On conversations the demo's systems all dedup; the plain baselines do not.
         names = (*MULTI_TURN_BASELINES, *SIDE_BY_SIDE) if multi_turn else SIDE_BY_SIDE
+        names = (*names, *peer_systems())  # peers on the same engine (issue 16)
         runs = {name: served(ctx, workload, n, name, max_tokens=max_tokens) for name in names}
         summaries = {name: summarise(rs) for name, rs in runs.items()}
         base = summaries["no_cache_nodedup" if multi_turn else "no_cache"]
