@@ -551,6 +551,10 @@ class PlannerMachine(RuleBasedStateMachine):
         )
         self.pending: list[Plan] = []
         self.committed: list[Plan] = []
+        self.dead: list[Plan] = []  # aborted, or abandoned after the conversation TTL
+        self.made_at: dict[int, float] = {}
+        # conversation -> its plan in flight (issue 11 item 11: one at a time)
+        self.blocking: dict[str, Plan] = {}
         # every chunk committed in a conversation since its last end_conversation()
         self.ever: dict[str, set[str]] = {c: set() for c in CONVS if c is not None}
 
@@ -561,6 +565,20 @@ class PlannerMachine(RuleBasedStateMachine):
     @rule(names=st.lists(st.sampled_from(KEYS), max_size=7), conv=st.sampled_from(CONVS))
     def plan(self, names: list[str], conv: str | None) -> None:
         chunks = [make_chunk(f"text {n}", id=n, num_tokens=TOKENS[n]) for n in names]
+        blocker = self.blocking.get(conv) if conv is not None else None
+        if blocker is not None:
+            ttl = self.planner.config.conversation_ttl_s
+            if ttl is None or self.clock.now - self.made_at[blocker.plan_id] <= ttl:
+                before = self.planner.to_json()
+                with pytest.raises(RuntimeError, match="has a plan in flight"):
+                    self.planner.plan(chunks, conversation_id=conv)
+                assert self.planner.to_json() == before
+                return
+            # Older than the TTL: the next plan of the conversation abandons it.
+            self.pending.remove(blocker)
+            self.dead.append(blocker)
+            assert conv is not None
+            del self.blocking[conv]
         expected_match = None
         if conv is None or self.planner.conversations.turn_count(conv) == 0:
             expected_match = self.planner.prefix_tree.match(
@@ -591,11 +609,21 @@ class PlannerMachine(RuleBasedStateMachine):
         else:
             assert plan.matched_chunks == 0
         self.pending.append(plan)
+        self.made_at[plan.plan_id] = self.clock.now
+        if conv is not None:
+            self.blocking[conv] = plan
+            assert self.planner.in_flight(conv)
+
+    def _settled(self, plan: Plan) -> None:
+        conv = plan.conversation_id
+        if conv is not None and self.blocking.get(conv) is plan:
+            del self.blocking[conv]
 
     @precondition(lambda self: hasattr(self, "planner") and self.pending)
     @rule(data=st.data())
     def commit(self, data: st.DataObject) -> None:
         plan = self.pending.pop(data.draw(st.integers(0, len(self.pending) - 1)))
+        self._settled(plan)
         live = self.planner.prefix_tree.match(list(plan.keys)).length if plan.turn == 1 else 0
         reused = data.draw(st.one_of(st.none(), st.integers(0, len(plan.keys))))
         # One prompt head for the planner's life: the CP-Tree keys paths by chunks only, so a
@@ -613,9 +641,22 @@ class PlannerMachine(RuleBasedStateMachine):
     @precondition(lambda self: hasattr(self, "planner") and self.committed)
     @rule(data=st.data())
     def commit_again_is_misuse(self, data: st.DataObject) -> None:
-        plan = data.draw(st.sampled_from(self.committed))
+        plan = data.draw(st.sampled_from(self.committed + self.dead))
+        before = self.planner.to_json()
         with pytest.raises(RuntimeError):
             self.planner.commit(plan)
+        assert not self.planner.abort(plan)
+        assert self.planner.to_json() == before
+
+    @precondition(lambda self: hasattr(self, "planner") and self.pending)
+    @rule(data=st.data())
+    def abort(self, data: st.DataObject) -> None:
+        plan = self.pending.pop(data.draw(st.integers(0, len(self.pending) - 1)))
+        self._settled(plan)
+        before = self.planner.to_json()
+        assert self.planner.abort(plan)
+        assert self.planner.to_json() == before
+        self.dead.append(plan)
 
     @precondition(ready)
     @rule(paths=st.lists(st.lists(st.sampled_from(KEYS), min_size=1, max_size=3), max_size=3))
@@ -641,6 +682,8 @@ class PlannerMachine(RuleBasedStateMachine):
     def end_conversation(self, conv: str) -> None:
         self.planner.end_conversation(conv)
         self.ever[conv] = set()
+        # Its plan in flight stays committable but no longer blocks the conversation.
+        self.blocking.pop(conv, None)
 
     @precondition(ready)
     @rule(by=st.sampled_from([0.0, 1.0, 2.5]))
@@ -650,6 +693,8 @@ class PlannerMachine(RuleBasedStateMachine):
     @precondition(ready)
     @rule(names=st.lists(st.sampled_from(KEYS), max_size=5), conv=st.sampled_from(CONVS))
     def save_load_gives_the_same_future(self, names: list[str], conv: str | None) -> None:
+        if conv is not None and conv in self.blocking:
+            conv = None  # the twin has no plans in flight; this planner would refuse
         data = json.loads(json.dumps(self.planner.to_json()))
         twin = CraftPlanner.from_json(data, clock=self.clock)
         twin._check_invariants()
@@ -670,7 +715,7 @@ class PlannerMachine(RuleBasedStateMachine):
         self.planner._check_invariants()
         stats = self.planner.stats
         assert stats.commits == len(self.committed)
-        assert stats.plans == len(self.committed) + len(self.pending)
+        assert stats.plans == len(self.committed) + len(self.pending) + len(self.dead)
 
 
 PlannerMachine.TestCase.settings = settings(

@@ -8,6 +8,15 @@ from collections.abc import Iterable, Sequence
 from typing import Any
 
 from craft_rag.types import ChunkKey
+from craft_rag.validation import (
+    check_optional_int,
+    materialise,
+    state_dict,
+    state_format,
+    state_keys,
+    state_list,
+    state_path,
+)
 
 DEFAULT_WINDOW = 1000
 _FORMAT = "craft-rag/access-table/v1"
@@ -28,17 +37,19 @@ class ChunkAccessTable:
     __slots__ = ("_counts", "_requests", "window")
 
     def __init__(self, window: int | None = DEFAULT_WINDOW) -> None:
-        if window is not None and (not isinstance(window, int) or window < 1):
-            msg = f"window must be a positive int or None (unlimited), got {window!r}"
-            raise ValueError(msg)
-        self.window = window
+        self.window = check_optional_int(window, "window", minimum=1, none_means="unlimited")
         self._counts: dict[ChunkKey, int] = {}
         self._requests: deque[tuple[ChunkKey, ...]] = deque()
 
     def record(self, keys: Iterable[ChunkKey]) -> None:
         """Add one request: +1 for each distinct key; expire the oldest request if the window
-        is full. O(k) for k keys (amortised; expiry touches the expired request's keys once)."""
-        request = tuple(dict.fromkeys(keys))
+        is full. O(k) for k keys (amortised; expiry touches the expired request's keys once).
+        ``ValueError`` (nothing recorded) unless every key is a non-empty string."""
+        request = tuple(dict.fromkeys(materialise(keys, "keys")))
+        for i, key in enumerate(request):
+            if not isinstance(key, str) or not key:
+                msg = f"keys[{i}]: must be a non-empty string (a chunk key), got {key!r}"
+                raise ValueError(msg)
         counts = self._counts
         for key in request:
             counts[key] = counts.get(key, 0) + 1
@@ -80,14 +91,26 @@ class ChunkAccessTable:
         }
 
     @classmethod
-    def from_json(cls, data: dict[str, Any]) -> ChunkAccessTable:
-        """Rebuild a table saved by :meth:`to_json`. Raises ``ValueError`` on a foreign format."""
-        if not isinstance(data, dict) or data.get("format") != _FORMAT:
-            msg = f"not a craft-rag access table (expected format {_FORMAT!r})"
-            raise ValueError(msg)
-        table = cls(window=data["window"])
-        for request in data["requests"]:
-            table.record(ChunkKey(str(key)) for key in request)
+    def from_json(cls, data: dict[str, Any], *, path: str = "") -> ChunkAccessTable:
+        """Rebuild a table saved by :meth:`to_json`, validating all of it first: one
+        ``ValueError`` naming the JSON path (under ``path``) of the first bad field (a foreign
+        format, a bad window, more requests than the window, a non-string or repeated key).
+        O(window * k)."""
+        state_format(data, path, _FORMAT, "access table")
+        state_dict(data, path, required=("format", "window", "requests"))
+        window_path = state_path(path, "window")
+        try:
+            table = cls(window=data["window"])
+        except ValueError as exc:
+            raise ValueError(f"{window_path}{str(exc).removeprefix('window')}") from None
+        requests_path = state_path(path, "requests")
+        requests = state_list(data["requests"], requests_path, max_len=table.window)
+        parsed = [
+            state_keys(request, state_path(requests_path, i))
+            for i, request in enumerate(requests)
+        ]
+        for request in parsed:
+            table.record(ChunkKey(key) for key in request)
         return table
 
     def dumps(self) -> str:

@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from craft_rag.types import ChunkKey
+from craft_rag.validation import check_int, check_number, check_text
 
 CONTENT_KEY_PREFIX = "sha256:"
 
@@ -28,8 +29,11 @@ def content_key(text: str) -> ChunkKey:
 class Chunk:
     """One retrieved passage.
 
-    Invariants: ``key`` is a non-empty string; ``text`` is a string (may be empty only when a
-    caller id is given); ``num_tokens`` is ``None`` or >= 0.
+    Invariants (checked at construction, ``ValueError`` naming the field): ``key`` is a
+    non-empty string and ``text`` a string, both valid Unicode (no lone surrogates, which no
+    tokenizer accepts); ``score`` is ``None`` or a finite number; ``num_tokens`` is ``None`` or
+    an int >= 0; ``metadata`` is a mapping. Bools are refused where numbers are meant. Cost:
+    O(len(text)) for non-ASCII text, O(1) otherwise.
     """
 
     key: ChunkKey
@@ -37,6 +41,17 @@ class Chunk:
     score: float | None = None
     num_tokens: int | None = None
     metadata: Mapping[str, Any] = field(default_factory=dict, compare=False, hash=False)
+
+    def __post_init__(self) -> None:
+        check_text(self.key, "Chunk.key", nonempty=True)
+        check_text(self.text, "Chunk.text")
+        if self.score is not None:
+            check_number(self.score, "Chunk.score")
+        if self.num_tokens is not None:
+            check_int(self.num_tokens, "Chunk.num_tokens", minimum=0)
+        if not isinstance(self.metadata, Mapping):
+            msg = f"Chunk.metadata: must be a mapping, got {type(self.metadata).__name__}"
+            raise ValueError(msg)
 
 
 def make_chunk(
@@ -55,19 +70,16 @@ def make_chunk(
     if id is None and text is None:
         msg = "chunk needs an 'id' or a 'text' field (got neither)"
         raise ValueError(msg)
-    if id is not None and (not isinstance(id, str) or not id):
-        msg = f"chunk 'id' must be a non-empty string, got {id!r} ({type(id).__name__})"
-        raise ValueError(msg)
-    if text is not None and not isinstance(text, str):
-        msg = f"chunk 'text' must be a string, got {type(text).__name__}"
-        raise ValueError(msg)
-    if num_tokens is not None and (
-        not isinstance(num_tokens, int) or isinstance(num_tokens, bool) or num_tokens < 0
-    ):
-        msg = f"chunk 'num_tokens' must be a non-negative int, got {num_tokens!r}"
-        raise ValueError(msg)
-    if score is not None and (not isinstance(score, (int, float)) or isinstance(score, bool)):
-        msg = f"chunk 'score' must be a number, got {type(score).__name__}"
+    if id is not None:
+        check_text(id, "chunk 'id'", nonempty=True)
+    if text is not None:
+        check_text(text, "chunk 'text'")
+    if num_tokens is not None:
+        check_int(num_tokens, "chunk 'num_tokens'", minimum=0)
+    if score is not None:
+        check_number(score, "chunk 'score'")
+    if metadata is not None and not isinstance(metadata, Mapping):
+        msg = f"chunk 'metadata': must be a mapping, got {type(metadata).__name__}"
         raise ValueError(msg)
     key = ChunkKey(id) if id is not None else content_key(text or "")
     return Chunk(

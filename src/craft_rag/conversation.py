@@ -15,6 +15,19 @@ from typing import Any
 
 from craft_rag.chunk import Chunk
 from craft_rag.types import ChunkKey, ConversationId
+from craft_rag.validation import (
+    check_int,
+    check_number,
+    state_dict,
+    state_error,
+    state_format,
+    state_int,
+    state_keys,
+    state_list,
+    state_number,
+    state_path,
+    validate_conversation_id,
+)
 
 DEFAULT_MAX_CONVERSATIONS = 10_000
 DEFAULT_TTL_S = 3600.0
@@ -51,13 +64,16 @@ class ConversationRegistry:
         *,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
-        if not isinstance(max_conversations, int) or max_conversations < 1:
-            msg = f"max_conversations must be a positive int, got {max_conversations!r}"
+        self.max_conversations = check_int(max_conversations, "max_conversations", minimum=1)
+        if ttl_s is not None:
+            try:
+                ttl_s = check_number(ttl_s, "ttl_s", positive=True)
+            except ValueError as exc:
+                msg = f"{exc} (or None: no expiry); pass seconds, e.g. 3600.0 for an hour"
+                raise ValueError(msg) from None
+        if not callable(clock):
+            msg = f"clock: must be a callable returning seconds, got {type(clock).__name__}"
             raise ValueError(msg)
-        if ttl_s is not None and ttl_s <= 0:
-            msg = f"ttl_s must be > 0 or None (no expiry), got {ttl_s!r}"
-            raise ValueError(msg)
-        self.max_conversations = max_conversations
         self.ttl_s = ttl_s
         self._clock = clock
         self._states: OrderedDict[ConversationId, ConversationState] = OrderedDict()
@@ -100,14 +116,23 @@ class ConversationRegistry:
 
     def record_turn(self, conversation_id: ConversationId, ordered: Sequence[ChunkKey]) -> int:
         """Freeze a turn's chunk order; returns the turn's 1-based index. Refreshes the LRU
-        position, purges expired conversations and evicts beyond the bound. Amortised O(k)."""
+        position, purges expired conversations and evicts beyond the bound. Amortised O(k).
+        ``ValueError`` (nothing changed) for a bad id or keys that are not distinct strings."""
+        cid = validate_conversation_id(conversation_id)
+        if cid is None:
+            msg = "conversation_id: must be a non-empty string, got None"
+            raise ValueError(msg)
+        turn = tuple(ordered)
+        if not all(isinstance(k, str) and k for k in turn) or len(set(turn)) != len(turn):
+            msg = f"ordered: must be distinct non-empty chunk keys, got {list(turn)[:5]!r}"
+            raise ValueError(msg)
         now = self._clock()
         state = self._live(conversation_id)
         if state is None:
             state = ConversationState()
             self._states[conversation_id] = state
-        state.turns.append(tuple(ordered))
-        state.sent.update(ordered)
+        state.turns.append(turn)
+        state.sent.update(turn)
         state.last_used = now
         self._states.move_to_end(conversation_id)
         self._expire(now)
@@ -120,9 +145,7 @@ class ConversationRegistry:
         budget): their chunks stop counting as sent unless a later live turn carries them too.
         Returns how many turns were dropped (0 for an unknown conversation). O(chunks of the
         live turns)."""
-        if n < 0:
-            msg = f"n must be >= 0, got {n}"
-            raise ValueError(msg)
+        check_int(n, "n", minimum=0)
         state = self._live(conversation_id)
         if state is None or n == 0:
             return 0
@@ -162,22 +185,71 @@ class ConversationRegistry:
 
     @classmethod
     def from_json(
-        cls, data: dict[str, Any], *, clock: Callable[[], float] = time.monotonic
+        cls,
+        data: dict[str, Any],
+        *,
+        clock: Callable[[], float] = time.monotonic,
+        path: str = "",
     ) -> ConversationRegistry:
-        if not isinstance(data, dict) or data.get("format") != _FORMAT:
-            msg = f"not craft-rag conversation state (expected format {_FORMAT!r})"
-            raise ValueError(msg)
+        """Rebuild a registry saved by :meth:`to_json`, validating all of it first: one
+        ``ValueError`` naming the JSON path (under ``path``) of the first bad field (more
+        conversations than the bound, an empty, non-string or repeated id, a turn repeating a
+        key, ``live_from`` outside the turns, ``last_used`` out of LRU order). O(size)."""
+        state_format(data, path, _FORMAT, "conversation state")
+        state_dict(data, path, required=("format", "max_conversations", "ttl_s", "conversations"))
+        for name in ("max_conversations", "ttl_s"):
+            value = data[name]
+            if name == "ttl_s" and value is None:
+                continue
+            if name == "max_conversations":
+                state_int(value, state_path(path, name), minimum=1)
+            else:
+                state_number(value, state_path(path, name), positive=True)
         reg = cls(data["max_conversations"], data["ttl_s"], clock=clock)
-        for item in data["conversations"]:
-            turns = [tuple(ChunkKey(str(k)) for k in t) for t in item["turns"]]
-            live_from = int(item.get("live_from", 0))
-            state = ConversationState(
+        items_path = state_path(path, "conversations")
+        items = state_list(data["conversations"], items_path, max_len=reg.max_conversations)
+        states: OrderedDict[ConversationId, ConversationState] = OrderedDict()
+        last = float("-inf")
+        for i, raw in enumerate(items):
+            where = state_path(items_path, i)
+            item = state_dict(
+                raw, where, required=("id", "turns", "last_used"), optional=("live_from",)
+            )
+            id_path = state_path(where, "id")
+            try:
+                cid = validate_conversation_id(item["id"], id_path)
+            except ValueError as exc:
+                raise state_error(id_path, str(exc).removeprefix(f"{id_path}: ")) from None
+            if cid is None:
+                raise state_error(id_path, "must be a non-empty string, got None")
+            if cid in states:
+                raise state_error(id_path, f"repeats conversation id {cid!r}")
+            turns_path = state_path(where, "turns")
+            turns = [
+                tuple(ChunkKey(k) for k in state_keys(t, state_path(turns_path, j)))
+                for j, t in enumerate(state_list(item["turns"], turns_path))
+            ]
+            live_from = state_int(
+                item.get("live_from", 0),
+                state_path(where, "live_from"),
+                minimum=0,
+                maximum=len(turns),
+            )
+            last_used = state_number(item["last_used"], state_path(where, "last_used"))
+            if last_used < last:
+                raise state_error(
+                    state_path(where, "last_used"),
+                    f"{last_used} is earlier than the conversation before it ({last}); "
+                    "conversations are saved least recently used first",
+                )
+            last = last_used
+            states[cid] = ConversationState(
                 sent={k for t in turns[live_from:] for k in t},
                 turns=turns,
-                last_used=float(item["last_used"]),
+                last_used=last_used,
                 live_from=live_from,
             )
-            reg._states[ConversationId(str(item["id"]))] = state
+        reg._states = states
         return reg
 
     def _check_invariants(self) -> None:

@@ -92,6 +92,6 @@ def get_policy(name: str) -> OrderingPolicy:
     """A new policy object by name; ``ValueError`` lists the valid names."""
     try:
         return ORDERING_POLICIES[name]()
-    except KeyError:
+    except (KeyError, TypeError):  # TypeError: an unhashable name
         msg = f"unknown ordering policy {name!r}; choose one of {sorted(ORDERING_POLICIES)}"
         raise ValueError(msg) from None

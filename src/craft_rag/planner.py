@@ -20,7 +20,7 @@ import threading
 import time
 from collections import OrderedDict
 from collections.abc import Callable, Iterable, Sequence
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, fields
 from pathlib import Path
 from typing import Any
 
@@ -31,6 +31,7 @@ from craft_rag.conversation import (
     DEFAULT_TTL_S,
     ConversationRegistry,
 )
+from craft_rag.files import check_writable, write_atomic
 from craft_rag.ordering import DEFAULT_POLICY, ORDERING_POLICIES, OrderingContext, get_policy
 from craft_rag.prefix_tree import (
     DEFAULT_MAX_NODES,
@@ -51,7 +52,19 @@ from craft_rag.stores.shared import (
     config_fingerprint,
     decode_entry,
 )
-from craft_rag.types import BlockHash, ChunkKey, ConversationId
+from craft_rag.types import BlockHash, ChunkKey, ConversationId, as_block_hash
+from craft_rag.validation import (
+    MAX_INT,
+    check_bool,
+    check_int,
+    check_number,
+    check_optional_int,
+    materialise,
+    state_dict,
+    state_error,
+    state_format,
+    validate_conversation_id,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -61,6 +74,33 @@ _MAX_PENDING = 65_536
 # The promotion rule each policy uses unless configured: the paper's threshold rule for the
 # paper's policies; `served` for `tree`, whose set match needs every served order in the tree.
 _DEFAULT_PROMOTION = {"retriever": "threshold", "frequency": "threshold", "tree": "served"}
+
+
+@dataclass(frozen=True, slots=True)
+class _PendingPlan:
+    """What the planner remembers of a plan until it is committed or aborted.
+
+    ``seen``: the store seq the plan was made at (0 without a store); ``fingerprint``: a hash
+    of the plan's content, so a plan altered after planning (``dataclasses.replace``) is refused
+    at commit; ``made_at``: the planner clock when it was made (a conversation's plan in flight
+    longer than the conversation TTL is abandoned by the next plan of that conversation)."""
+
+    seen: int
+    fingerprint: int
+    conversation_id: ConversationId | None
+    made_at: float
+
+
+def _fingerprint(plan: Plan) -> int:
+    return hash(
+        (
+            tuple(c.key for c in plan.ordered),
+            tuple(c.key for c in plan.removed_duplicates),
+            tuple(c.key for c in plan.repeated_in_request),
+            plan.conversation_id,
+            plan.turn,
+        )
+    )
 
 
 @dataclass(frozen=True, slots=True)
@@ -78,18 +118,33 @@ class PlannerConfig:
     conversation_ttl_s: float | None = DEFAULT_TTL_S
 
     def __post_init__(self) -> None:
-        if self.policy not in ORDERING_POLICIES:
-            msg = f"unknown policy {self.policy!r}; choose one of {sorted(ORDERING_POLICIES)}"
-            raise ValueError(msg)
-        if self.promotion is not None and self.promotion not in PROMOTION_RULES:
+        """``ValueError`` naming the field (``"window: must be ..."``) for any bad setting;
+        bools are refused where ints are meant and non-bools where bools are meant."""
+        if not isinstance(self.policy, str) or self.policy not in ORDERING_POLICIES:
             msg = (
-                f"unknown promotion rule {self.promotion!r}; "
-                f"choose one of {sorted(PROMOTION_RULES)}"
+                f"policy: unknown policy {self.policy!r}; "
+                f"choose one of {sorted(ORDERING_POLICIES)}"
             )
             raise ValueError(msg)
-        if not isinstance(self.threshold, int) or self.threshold < 1:
-            msg = f"threshold must be an int >= 1, got {self.threshold!r}"
+        if self.promotion is not None and (
+            not isinstance(self.promotion, str) or self.promotion not in PROMOTION_RULES
+        ):
+            msg = (
+                f"promotion: unknown promotion rule {self.promotion!r}; "
+                f"choose one of {sorted(PROMOTION_RULES)} or None (the policy's default)"
+            )
             raise ValueError(msg)
+        check_optional_int(self.window, "window", minimum=1, none_means="unlimited window")
+        check_int(self.threshold, "threshold", minimum=1)
+        check_int(self.max_tree_nodes, "max_tree_nodes", minimum=1)
+        check_bool(self.dedup, "dedup")
+        check_int(self.max_conversations, "max_conversations", minimum=1)
+        if self.conversation_ttl_s is not None:
+            try:
+                check_number(self.conversation_ttl_s, "conversation_ttl_s", positive=True)
+            except ValueError as exc:
+                msg = f"{exc} (or None: no expiry); pass seconds, e.g. 3600.0 for an hour"
+                raise ValueError(msg) from None
 
     @property
     def promotion_rule(self) -> str:
@@ -180,6 +235,15 @@ class CraftPlanner:
         store: StateStore | str | None = None,
         namespace: str = DEFAULT_NAMESPACE,
     ) -> None:
+        if config is not None and not isinstance(config, PlannerConfig):
+            msg = (
+                f"config: must be a craft_rag.PlannerConfig, got {type(config).__name__}; "
+                "build one with PlannerConfig(policy=..., window=...)"
+            )
+            raise ValueError(msg)
+        if not callable(clock):
+            msg = f"clock: must be a callable returning seconds, got {type(clock).__name__}"
+            raise ValueError(msg)
         self.config = config or PlannerConfig()
         if store is not None and clock is time.monotonic:
             clock = time.time
@@ -200,8 +264,11 @@ class CraftPlanner:
         # Random per instance (and per load): a plan id alone would let planner B, or this
         # planner reloaded from disk, accept another planner's plan that shares its number.
         self._token = secrets.randbits(63) | 1
-        # plan id -> the store seq the plan was made at (0 without a store).
-        self._pending: OrderedDict[int, int] = OrderedDict()
+        # plan id -> what commit checks (the store seq it was made at, a content fingerprint).
+        self._pending: OrderedDict[int, _PendingPlan] = OrderedDict()
+        # A conversation's plan made but neither committed nor aborted: a second plan of the
+        # conversation is refused, or its second turn would re-send what the first sends.
+        self._in_flight: dict[ConversationId, int] = {}  # owner: _lock
         self._shared: SharedState | None = None
         self.store_fallback: str | None = None  # why a ?fallback=memory planner went local
         if store is not None:
@@ -219,11 +286,20 @@ class CraftPlanner:
     # ---- the two steps ------------------------------------------------------------------------
 
     def plan(
-        self, chunks: Sequence[Chunk], conversation_id: str | None = None
+        self, chunks: Iterable[Chunk], conversation_id: str | None = None
     ) -> Plan:
         """Order (and, with a conversation id, deduplicate) one request's chunks. Reads state;
-        changes nothing but the pending-plan list. ``ValueError`` for non-Chunk items or a
-        non-string conversation id."""
+        changes nothing but the pending-plan list.
+
+        ``chunks`` may be any iterable (a generator is read exactly once). ``ValueError``
+        (nothing changed) for non-Chunk items or a conversation id that is not a non-empty
+        string or None (:func:`craft_rag.validation.validate_conversation_id`).
+        ``RuntimeError`` if the conversation already has a plan in flight (made, neither
+        committed nor aborted): its next turn can only be planned once the earlier one is
+        recorded, or it would re-send the earlier turn's chunks. A plan in flight longer than
+        ``conversation_ttl_s`` is abandoned instead (it can no longer be committed).
+        """
+        chunks = materialise(chunks, "chunks")
         for i, chunk in enumerate(chunks):
             if not isinstance(chunk, Chunk):
                 msg = (
@@ -231,12 +307,7 @@ class CraftPlanner:
                     "build chunks with craft_rag.make_chunk(text, id=...)"
                 )
                 raise ValueError(msg)
-        if conversation_id is not None and (
-            not isinstance(conversation_id, str) or not conversation_id
-        ):
-            msg = f"conversation_id must be a non-empty string or None, got {conversation_id!r}"
-            raise ValueError(msg)
-        conv = ConversationId(conversation_id) if conversation_id is not None else None
+        conv = validate_conversation_id(conversation_id)
 
         unique: dict[ChunkKey, Chunk] = {}
         repeated: list[Chunk] = []
@@ -249,6 +320,8 @@ class CraftPlanner:
 
         with self._lock:
             self._pull()
+            if conv is not None:
+                self._check_not_in_flight(conv)
             removed: list[Chunk] = []
             turn = 1
             if conv is not None:
@@ -261,27 +334,83 @@ class CraftPlanner:
             if turn == 1:
                 match = self.prefix_tree.match([c.key for c in ordered])
                 matched_chunks, matched_tokens = match.length, match.tokens
-            plan_id = next(self._plan_ids)
-            self._pending[plan_id] = self._shared.applied if self._shared is not None else 0
+            plan = Plan(
+                plan_id=next(self._plan_ids),
+                ordered=tuple(ordered),
+                removed_duplicates=tuple(removed),
+                repeated_in_request=tuple(repeated),
+                matched_chunks=matched_chunks,
+                matched_tokens=matched_tokens,
+                conversation_id=conv,
+                turn=turn,
+                policy=self._policy.name,
+                planner_token=self._token,
+            )
+            seen = self._shared.applied if self._shared is not None else 0
+            self._pending[plan.plan_id] = _PendingPlan(
+                seen, _fingerprint(plan), conv, self._clock()
+            )
+            if conv is not None:
+                self._in_flight[conv] = plan.plan_id
             if len(self._pending) > _MAX_PENDING:
-                self._pending.popitem(last=False)
+                old_id, old = self._pending.popitem(last=False)
+                self._release(old_id, old)
             self.stats.plans += 1
+        return plan
 
-        return Plan(
-            plan_id=plan_id,
-            ordered=tuple(ordered),
-            removed_duplicates=tuple(removed),
-            repeated_in_request=tuple(repeated),
-            matched_chunks=matched_chunks,
-            matched_tokens=matched_tokens,
-            conversation_id=conv,
-            turn=turn,
-            policy=self._policy.name,
-            planner_token=self._token,
-        )
+    def _check_not_in_flight(self, conv: ConversationId) -> None:
+        """Refuse a second plan of ``conv`` while one is in flight; abandon one older than the
+        conversation TTL. Caller holds the lock. O(1)."""
+        plan_id = self._in_flight.get(conv)
+        if plan_id is None:
+            return
+        pending = self._pending.get(plan_id)
+        ttl = self.config.conversation_ttl_s
+        if pending is not None and (ttl is None or self._clock() - pending.made_at <= ttl):
+            msg = (
+                f"conversation {conv!r} has a plan in flight (plan {plan_id}); commit or abort "
+                "it first (planner.commit(plan, ...) once served, planner.abort(plan) if it "
+                "will not be served)"
+            )
+            raise RuntimeError(msg)
+        if pending is not None:
+            del self._pending[plan_id]
+        del self._in_flight[conv]
+
+    def _release(self, plan_id: int, pending: _PendingPlan) -> None:
+        """Forget a plan's conversation marker (commit, abort, or dropped as too old)."""
+        conv = pending.conversation_id
+        if conv is not None and self._in_flight.get(conv) == plan_id:
+            del self._in_flight[conv]
+
+    def abort(self, plan: Plan) -> bool:
+        """Give up ``plan`` (it will not be served): it can no longer be committed, and its
+        conversation may be planned again. Changes no other state. True if the plan was pending
+        here; False if it was already committed, aborted, too old, or made by another planner.
+        ``ValueError`` if ``plan`` is not a :class:`Plan`. O(1)."""
+        if not isinstance(plan, Plan):
+            msg = f"plan: must be a craft_rag.planner.Plan, got {type(plan).__name__}"
+            raise ValueError(msg)
+        with self._lock:
+            if plan.planner_token != self._token:
+                return False
+            pending = self._pending.pop(plan.plan_id, None)
+            if pending is None:
+                return False
+            self._release(plan.plan_id, pending)
+            return True
+
+    def in_flight(self, conversation_id: str) -> bool:
+        """True if the conversation has a plan made and not yet committed or aborted. O(1)."""
+        conv = validate_conversation_id(conversation_id)
+        with self._lock:
+            plan_id = self._in_flight.get(conv) if conv is not None else None
+            return plan_id is not None and plan_id in self._pending
 
     def is_pending(self, plan: Plan) -> bool:
         """True if ``plan`` was made by this planner and can still be committed. O(1)."""
+        if not isinstance(plan, Plan):
+            return False
         with self._lock:
             return plan.planner_token == self._token and plan.plan_id in self._pending
 
@@ -292,7 +421,7 @@ class CraftPlanner:
         prefix_tokens: int | None = None,
         chunk_token_counts: Sequence[int] | None = None,
         reused_chunks: int | None = None,
-        block_hashes: Sequence[Sequence[BlockHash]] | None = None,
+        block_hashes: Sequence[Sequence[BlockHash | int]] | None = None,
         location: KVLocation | None = None,
     ) -> CommitResult:
         """Record that ``plan`` was served.
@@ -304,21 +433,57 @@ class CraftPlanner:
         smaller than the tree's match, the stale nodes are removed. ``block_hashes[i]`` are the
         engine's hashes of the full blocks ending inside chunk ``i``. ``RuntimeError`` if the
         plan was already committed, is too old, or was made by another planner (or before a
-        load); ``ValueError`` on mismatched lengths.
+        load); ``ValueError`` naming the argument for a bad one (mismatched lengths, negative or
+        non-int token counts, block hashes that are not bytes or ints, a plan altered after
+        planning). Every argument is checked before anything changes: a refused commit changes
+        nothing and leaves the plan committable.
+
+        Spans are contiguous by construction (each chunk starts where the one before ends). A
+        commit whose span for a cached chunk differs from the recorded one (another
+        ``prefix_tokens``, a re-tokenized chunk) replaces that node's KV record, and the nodes
+        recorded below it under the old span are dropped (see :meth:`ChunkPrefixTree.insert`).
         O(k) plus the tree's insert.
         """
+        if not isinstance(plan, Plan):
+            msg = (
+                f"plan: must be the craft_rag.planner.Plan that plan() returned, "
+                f"got {type(plan).__name__}"
+            )
+            raise ValueError(msg)
         k = len(plan.ordered)
-        if chunk_token_counts is not None and len(chunk_token_counts) != k:
-            msg = f"chunk_token_counts has {len(chunk_token_counts)} entries for {k} chunks"
-            raise ValueError(msg)
-        if block_hashes is not None and len(block_hashes) != k:
-            msg = f"block_hashes has {len(block_hashes)} entries for {k} chunks"
-            raise ValueError(msg)
-        if reused_chunks is not None and not 0 <= reused_chunks <= k:
-            msg = f"reused_chunks must be within [0, {k}], got {reused_chunks}"
-            raise ValueError(msg)
-        metadata = self._node_metadata(plan, prefix_tokens, chunk_token_counts, block_hashes)
         keys = plan.keys
+        if len(set(keys)) != k:
+            msg = "plan: its ordered chunks repeat a key; commit the Plan that plan() returned"
+            raise ValueError(msg)
+        if prefix_tokens is not None:
+            check_int(prefix_tokens, "prefix_tokens", minimum=0)
+        counts = None
+        if chunk_token_counts is not None:
+            counts = materialise(chunk_token_counts, "chunk_token_counts")
+            if len(counts) != k:
+                msg = f"chunk_token_counts: has {len(counts)} entries for {k} chunks"
+                raise ValueError(msg)
+            for i, count in enumerate(counts):
+                check_int(count, f"chunk_token_counts[{i}]", minimum=0)
+        hashes = None
+        if block_hashes is not None:
+            rows = materialise(block_hashes, "block_hashes")
+            if len(rows) != k:
+                msg = f"block_hashes: has {len(rows)} entries for {k} chunks"
+                raise ValueError(msg)
+            hashes = [
+                tuple(
+                    as_block_hash(h, f"block_hashes[{i}][{j}]")
+                    for j, h in enumerate(materialise(row, f"block_hashes[{i}]"))
+                )
+                for i, row in enumerate(rows)
+            ]
+        if reused_chunks is not None:
+            check_int(reused_chunks, "reused_chunks", minimum=0, maximum=k)
+        if location is not None and not isinstance(location, KVLocation):
+            msg = f"location: must be a KVLocation or None, got {type(location).__name__}"
+            raise ValueError(msg)
+        metadata = self._node_metadata(plan, prefix_tokens, counts, hashes)
 
         with self._lock:
             if plan.planner_token != self._token:
@@ -327,10 +492,22 @@ class CraftPlanner:
                     "was loaded); commit a plan on the planner that made it"
                 )
                 raise RuntimeError(msg)
-            if plan.plan_id not in self._pending:
-                msg = f"plan {plan.plan_id} was already committed or is too old to commit"
+            pending = self._pending.get(plan.plan_id)
+            if pending is None:
+                msg = (
+                    f"plan {plan.plan_id} was already committed, aborted, or is too old to "
+                    "commit"
+                )
                 raise RuntimeError(msg)
-            seen = self._pending.pop(plan.plan_id)
+            if pending.fingerprint != _fingerprint(plan):
+                msg = (
+                    f"plan: plan {plan.plan_id} was altered after planning; commit the Plan "
+                    "object that plan() returned"
+                )
+                raise ValueError(msg)
+            del self._pending[plan.plan_id]
+            self._release(plan.plan_id, pending)
+            seen = pending.seen
             removed_keys = tuple(c.key for c in plan.removed_duplicates)
             applied: tuple[int, int, int] | None = None
             if self._shared is not None:
@@ -457,11 +634,12 @@ class CraftPlanner:
                 data["conversations"], clock=self._replay_clock
             )
             shared.applied = read.snapshot.seq
+            self._replay_clock.floor = float(data.get("clock", float("-inf")))
         own: tuple[int, int, int] | None = None
         clock = self._replay_clock
         for raw in read.entries:
             entry = decode_entry(raw, shared.where)
-            clock.pinned = entry.ts
+            clock.pin(entry.ts)
             try:
                 if isinstance(entry, CommitEntry):
                     result = self._record(
@@ -483,6 +661,7 @@ class CraftPlanner:
                 "access_table": self.access_table.to_json(),
                 "prefix_tree": self.prefix_tree.to_json(),
                 "conversations": self.conversations.to_json(),
+                "clock": clock.floor,
             })
         # Own entry not among those applied: a snapshot taken after it covered it (a planner
         # more than snapshot_every entries behind); its effect is in the snapshot.
@@ -501,6 +680,9 @@ class CraftPlanner:
             return None
         out: list[NodeMetadata] = []
         pos = prefix_tokens or 0
+        if counts is not None and pos + sum(counts) > MAX_INT:
+            msg = f"chunk_token_counts: spans past token {MAX_INT}; pass real token counts"
+            raise ValueError(msg)
         for i in range(len(plan.ordered)):
             span = None
             if counts is not None:
@@ -512,12 +694,14 @@ class CraftPlanner:
 
     # ---- engine feedback (KV events) ----------------------------------------------------------
 
-    def on_blocks_removed(self, hashes: Iterable[BlockHash]) -> int:
-        """The engine evicted these blocks: drop the CP-Tree nodes owning them (count)."""
+    def on_blocks_removed(self, hashes: Iterable[BlockHash | int]) -> int:
+        """The engine evicted these blocks: drop the CP-Tree nodes owning them (count).
+        Hashes are bytes or ints (normalised by :func:`craft_rag.types.as_block_hash`);
+        ``ValueError`` (nothing changed) for any other type."""
         with self._lock:
             return self.prefix_tree.remove_blocks(hashes)
 
-    def on_blocks_moved(self, hashes: Iterable[BlockHash], location: KVLocation) -> int:
+    def on_blocks_moved(self, hashes: Iterable[BlockHash | int], location: KVLocation) -> int:
         """The engine moved these blocks to another tier/replica: update node locations."""
         with self._lock:
             return self.prefix_tree.relocate_blocks(hashes, location)
@@ -529,9 +713,15 @@ class CraftPlanner:
 
     def end_conversation(self, conversation_id: str) -> bool:
         """Forget a conversation's sent chunks (in every worker, with a store). True if it was
-        known."""
-        conv = ConversationId(conversation_id)
+        known. A plan of it still in flight stays committable (it records a first turn of the
+        fresh conversation), but no longer blocks planning the conversation again. ``None``
+        (no conversation) returns False; other non-string ids are a ``ValueError``."""
+        checked = validate_conversation_id(conversation_id)
+        if checked is None:
+            return False
+        conv = checked
         with self._lock:
+            self._in_flight.pop(conv, None)
             self._pull()
             if self._shared is not None:
                 result = self._push(EndEntry(conv, self._replay_clock.base()), None)
@@ -543,8 +733,18 @@ class CraftPlanner:
         """The conversation's prompt dropped its ``n`` oldest turns: chunks only they carried
         are planned as new again (dedup is only correct while the carrying turn is in the
         prompt). Returns the turns forgotten. O(chunks of the remaining turns)."""
+        checked = validate_conversation_id(conversation_id)
+        check_int(n, "n", minimum=0)
+        if checked is None:
+            return 0
+        conv = checked
         with self._lock:
-            return self.conversations.forget_oldest_turns(ConversationId(conversation_id), n)
+            self._pull()
+            if self._shared is not None and n > 0:
+                result = self._push(ForgetEntry(conv, n, self._replay_clock.base()), None)
+                if result is not None:
+                    return result[0]
+            return self.conversations.forget_oldest_turns(conv, n)
 
     # ---- persistence --------------------------------------------------------------------------
 
@@ -562,27 +762,94 @@ class CraftPlanner:
     def from_json(
         cls, data: dict[str, Any], *, clock: Callable[[], float] = time.monotonic
     ) -> CraftPlanner:
-        if not isinstance(data, dict) or data.get("format") != _FORMAT:
-            msg = f"not a craft-rag planner state (expected format {_FORMAT!r})"
-            raise ValueError(msg)
-        planner = cls(PlannerConfig(**data["config"]), clock=clock)
-        planner.access_table = ChunkAccessTable.from_json(data["access_table"])
-        planner.prefix_tree = ChunkPrefixTree.from_json(data["prefix_tree"], clock=clock)
-        planner.conversations = ConversationRegistry.from_json(data["conversations"], clock=clock)
+        """Rebuild a planner from :meth:`to_json` data, validating the whole structure first.
+
+        Any violation (a foreign format, a missing, unknown or mistyped field, a tree path
+        repeating a key, duplicate siblings, parent indices out of pre-order, more nodes or
+        conversations than the bounds, a span with start > end or not contiguous, a broken
+        LRU order, a table window or tree bound different from the config's) is one
+        ``ValueError`` naming the field's JSON path, e.g. ``"prefix_tree.nodes[3].parent:
+        ..."``. ``_check_invariants()`` holds after every successful load. O(size of the state).
+        """
+        state_format(data, "", _FORMAT, "planner state")
+        state_dict(
+            data,
+            "",
+            required=("format", "config", "access_table", "prefix_tree", "conversations"),
+        )
+        config = _config_from_json(data["config"])
+        planner = cls(config, clock=clock)
+        table = ChunkAccessTable.from_json(data["access_table"], path="access_table")
+        if table.window != config.window:
+            raise state_error(
+                "access_table.window",
+                f"{table.window} differs from config.window {config.window}",
+            )
+        tree = ChunkPrefixTree.from_json(data["prefix_tree"], clock=clock, path="prefix_tree")
+        if tree.max_nodes != config.max_tree_nodes:
+            raise state_error(
+                "prefix_tree.max_nodes",
+                f"{tree.max_nodes} differs from config.max_tree_nodes {config.max_tree_nodes}",
+            )
+        conversations = ConversationRegistry.from_json(
+            data["conversations"], clock=clock, path="conversations"
+        )
+        if conversations.max_conversations != config.max_conversations:
+            raise state_error(
+                "conversations.max_conversations",
+                f"{conversations.max_conversations} differs from config.max_conversations "
+                f"{config.max_conversations}",
+            )
+        if conversations.ttl_s != config.conversation_ttl_s:
+            raise state_error(
+                "conversations.ttl_s",
+                f"{conversations.ttl_s} differs from config.conversation_ttl_s "
+                f"{config.conversation_ttl_s}",
+            )
+        planner.access_table = table
+        planner.prefix_tree = tree
+        planner.conversations = conversations
         return planner
 
     def save(self, path: str | Path) -> None:
-        """Write all state as JSON (atomic: temp file then rename)."""
-        target = Path(path)
-        tmp = target.with_suffix(target.suffix + ".tmp")
-        tmp.write_text(json.dumps(self.to_json()), encoding="utf-8")
-        tmp.replace(target)
+        """Write all state as JSON through :func:`craft_rag.files.write_atomic`: a private
+        (0600) temp file in the same folder, never through a symlink, fsync-ed, then renamed
+        over ``path``; concurrent saves each install a whole file. ``IsADirectoryError`` /
+        ``FileNotFoundError`` / ``PermissionError`` before any work. O(size of the state)."""
+        check_writable(path)
+        write_atomic(path, json.dumps(self.to_json()))
 
     @classmethod
     def load(cls, path: str | Path, *, clock: Callable[[], float] = time.monotonic) -> CraftPlanner:
-        return cls.from_json(json.loads(Path(path).read_text(encoding="utf-8")), clock=clock)
+        """Read a file written by :meth:`save` (see :meth:`from_json` for what is checked).
+        ``ValueError`` naming the file for text that is not JSON state; ``OSError`` for a
+        missing or unreadable file."""
+        raw = Path(path).read_bytes()
+        try:
+            data = json.loads(raw.decode("utf-8"))
+        except (UnicodeDecodeError, json.JSONDecodeError, RecursionError) as exc:
+            msg = f"{path}: not a craft-rag planner state file (not UTF-8 JSON: {exc})"
+            raise ValueError(msg) from None
+        except ValueError as exc:  # e.g. an integer literal longer than Python reads
+            msg = f"{path}: not a craft-rag planner state file ({exc})"
+            raise ValueError(msg) from None
+        try:
+            return cls.from_json(data, clock=clock)
+        except ValueError as exc:
+            msg = f"{path}: {exc}"
+            raise ValueError(msg) from None
 
     def _check_invariants(self) -> None:
         self.access_table._check_invariants()
         self.prefix_tree._check_invariants()
         self.conversations._check_invariants()
+
+
+def _config_from_json(value: object) -> PlannerConfig:
+    """The saved ``config`` object as a :class:`PlannerConfig`; a missing field takes its
+    default, an unknown one is refused. ``ValueError`` naming ``config.<field>``."""
+    data = state_dict(value, "config", optional=[f.name for f in fields(PlannerConfig)])
+    try:
+        return PlannerConfig(**data)
+    except ValueError as exc:
+        raise ValueError(f"config.{exc}") from None

@@ -16,6 +16,8 @@ from array import array
 from collections import OrderedDict
 from collections.abc import Callable, Sequence
 
+from craft_rag.validation import check_int
+
 _ROOT = b"craft-rag-sim-root"
 
 
@@ -24,7 +26,11 @@ def block_hashes(tokens: Sequence[int], block_size: int) -> list[bytes]:
     hashes: list[bytes] = []
     parent = _ROOT
     for start in range(0, len(tokens) - block_size + 1, block_size):
-        block = array("q", tokens[start : start + block_size]).tobytes()
+        try:
+            block = array("q", tokens[start : start + block_size]).tobytes()
+        except (TypeError, OverflowError) as exc:
+            msg = f"tokens: must be token ids (ints within int64), got {exc}"
+            raise ValueError(msg) from None
         parent = hashlib.blake2b(parent + block, digest_size=16).digest()
         hashes.append(parent)
     return hashes
@@ -41,9 +47,8 @@ class SimulatedPrefixCache:
         on_evict: Callable[[bytes], None] | None = None,
     ) -> None:
         """``on_evict`` hears each evicted block's hash (a KV "block removed" event)."""
-        if block_size < 1:
-            msg = f"block_size must be >= 1, got {block_size}"
-            raise ValueError(msg)
+        check_int(block_size, "block_size", minimum=1)
+        check_int(capacity_tokens, "capacity_tokens", minimum=1)
         if capacity_tokens < block_size:
             msg = f"capacity_tokens ({capacity_tokens}) must hold at least one block ({block_size})"
             raise ValueError(msg)

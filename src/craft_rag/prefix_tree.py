@@ -14,10 +14,16 @@ from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from craft_rag.types import BlockHash, ChunkKey
+from craft_rag.prefix_tree_io import FORMAT, tree_from_json
+from craft_rag.types import BlockHash, ChunkKey, as_block_hash
+from craft_rag.validation import (
+    check_int,
+    check_text,
+    materialise,
+)
 
 DEFAULT_MAX_NODES = 65_536
-_FORMAT = "craft-rag/prefix-tree/v1"
+_FORMAT = FORMAT
 
 
 @dataclass(frozen=True, slots=True)
@@ -26,6 +32,10 @@ class KVLocation:
 
     engine_id: str = "local"
     tier: str = "device"
+
+    def __post_init__(self) -> None:
+        check_text(self.engine_id, "KVLocation.engine_id", nonempty=True)
+        check_text(self.tier, "KVLocation.tier", nonempty=True)
 
 
 @dataclass(slots=True, eq=False)
@@ -86,10 +96,41 @@ class PrefixMatch:
 
 @dataclass(frozen=True, slots=True)
 class NodeMetadata:
-    """Metadata to attach to one node on insert (any field left None is kept as is)."""
+    """Metadata to attach to one node on insert (any field left None is kept as is).
+
+    Checked at construction: ``token_span`` is ``(start, end)`` ints with
+    ``0 <= start <= end``; ``block_hashes`` are normalised by
+    :func:`craft_rag.types.as_block_hash` (bytes, or ints as some vLLM servers report them).
+    ``ValueError`` naming the field otherwise."""
 
     token_span: tuple[int, int] | None = None
     block_hashes: tuple[BlockHash, ...] | None = None
+
+    def __post_init__(self) -> None:
+        span = self.token_span
+        if span is not None:
+            if not isinstance(span, (tuple, list)) or len(span) != 2:
+                msg = f"token_span: must be a (start, end) pair, got {span!r}"
+                raise ValueError(msg)
+            start = check_int(span[0], "token_span[0] (token span start)", minimum=0)
+            end = check_int(span[1], "token_span[1] (token span end)", minimum=0)
+            if start > end:
+                msg = f"token_span: token span must satisfy 0 <= start <= end, got {span}"
+                raise ValueError(msg)
+            object.__setattr__(self, "token_span", (start, end))
+        if self.block_hashes is not None:
+            hashes = tuple(
+                as_block_hash(h, f"block_hashes[{i}]")
+                for i, h in enumerate(materialise(self.block_hashes, "block_hashes"))
+            )
+            object.__setattr__(self, "block_hashes", hashes)
+
+
+def _block_hashes(hashes: Iterable[BlockHash | int]) -> tuple[BlockHash, ...]:
+    """KV-event hashes, read once and normalised before anything changes."""
+    return tuple(
+        as_block_hash(h, f"hashes[{i}]") for i, h in enumerate(materialise(hashes, "hashes"))
+    )
 
 
 class ChunkPrefixTree:
@@ -109,10 +150,10 @@ class ChunkPrefixTree:
         *,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
-        if not isinstance(max_nodes, int) or max_nodes < 1:
-            msg = f"max_nodes must be a positive int, got {max_nodes!r}"
+        self.max_nodes = check_int(max_nodes, "max_nodes", minimum=1)
+        if not callable(clock):
+            msg = f"clock: must be a callable returning seconds, got {type(clock).__name__}"
             raise ValueError(msg)
-        self.max_nodes = max_nodes
         self._clock = clock
         self.root = PrefixNode(key=None, parent=None, depth=0)
         self._size = 0
@@ -203,14 +244,36 @@ class ChunkPrefixTree:
         Existing nodes keep their hits; metadata given for a position overwrites that node's span
         and block hashes. New nodes get ``last_access = now``. May evict least recently used
         leaves (never one of the nodes just inserted, unless ``len(keys) > max_nodes``).
-        O(len(keys) + evictions * log(heap)).
+
+        A node whose span changes (another prompt head length, a re-tokenized chunk) holds
+        different KV than before, and so does everything recorded below it: its children whose
+        spans no longer start where it ends are removed (with their subtrees), so spans stay
+        contiguous. ``ValueError`` before any change for repeated or non-string keys, a
+        metadata length mismatch, or a span that would not start where its parent's ends.
+        O(len(keys) + evictions * log(heap) + removed stale nodes).
         """
-        if metadata is not None and len(metadata) != len(keys):
-            msg = f"metadata has {len(metadata)} entries for {len(keys)} keys"
-            raise ValueError(msg)
+        keys = materialise(keys, "keys")
+        for i, key in enumerate(keys):
+            if not isinstance(key, str) or not key:
+                msg = f"keys[{i}]: must be a non-empty string (a chunk key), got {key!r}"
+                raise ValueError(msg)
+        if metadata is not None:
+            metadata = materialise(metadata, "metadata")
+            if len(metadata) != len(keys):
+                msg = f"metadata has {len(metadata)} entries for {len(keys)} keys"
+                raise ValueError(msg)
+            for i, meta in enumerate(metadata):
+                if not isinstance(meta, NodeMetadata):
+                    msg = f"metadata[{i}]: must be a NodeMetadata, got {type(meta).__name__}"
+                    raise ValueError(msg)
         if len(set(keys)) != len(keys):
             msg = "a chunk-prefix cannot repeat a chunk key"
             raise ValueError(msg)
+        if location is not None and not isinstance(location, KVLocation):
+            msg = f"location: must be a KVLocation or None, got {type(location).__name__}"
+            raise ValueError(msg)
+        if metadata is not None:
+            self._check_spans_contiguous(keys, metadata)
         now = self._clock()
         node = self.root
         nodes: list[PrefixNode] = []
@@ -226,6 +289,8 @@ class ChunkPrefixTree:
                 child.location = location
             if metadata is not None:
                 self._set_metadata(child, metadata[i])
+                if metadata[i].token_span is not None and child.children:
+                    self._remove_stale_children(child)
             nodes.append(child)
             node = child
         if nodes and not nodes[-1].children:
@@ -235,12 +300,22 @@ class ChunkPrefixTree:
 
     def remove(self, node: PrefixNode) -> int:
         """Remove ``node`` and its whole subtree (their KV prefixes depend on it). Returns the
-        number of nodes removed. O(subtree)."""
+        number of nodes removed. O(subtree + depth). ``ValueError`` for the root or a node of
+        another tree."""
         if node is self.root:
             msg = "cannot remove the root; use clear()"
             raise ValueError(msg)
+        if not isinstance(node, PrefixNode):
+            msg = f"node: must be a PrefixNode of this tree, got {type(node).__name__}"
+            raise ValueError(msg)
         if not node.alive:
             return 0
+        top = node
+        while top.parent is not None:
+            top = top.parent
+        if top is not self.root:
+            msg = "node: belongs to another ChunkPrefixTree; remove it from its own tree"
+            raise ValueError(msg)
         parent = node.parent
         assert parent is not None and node.key is not None
         del parent.children[node.key]
@@ -260,21 +335,26 @@ class ChunkPrefixTree:
             self._push_leaf(parent)
         return removed
 
-    def remove_blocks(self, hashes: Iterable[BlockHash]) -> int:
+    def remove_blocks(self, hashes: Iterable[BlockHash | int]) -> int:
         """Drop the nodes owning any of ``hashes`` (KV evicted by the engine), with subtrees.
         Unknown hashes are ignored (the engine caches blocks the tree never indexed). O(#hashes +
-        removed)."""
+        removed). Hashes are bytes or ints (:func:`craft_rag.types.as_block_hash`);
+        ``ValueError`` (nothing removed) for any other type."""
         removed = 0
-        for h in hashes:
+        for h in _block_hashes(hashes):
             node = self._by_block.get(h)
             if node is not None and node.alive:
                 removed += self.remove(node)
         return removed
 
-    def relocate_blocks(self, hashes: Iterable[BlockHash], location: KVLocation) -> int:
-        """Record that the KV of the nodes owning ``hashes`` moved to ``location``."""
+    def relocate_blocks(self, hashes: Iterable[BlockHash | int], location: KVLocation) -> int:
+        """Record that the KV of the nodes owning ``hashes`` moved to ``location``.
+        ``ValueError`` (nothing moved) for a hash that is not bytes or int, or a bad location."""
+        if not isinstance(location, KVLocation):
+            msg = f"location: must be a KVLocation, got {type(location).__name__}"
+            raise ValueError(msg)
         moved = 0
-        for h in hashes:
+        for h in _block_hashes(hashes):
             node = self._by_block.get(h)
             if node is not None and node.alive and node.location != location:
                 node.location = location
@@ -295,6 +375,38 @@ class ChunkPrefixTree:
         self._leaf_heap.clear()
 
     # ---- internals ----------------------------------------------------------------------------
+
+    def _check_spans_contiguous(
+        self, keys: Sequence[ChunkKey], metadata: Sequence[NodeMetadata]
+    ) -> None:
+        """Refuse metadata whose span would not start where the node before it ends (that
+        node's new span, else its recorded one). Read-only; O(len(keys))."""
+        node: PrefixNode | None = self.root
+        parent_end: int | None = None
+        for i, key in enumerate(keys):
+            existing = node.children.get(key) if node is not None else None
+            span = metadata[i].token_span
+            if span is not None and i > 0 and parent_end is not None and span[0] != parent_end:
+                msg = (
+                    f"metadata[{i}]: token span {span} does not start where chunk {i - 1} ends "
+                    f"({parent_end}); spans of a chunk-prefix are contiguous"
+                )
+                raise ValueError(msg)
+            if span is not None:
+                parent_end = span[1]
+            else:
+                parent_end = existing.token_end if existing is not None else None
+            node = existing
+
+    def _remove_stale_children(self, node: PrefixNode) -> None:
+        """Drop the children of ``node`` recorded under an older span of it (their KV followed
+        tokens that are no longer there)."""
+        end = node.token_end
+        stale = [
+            c for c in node.children.values() if c.token_start is not None and c.token_start != end
+        ]
+        for child in stale:
+            self.remove(child)
 
     def _set_metadata(self, node: PrefixNode, meta: NodeMetadata) -> None:
         if meta.token_span is not None:
@@ -397,42 +509,16 @@ class ChunkPrefixTree:
 
     @classmethod
     def from_json(
-        cls, data: dict[str, Any], *, clock: Callable[[], float] = time.monotonic
+        cls,
+        data: dict[str, Any],
+        *,
+        clock: Callable[[], float] = time.monotonic,
+        path: str = "",
     ) -> ChunkPrefixTree:
-        """Rebuild a tree saved by :meth:`to_json`. Raises ``ValueError`` on a foreign format."""
-        if not isinstance(data, dict) or data.get("format") != _FORMAT:
-            msg = f"not a craft-rag prefix tree (expected format {_FORMAT!r})"
-            raise ValueError(msg)
-        tree = cls(max_nodes=int(data["max_nodes"]), clock=clock)
-        built: list[PrefixNode] = []
-        for item in data["nodes"]:
-            parent = tree.root if item["parent"] == -1 else built[item["parent"]]
-            key = ChunkKey(str(item["key"]))
-            start, end = item["span"]
-            loc = item["location"]
-            node = PrefixNode(
-                key=key,
-                parent=parent,
-                depth=parent.depth + 1,
-                token_start=start,
-                token_end=end,
-                location=None if loc is None else KVLocation(engine_id=loc[0], tier=loc[1]),
-                block_hashes=tuple(BlockHash(bytes.fromhex(h)) for h in item["blocks"]),
-                hit_count=int(item["hits"]),
-                last_access=float(item["last_access"]),
-                heap_stamp=int(item.get("stamp", -1)),
-            )
-            parent.children[key] = node
-            for h in node.block_hashes:
-                tree._by_block[h] = node
-            tree._size += 1
-            built.append(node)
-        # Saved stamps keep the eviction order among equal access times; new ones come after.
-        tree._next_stamp = int(
-            data.get("next_stamp", max((n.heap_stamp for n in built), default=-1) + 1)
-        )
-        tree._rebuild_heap()
-        return tree
+        """Rebuild a tree saved by :meth:`to_json`, validating the whole structure first (see
+        :mod:`craft_rag.prefix_tree_io`): one ``ValueError`` naming the JSON path (under
+        ``path``) of the first bad field. O(size)."""
+        return tree_from_json(data, clock=clock, path=path)
 
     def iter_paths(self) -> list[tuple[ChunkKey, ...]]:
         """Every root-to-node path (for tests and inspection). O(size * depth)."""
@@ -441,6 +527,15 @@ class ChunkPrefixTree:
         while stack:
             node = stack.pop()
             out.append(node.path())
+            stack.extend(node.children.values())
+        return out
+
+    def _walk(self) -> list[PrefixNode]:
+        out: list[PrefixNode] = []
+        stack = list(self.root.children.values())
+        while stack:
+            node = stack.pop()
+            out.append(node)
             stack.extend(node.children.values())
         return out
 
@@ -464,8 +559,10 @@ class ChunkPrefixTree:
                     assert child.token_start == node.token_end, "spans must be contiguous"
                 if child.token_start is not None:
                     assert child.token_end is not None and child.token_start <= child.token_end
+                assert key not in node.path(), "a path repeats a chunk key"
                 for h in child.block_hashes:
-                    blocks[h] = child
+                    owner = blocks.setdefault(h, child)
+                    assert owner is child, "a block hash is held by two nodes"
                 if not child.children:
                     leaves.append(child)
                 count += 1
@@ -485,4 +582,6 @@ class ChunkPrefixTree:
         for leaf in leaves:
             assert valid.get(id(leaf)) == leaf.last_access, "stale eviction-heap entry"
             assert 0 <= leaf.heap_stamp < self._next_stamp
+        stamps = [n.heap_stamp for n in self._walk() if n.heap_stamp >= 0]
+        assert len(set(stamps)) == len(stamps), "two nodes share a heap stamp"
         assert len(set(map(id, blocks.values()))) <= count

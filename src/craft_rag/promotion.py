@@ -75,6 +75,6 @@ def get_promotion_rule(name: str) -> PromotionRule:
     """A new rule object by name; ``ValueError`` lists the valid names."""
     try:
         return PROMOTION_RULES[name]()
-    except KeyError:
+    except (KeyError, TypeError):  # TypeError: an unhashable name
         msg = f"unknown promotion rule {name!r}; choose one of {sorted(PROMOTION_RULES)}"
         raise ValueError(msg) from None

@@ -605,6 +605,7 @@ def test_seeded_stress_with_salts_plans_and_failures_keeps_invariants(
             salt = conv_salt[cid]
         use_plan = rng.random() < 0.3
         backend.fail_on_step = rng.random() < 0.05
+        plan = None
         try:
             if action < 0.05:
                 assert engine.reset_prefix_cache()
@@ -619,9 +620,13 @@ def test_seeded_stress_with_salts_plans_and_failures_keeps_invariants(
             )
         except ValueError as exc:  # a conversation sent with another salt
             assert cid is not None and salt != conv_salt[cid] and "was started" in str(exc)
+            if plan is not None:  # a caller drops a plan it will not serve (issue 11 item 11)
+                assert engine.planner_for(salt).abort(plan)  # type: ignore[attr-defined]
             continue
         except EngineFailure:
             assert backend.fail_on_step
+            if plan is not None:
+                assert engine.planner_for(salt).abort(plan)  # type: ignore[attr-defined]
             continue
         finally:
             backend.fail_on_step = False

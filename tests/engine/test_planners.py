@@ -125,6 +125,9 @@ def test_check_plan_refuses_what_cannot_be_served() -> None:
 def test_check_plan_refuses_a_stale_conversation_turn() -> None:
     planner = CraftPlanner(PlannerConfig(policy="tree"))
     early = planner.plan(make_chunks(2), "c")
+    with pytest.raises(RuntimeError, match="has a plan in flight"):
+        planner.plan(make_chunks(2), "c")  # the core refuses a second plan (issue 11 item 11)
+    planner.end_conversation("c")  # ending it releases the conversation, not the plan
     served = planner.plan(make_chunks(2), "c")
     planner.commit(served)  # turn 1 is served by another plan
     with pytest.raises(RuntimeError, match="turn 1 of conversation 'c', which has 1 committed"):

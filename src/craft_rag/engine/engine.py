@@ -438,6 +438,7 @@ class CraftEngine:
                     )
                     raise RuntimeError(msg)
                 assert conversation_id is not None  # turn > 1
+                self._give_up_plan(planner, plan, caller_plan)
                 planner.end_conversation(conversation_id)
                 plan = planner.plan(list(request.chunks), conversation_id)
                 rendered = self._render(plan, question, sampling, conversation_id, salt)
@@ -448,8 +449,7 @@ class CraftEngine:
                 self.conversations.cancel(rendered)
                 raise
         except BaseException:
-            if caller_plan:
-                self._release_plan(planner, plan)
+            self._give_up_plan(planner, plan, caller_plan)
             raise
         rag = _RagTurn(plan, rendered, planner, caller_plan)
         return _InFlight(state, sampling, rendered.prompt.token_ids, salt, rag)
@@ -508,6 +508,17 @@ class CraftEngine:
         with self._plans_lock:
             self._plans_in_flight.discard((id(planner), plan.plan_id))
 
+    def _give_up_plan(self, planner: PlannerLike, plan: PlanLike, caller_plan: bool) -> None:
+        """A request that will not be committed: a caller's plan is released (the caller holds
+        it and may serve it again); a plan the engine made is aborted in its planner, so its
+        conversation is not left with a plan in flight (issue 11 item 11)."""
+        if caller_plan:
+            self._release_plan(planner, plan)
+            return
+        abort = getattr(planner, "abort", None)
+        if callable(abort):
+            abort(plan)
+
     def _finish(self, flight: _InFlight) -> GenerationResult:
         """Commit a finished request and build its result; on failure, undo and raise."""
         rag = flight.rag
@@ -520,6 +531,8 @@ class CraftEngine:
         except BaseException:
             if rag is not None:
                 self.conversations.cancel(rag.rendered)
+                if not rag.caller_plan:
+                    self._give_up_plan(rag.planner, rag.plan, False)
             raise
         finally:
             if rag is not None and rag.caller_plan:
@@ -615,8 +628,7 @@ class CraftEngine:
         self._driver.abort(flight.state.request_id)
         if flight.rag is not None:
             self.conversations.cancel(flight.rag.rendered)
-            if flight.rag.caller_plan:
-                self._release_plan(flight.rag.planner, flight.rag.plan)
+            self._give_up_plan(flight.rag.planner, flight.rag.plan, flight.rag.caller_plan)
 
     def _wait(self, flights: Sequence[_InFlight]) -> list[GenerationResult]:
         """Wait for started requests; finish (commit) each. The first error is raised after
