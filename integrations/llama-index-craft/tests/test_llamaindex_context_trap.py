@@ -138,13 +138,14 @@ def test_one_shot_iterables_are_read_once_on_the_engine_paths(
         squad_index.questions[3]
     )
     response = CraftSynthesizer(llm, max_tokens=1).synthesize(
-        squad_index.questions[3], nodes=(n for n in nodes)
+        squad_index.questions[3],
+        nodes=(n for n in nodes),  # type: ignore[arg-type]
     )
     assert len(response.source_nodes) == len(nodes) == TOP_K
     tag = uuid.uuid4().hex[:8]
     chunks = [make_chunk(f"Gen chunk {i} {tag}.", id=f"g-{tag}-{i}") for i in range(2)]
     before = len(submitted)
-    llm.complete_chunks((c for c in chunks), "Which chunks?")
+    llm.complete_chunks((c for c in chunks), "Which chunks?")  # type: ignore[arg-type]
     assert all(c.text in decode(llm.engine, submitted[before]) for c in chunks)
     with pytest.raises(ValueError, match=r"chunks\[1\] is a str"):
-        llm.complete_chunks(iter([chunks[0], "not a chunk"]), "q?")  # type: ignore[list-item]
+        llm.complete_chunks(iter([chunks[0], "not a chunk"]), "q?")  # type: ignore[arg-type]

@@ -8,6 +8,7 @@
 
 from __future__ import annotations
 
+import json
 from collections.abc import Iterator
 from typing import Any
 
@@ -26,7 +27,7 @@ def docs(*names: str) -> list[Document]:
 
 
 def state(planner: CraftPlanner) -> str:
-    return planner.to_json()
+    return json.dumps(planner.to_json(), sort_keys=True)
 
 
 # ---- item 3: one-shot iterables -------------------------------------------------------------

@@ -28,7 +28,7 @@ When are chunks dropped as "sent in an earlier turn"?
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any, Literal
 
@@ -234,7 +234,7 @@ class CraftReorderPostprocessor(BaseNodePostprocessor):
 
     def reorder(
         self,
-        nodes: Sequence[NodeWithScore],
+        nodes: Iterable[NodeWithScore],
         query: QueryType | None = None,
         *,
         conversation_id: object = None,
