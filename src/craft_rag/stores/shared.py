@@ -167,13 +167,22 @@ def config_fingerprint(config: Any) -> str:
 
 class ReplayClock:
     """The planner's clock in shared mode: ``base()`` normally, the replayed entry's time while
-    an entry is applied (so every worker stamps the same times). Owner: the planner's lock."""
+    an entry is applied (so every worker stamps the same times). Owner: the planner's lock.
 
-    __slots__ = ("base", "pinned")
+    Entries are stamped by their committers' clocks, so a later seq may carry an earlier time
+    (two workers racing); :meth:`pin` never goes back (``floor``), which keeps the registry's
+    LRU order and the tree's access times monotone in log order, identically in every worker.
+    """
+
+    __slots__ = ("base", "floor", "pinned")
 
     def __init__(self, base: Callable[[], float]) -> None:
         self.base = base
         self.pinned: float | None = None
+        self.floor = float("-inf")
+
+    def pin(self, ts: float) -> None:
+        self.floor = self.pinned = max(ts, self.floor)
 
     def __call__(self) -> float:
         return self.base() if self.pinned is None else self.pinned
