@@ -28,6 +28,7 @@ from pathlib import Path
 from typing import Any
 
 from craft_rag.prompt import DEFAULT_INSTRUCTIONS, PromptFormat
+from craft_rag.tokenizer import check_text
 
 # Sentinels: plain ASCII words that no template rewrites and no tokenizer special-cases.
 _USER_1 = "CRAFTUSERONESENTINEL"
@@ -196,6 +197,18 @@ def _special_tokens(model_dir: Path) -> dict[str, str]:
     return out
 
 
+def _control_strings(model_dir: Path) -> tuple[str, ...]:
+    """The added-token strings of ``model_dir/tokenizer.json`` (none without the file)."""
+    import json
+
+    path = model_dir / "tokenizer.json"
+    if not path.is_file():
+        return ()
+    data = json.loads(path.read_text(encoding="utf-8"))
+    tokens = data.get("added_tokens") or []
+    return tuple(t["content"] for t in tokens if isinstance(t, dict) and t.get("content"))
+
+
 def model_renderer(model_dir: str | os.PathLike[str]) -> RenderFn:
     """A :data:`RenderFn` for the chat template of the local model folder ``model_dir`` (its
     special-token strings included). ``FileNotFoundError`` when it has no template."""
@@ -213,9 +226,25 @@ def derive_chat_format(
 ) -> PromptFormat:
     """The chat-correct :class:`PromptFormat` of the model in ``model_dir``.
 
+    ``system_prompt`` and ``instructions`` become part of the trusted head (tokenized with the
+    template's control tokens), so they may not spell a control token of the model's
+    tokenizer (``ValueError`` naming them; likewise for lone surrogates).
+
     Reads the folder's chat template (no tokenizer or model is loaded). ``FileNotFoundError``
     when there is none, ``ValueError`` when it is not append-only. Cost: milliseconds.
     """
+    controls = _control_strings(Path(model_dir))
+    for name, text in (("system_prompt", system_prompt), ("instructions", instructions)):
+        if text is None:
+            continue
+        check_text(text, name)
+        spelled = [c for c in controls if c in text]
+        if spelled:
+            msg = (
+                f"{name} spells the control token {spelled[0]!r}; it is rendered into the "
+                "prompt's trusted head, so remove control-token strings from it"
+            )
+            raise ValueError(msg)
     pieces = extract_chat_pieces(model_renderer(model_dir), system_prompt)
     return format_from_pieces(pieces, instructions=instructions, chunk=chunk, question=question)
 
