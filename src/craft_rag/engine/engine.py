@@ -74,6 +74,7 @@ from craft_rag.engine.server_driver import ServerDriver
 from craft_rag.engine.vllm_backend import EngineSettings, EngineStartError, VLLMBackend
 from craft_rag.metrics import chunks_inside_cache, chunks_with_cached_blocks
 from craft_rag.prompt import DEFAULT_INSTRUCTIONS, PromptAssembler, PromptFormat
+from craft_rag.stores.base import StateStore
 from craft_rag.tokenizer import HFTokenizer, Tokenizer
 from craft_rag.types import ChunkKey
 
@@ -135,6 +136,32 @@ def _default_planner() -> PlannerLike:
     return CraftPlanner(PlannerConfig(policy="tree"))
 
 
+def _store_planners(
+    store: StateStore | str,
+    planner: PlannerLike | None,
+    salt_planner_factory: Callable[[], PlannerLike] | None,
+) -> tuple[PlannerLike, Callable[[CacheSalt], PlannerLike]]:
+    """The default planner and the per-salt factory of an engine with ``store=``: one store
+    namespace per salt, every planner configured like the default one."""
+    from craft_rag.planner import CraftPlanner, PlannerConfig
+    from craft_rag.stores import DEFAULT_NAMESPACE, as_store, namespace_for_salt
+
+    if planner is not None or salt_planner_factory is not None:
+        msg = (
+            "store: pass either store= (the engine makes its planners) or planner=/"
+            "salt_planner_factory= with CraftPlanner(config, store=..., namespace=...)"
+        )
+        raise ValueError(msg)
+    shared = as_store(store)
+    config = PlannerConfig(policy="tree")
+    default = CraftPlanner(config, store=shared, namespace=DEFAULT_NAMESPACE)
+
+    def for_salt(salt: CacheSalt) -> PlannerLike:
+        return CraftPlanner(config, store=shared, namespace=namespace_for_salt(salt))
+
+    return default, for_salt
+
+
 class CraftEngine:
     """One in-process vLLM engine with prefix caching, fed CRAFT-planned prompts.
 
@@ -163,6 +190,7 @@ class CraftEngine:
         chat_renderer: RenderFn | None = None,
         history_budget: HistoryBudget | None = DEFAULT_HISTORY_BUDGET,
         server: str | ServerSettings | None = None,
+        store: StateStore | str | None = None,
     ) -> None:
         """Start the engine. ``backend``/``tokenizer``/``block_hasher``/``chat_renderer``
         replace the vLLM and model pieces (tests use fakes); by default the model is resolved
@@ -182,13 +210,23 @@ class CraftEngine:
         of the served model's tokenizer and chat template (see
         :mod:`craft_rag.engine.server_backend`; ``ServerUnavailable``/``ValueError`` name the fix).
 
+        ``store``: planner state shared with other workers (``memory://``,
+        ``sqlite:///path/state.db``, ``redis://host:6379/0``; see :mod:`craft_rag.stores`): the
+        default planner uses the store's ``default`` namespace and each cache salt its own
+        namespace (:func:`craft_rag.stores.namespace_for_salt`), so tenants share no state.
+        Not combined with ``planner``/``salt_planner_factory`` (give your planner ``store=``).
+
         ``ImportError`` (vLLM or converter missing) and :class:`EngineStartError` name the fix.
         """
         self.settings = settings or EngineSettings()
+        salted_factory = None
+        if store is not None:
+            planner, salted_factory = _store_planners(store, planner, salt_planner_factory)
         self._namespaces = PlannerNamespaces(
             planner if planner is not None else _default_planner(),
             salt_planner_factory,
             max_salted=max_salt_namespaces,
+            salted_factory=salted_factory,
         )
         self._ids = itertools.count(1)
         self._plans_lock = threading.Lock()

@@ -132,7 +132,10 @@ class PlannerNamespaces:
         factory: Callable[[], PlannerLike] | None = None,
         *,
         max_salted: int = DEFAULT_MAX_SALT_NAMESPACES,
+        salted_factory: Callable[[CacheSalt], PlannerLike] | None = None,
     ) -> None:
+        """``salted_factory(salt)``, when given, makes each salt's planner instead of
+        ``factory`` (the engine's ``store=`` uses it: each salt gets its own store namespace)."""
         if not isinstance(max_salted, int) or max_salted < 1:
             msg = f"max_salt_namespaces must be an int >= 1, got {max_salted!r}"
             raise ValueError(msg)
@@ -141,6 +144,7 @@ class PlannerNamespaces:
         self._default = default
         self._custom_factory = factory
         self._factory = factory or planner_factory_like(default)
+        self._salted_factory = salted_factory
         self._salted: OrderedDict[CacheSalt, PlannerLike] = OrderedDict()  # owner: _lock
 
     @property
@@ -163,7 +167,10 @@ class PlannerNamespaces:
         with self._lock:
             planner = self._salted.get(salt)
             if planner is None:
-                planner = self._factory()
+                if self._salted_factory is not None:
+                    planner = self._salted_factory(salt)
+                else:
+                    planner = self._factory()
                 self._salted[salt] = planner
                 while len(self._salted) > self.max_salted:
                     self._salted.popitem(last=False)
