@@ -22,6 +22,7 @@ from craft_rag.metrics import (
 from craft_rag.planner import CraftPlanner, PlannerConfig
 from craft_rag.prefix_cache_sim import SimulatedPrefixCache
 from craft_rag.prompt import AssembledPrompt, PromptAssembler, PromptFormat
+from craft_rag.stores import DEFAULT_NAMESPACE, StateStore
 from craft_rag.tokenizer import Tokenizer
 from craft_rag.trace import TraceRequest
 from craft_rag.types import ChunkKey, ConversationId
@@ -133,13 +134,18 @@ def replay(
     max_model_len: int | None = None,
     max_tokens: int = 0,
     on_served: Callable[[ServedRequest], None] | None = None,
+    store: StateStore | str | None = None,
+    namespace: str = DEFAULT_NAMESPACE,
 ) -> ReplayResult:
     """Replay ``requests`` in order under ``config``; all state starts empty. Conversations
     render append-only; a turn's history is the previous prompt plus its ``answer`` (empty if
     the trace has none). With ``max_model_len``, whole oldest turns are dropped while
     ``prompt + max_tokens`` would exceed it, as the engine does (paper §4.3); a turn that
-    cannot fit alone raises ``ValueError``."""
-    planner = CraftPlanner(config)
+    cannot fit alone raises ``ValueError``. With ``store`` (a URL or
+    :class:`~craft_rag.stores.StateStore`) the planner's state lives in that store's
+    ``namespace`` (shared with other replay workers; it starts with what the store holds),
+    while the simulated prefix cache stays this process's own."""
+    planner = CraftPlanner(config, store=store, namespace=namespace)
     assembler = PromptAssembler(tokenizer, prompt_format)
     cache = SimulatedPrefixCache(block_size, cache_tokens)
     # Per conversation: the stored turns, each [chunks][question tail][answer close].
