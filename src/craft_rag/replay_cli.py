@@ -64,6 +64,14 @@ def add_replay_parser(subparsers: Any) -> None:
         help="prompt rendering: the embedded model's chat format (as the engine renders it) or "
         "plain text; auto = chat when the model's tokenizer is used",
     )
+    p.add_argument(
+        "--store",
+        default=None,
+        metavar="URL",
+        help="keep planner state in a shared store (memory://, sqlite:///path/state.db, "
+        "redis://host:6379/0; namespace replay-<policy>): several replays sharing one store "
+        "act as workers of one deployment (see docs/deployment.md)",
+    )
     p.add_argument("--json", action="store_true", help="print one JSON object")
     p.set_defaults(func=run_replay)
 
@@ -108,6 +116,8 @@ def run_replay(args: argparse.Namespace) -> int:
                 cache_tokens=args.cache_tokens,
                 max_model_len=args.max_model_len,
                 max_tokens=args.max_tokens,
+                store=args.store,
+                namespace=f"replay-{policy}",
             )
         )
     if args.json:
