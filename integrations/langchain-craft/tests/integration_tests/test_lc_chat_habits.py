@@ -10,7 +10,7 @@ from typing import Any
 import pytest
 from langchain_core.documents import Document
 from langchain_core.messages import AIMessage, BaseMessage, HumanMessage
-from langchain_core.runnables import RunnableLambda
+from langchain_core.runnables import RunnableConfig, RunnableLambda
 from langchain_craft import ChatCraftVLLM, CraftConversation, CraftVLLM
 
 pytestmark = pytest.mark.engine
@@ -55,7 +55,7 @@ def test_conversation_condenses_follow_ups_on_the_cached_prefix(craft_engine: An
         retriever=RunnableLambda(spy),
         get_session_history=lambda _: history,
     )
-    config = {"configurable": {"session_id": f"lc-condense-{uuid.uuid4().hex[:8]}"}}
+    config: RunnableConfig = {"configurable": {"session_id": f"lc-condense-{uuid.uuid4().hex[:8]}"}}
     first = chat.invoke("Who wrote Hamlet?", config)
     # Turn 1: nothing to condense, no extra request.
     assert first.response_metadata["craft_condense"]["method"] == "none"
@@ -87,7 +87,7 @@ def test_conversation_condenses_follow_ups_on_the_cached_prefix(craft_engine: An
         retriever=RunnableLambda(spy2),
         condense=False,
     )
-    cfg = {"configurable": {"session_id": f"lc-plain-{uuid.uuid4().hex[:8]}"}}
+    cfg: RunnableConfig = {"configurable": {"session_id": f"lc-plain-{uuid.uuid4().hex[:8]}"}}
     plain.invoke("Who wrote Hamlet?", cfg)
     plain.invoke("Who was his mother?", cfg)
     assert spy2.queries == ["Who wrote Hamlet?", "Who was his mother?"]
@@ -101,7 +101,8 @@ async def test_async_conversation_condenses_too(craft_engine: Any) -> None:
         retriever=RunnableLambda(spy),
         get_session_history=lambda _: history,
     )
-    config = {"configurable": {"session_id": f"lc-acondense-{uuid.uuid4().hex[:8]}"}}
+    session = f"lc-acondense-{uuid.uuid4().hex[:8]}"
+    config: RunnableConfig = {"configurable": {"session_id": session}}
     await chat.ainvoke("Who wrote Hamlet?", config)
     chunks = [c async for c in chat.astream("Who was his mother?", config)]
     last = chunks[-1]
@@ -111,10 +112,10 @@ async def test_async_conversation_condenses_too(craft_engine: Any) -> None:
 
 def test_reuse_report_on_every_output_path(craft_engine: Any) -> None:
     chat = ChatCraftVLLM(engine=craft_engine, max_tokens=2)
-    messages = [HumanMessage(content="Say one word.")]
+    messages: list[BaseMessage] = [HumanMessage(content="Say one word.")]
     outputs: list[AIMessage] = [chat.invoke(messages), *chat.batch([messages, messages])]
     streamed = list(chat.stream(messages))
-    outputs.append(streamed[-1])  # type: ignore[arg-type]
+    outputs.append(streamed[-1])
     for out in outputs:
         assert out.response_metadata["craft"]["prompt_tokens"] > 0
         assert out.usage_metadata is not None
@@ -133,10 +134,10 @@ def test_reuse_report_on_every_output_path(craft_engine: Any) -> None:
 
 async def test_reuse_report_on_async_paths(craft_engine: Any) -> None:
     chat = ChatCraftVLLM(engine=craft_engine, max_tokens=2)
-    messages = [HumanMessage(content="Say one word.")]
+    messages: list[BaseMessage] = [HumanMessage(content="Say one word.")]
     outs = [await chat.ainvoke(messages), *(await chat.abatch([messages]))]
     chunks = [c async for c in chat.astream(messages)]
-    outs.append(chunks[-1])  # type: ignore[arg-type]
+    outs.append(chunks[-1])
     assert all(o.response_metadata["craft"]["prompt_tokens"] > 0 for o in outs)
 
 
@@ -146,7 +147,7 @@ def test_token_counts_model_name_and_bind_tools(craft_engine: Any) -> None:
     expected = craft_engine.assembler.tokenizer.encode(text)
     assert chat.get_token_ids(text) == list(expected)
     assert chat.get_num_tokens(text) == len(expected) > 3
-    messages = [HumanMessage(content="Who wrote Hamlet?")]
+    messages: list[BaseMessage] = [HumanMessage(content="Who wrote Hamlet?")]
     counted = chat.get_num_tokens_from_messages(messages)
     assert counted == len(craft_engine.message_token_ids([("user", "Who wrote Hamlet?")]))
     # The served prompt has exactly that many tokens.
