@@ -274,6 +274,7 @@ def _serve(engine: CraftEngine, start: Callable[[str], Turner], conv: ChatConver
     from craft_rag.engine import DEFAULT_HISTORY_BUDGET
 
     engine.reset_prefix_cache()
+    saved = engine.conversations.history_budget
     engine.conversations.history_budget = (
         None if system == "craft_nobudget" else DEFAULT_HISTORY_BUDGET
     )
@@ -300,7 +301,7 @@ def _serve(engine: CraftEngine, start: Callable[[str], Turner], conv: ChatConver
             "answer": "".join(pieces).strip(),
             "golds": list(t.golds),
         })
-    engine.conversations.history_budget = DEFAULT_HISTORY_BUDGET
+    engine.conversations.history_budget = saved
     return rows
 
 
