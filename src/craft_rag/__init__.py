@@ -10,7 +10,8 @@ from craft_rag.metrics import prefix_overlap, total_overlap
 from craft_rag.ordering import ORDERING_POLICIES, get_policy
 from craft_rag.planner import CommitResult, CraftPlanner, Plan, PlannerConfig
 from craft_rag.prefix_tree import ChunkPrefixTree, KVLocation, PrefixMatch
-from craft_rag.types import BlockHash, ChunkKey, ConversationId
+from craft_rag.types import BlockHash, ChunkKey, ConversationId, as_block_hash
+from craft_rag.validation import validate_conversation_id
 
 __all__ = [
     "ORDERING_POLICIES",
@@ -27,10 +28,12 @@ __all__ = [
     "Plan",
     "PlannerConfig",
     "PrefixMatch",
+    "as_block_hash",
     "content_key",
     "get_policy",
     "make_chunk",
     "prefix_overlap",
     "total_overlap",
+    "validate_conversation_id",
 ]
 __version__ = "0.1.0"

@@ -127,6 +127,10 @@ class ConversationRegistry:
             msg = f"ordered: must be distinct non-empty chunk keys, got {list(turn)[:5]!r}"
             raise ValueError(msg)
         now = self._clock()
+        if self._states:
+            # Never behind the newest entry (a clock that stepped back, or state loaded from a
+            # process whose clock ran ahead): the LRU order must follow last_used.
+            now = max(now, next(reversed(self._states.values())).last_used)
         state = self._live(conversation_id)
         if state is None:
             state = ConversationState()
@@ -249,6 +253,11 @@ class ConversationRegistry:
                 last_used=last_used,
                 live_from=live_from,
             )
+        # Times past this process's clock (saved by a process whose clock ran ahead, e.g. a
+        # monotonic clock before a reboot) are brought back to now, keeping their order.
+        now = reg._clock()
+        for state in states.values():
+            state.last_used = min(state.last_used, now)
         reg._states = states
         return reg
 

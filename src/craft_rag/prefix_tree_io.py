@@ -34,6 +34,9 @@ if TYPE_CHECKING:
 
 FORMAT = "craft-rag/prefix-tree/v1"
 _HEX = re.compile(r"(?:[0-9a-fA-F]{2})+")
+# Counters that grow by one per event get headroom below MAX_INT, so a loaded tree can run (and
+# be saved and loaded again) for 2**62 more events.
+_MAX_COUNTER = 2**62
 _NODE_FIELDS = ("parent", "key", "span", "location", "blocks", "hits", "last_access")
 
 
@@ -102,7 +105,9 @@ def tree_from_json(
                     f"block hash {h.hex()} is already held by nodes[{first}]; a block names "
                     "one node",
                 )
-        stamp = state_int(item.get("stamp", -1), state_path(where, "stamp"), minimum=-1)
+        stamp = state_int(
+            item.get("stamp", -1), state_path(where, "stamp"), minimum=-1, maximum=_MAX_COUNTER
+        )
         if stamp >= 0:
             other = stamps.setdefault(stamp, i)
             if other != i:
@@ -117,7 +122,9 @@ def tree_from_json(
             token_end=end,
             location=location,
             block_hashes=hashes,
-            hit_count=state_int(item["hits"], state_path(where, "hits"), minimum=0),
+            hit_count=state_int(
+                item["hits"], state_path(where, "hits"), minimum=0, maximum=_MAX_COUNTER
+            ),
             last_access=state_number(item["last_access"], state_path(where, "last_access")),
             heap_stamp=stamp,
         )
@@ -134,7 +141,9 @@ def tree_from_json(
     least = max(stamps, default=-1) + 1
     if "next_stamp" in data:
         next_path = state_path(path, "next_stamp")
-        tree._next_stamp = state_int(data["next_stamp"], next_path, minimum=least)
+        tree._next_stamp = state_int(
+            data["next_stamp"], next_path, minimum=least, maximum=_MAX_COUNTER
+        )
     else:
         tree._next_stamp = least
     tree._rebuild_heap()
