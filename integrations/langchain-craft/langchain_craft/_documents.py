@@ -18,6 +18,7 @@ from langchain_core.runnables import RunnableConfig
 
 from craft_rag import Chunk, Plan, content_key, make_chunk
 from craft_rag.tokenizer import check_text
+from craft_rag.validation import validate_conversation_id as validate_conversation_id
 
 DEFAULT_CONVERSATION_KEYS: tuple[str, ...] = ("conversation_id", "session_id", "thread_id")
 """Keys of ``config["configurable"]`` read, in this order, as the conversation id."""
@@ -213,33 +214,14 @@ def plan_summary(plan: Plan, *, committed: bool) -> dict[str, Any]:
     }
 
 
-def validate_conversation_id(value: object, field: str = "conversation_id") -> str | None:
-    """The one rule for conversation ids in this package: ``None`` is "no conversation";
-    a non-empty ``str``, an ``int`` (not ``bool``) or a ``UUID`` is an id, as a string
-    (``0`` is the conversation ``"0"``, never "none"). Anything else: ``ValueError`` naming
-    ``field``. Framework ids (LangGraph thread ids are often ints or UUIDs) are turned into
-    the core's string ids here, at the boundary. O(len(value))."""
-    if value is None:
-        return None
-    if isinstance(value, bool) or not isinstance(value, str | int | UUID):
-        msg = (
-            f"{field} must be a non-empty str, an int or a UUID (None: no conversation), "
-            f"got {type(value).__name__} {value!r}"
-        )
-        raise ValueError(msg)
-    text = check_text(str(value), field)
-    if not text.strip():
-        msg = f"{field} must not be empty or blank (None: no conversation), got {value!r}"
-        raise ValueError(msg)
-    return text
-
-
 def conversation_id_from_config(
     config: RunnableConfig | Mapping[str, Any] | None, keys: Sequence[str]
 ) -> str | None:
-    """The first of ``keys`` set (not ``None``) in ``config["configurable"]``, normalised by
-    :func:`validate_conversation_id`; else ``None``. A bad value raises ``ValueError`` naming
-    the key (LangGraph thread ids are often UUIDs or ints: both are accepted)."""
+    """The first of ``keys`` set (not ``None``) in ``config["configurable"]``, as the core's
+    conversation id (:func:`craft_rag.validation.validate_conversation_id`: a non-empty
+    string); else ``None``. A LangGraph/LangChain thread or session id that is a ``UUID`` or an
+    ``int`` is the framework's own id type and becomes its string (``0`` -> ``"0"``); anything
+    else that is not a non-empty string raises ``ValueError`` naming the key."""
     if not config:
         return None
     configurable = config.get("configurable") or {}
@@ -247,5 +229,7 @@ def conversation_id_from_config(
         value = configurable.get(key)
         if value is None:
             continue
+        if isinstance(value, UUID) or (isinstance(value, int) and not isinstance(value, bool)):
+            value = str(value)
         return validate_conversation_id(value, f'config["configurable"][{key!r}]')
     return None

@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 from collections.abc import Iterator
 from typing import Any
+from uuid import UUID
 
 import pytest
 from langchain_core.documents import Document
@@ -119,7 +120,7 @@ def test_lone_surrogates_name_the_field() -> None:
 # ---- item 13 / issue 15 item 1: conversation ids ------------------------------------------------
 
 
-@pytest.mark.parametrize(("value", "expected"), [(0, "0"), ("0", "0"), (7, "7"), (None, None)])
+@pytest.mark.parametrize(("value", "expected"), [("0", "0"), ("c-7", "c-7"), (None, None)])
 def test_one_rule_for_conversation_ids(value: Any, expected: str | None) -> None:
     assert validate_conversation_id(value) == expected
     step = CraftReorder(keeps_earlier_chunks=True)
@@ -132,9 +133,19 @@ def test_one_rule_for_conversation_ids(value: Any, expected: str | None) -> None
         assert out.plan.conversation_id == expected
 
 
-@pytest.mark.parametrize("bad", [True, "", "  ", 1.5, b"x", ["c"]])
+@pytest.mark.parametrize(("thread_id", "expected"), [(0, "0"), (UUID(int=7), str(UUID(int=7)))])
+def test_framework_thread_ids_become_their_string(thread_id: Any, expected: str) -> None:
+    out = CraftReorder(keeps_earlier_chunks=True).invoke(
+        docs("a"), {"configurable": {"thread_id": thread_id}}
+    )
+    assert isinstance(out, CraftDocuments) and out.plan is not None
+    assert out.plan.conversation_id == expected
+
+
+@pytest.mark.parametrize("bad", [0, 7, True, "", 1.5, b"x", ["c"]])
 def test_bad_conversation_ids_are_value_errors(bad: Any) -> None:
-    with pytest.raises(ValueError, match="conversation"):
+    """``0`` is never "no conversation": as an argument it is refused (pass "0")."""
+    with pytest.raises(ValueError, match="conversation_id"):
         validate_conversation_id(bad)
     with pytest.raises(ValueError, match="conversation_id"):
         CraftReorder(conversation_id=bad)

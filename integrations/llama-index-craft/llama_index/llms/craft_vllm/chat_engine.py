@@ -126,7 +126,7 @@ class CraftChatEngine(BaseChatEngine):
         self._retriever = retriever
         self._llm = llm
         self._memory = memory if memory is not None else ChatMemoryBuffer.from_defaults(llm=llm)
-        conv = validate_conversation_id(conversation_id)  # 0 is the conversation "0"
+        conv = validate_conversation_id(conversation_id)  # None: a fresh id; 0/"": ValueError
         self.conversation_id = conv if conv is not None else f"llama-index-chat-{uuid.uuid4().hex}"
         self.cache_salt = cache_salt if cache_salt is not None else llm.cache_salt
         self._postprocessors = list(node_postprocessors)

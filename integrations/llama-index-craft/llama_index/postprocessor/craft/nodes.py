@@ -18,7 +18,6 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Literal
-from uuid import UUID
 
 from llama_index.core.schema import (
     BaseNode,
@@ -32,6 +31,7 @@ from llama_index.core.schema import (
 from craft_rag import Chunk, content_key, make_chunk
 from craft_rag.tokenizer import check_text
 from craft_rag.types import ChunkKey
+from craft_rag.validation import validate_conversation_id as validate_conversation_id
 
 KeySource = Literal["node_id", "content_hash"]
 KEY_SOURCES: tuple[KeySource, ...] = ("node_id", "content_hash")
@@ -79,26 +79,6 @@ def node_key(node: BaseNode, key_source: KeySource) -> str | None:
         return None
     msg = f"unknown key_source {key_source!r}; choose one of {list(KEY_SOURCES)}"
     raise ValueError(msg)
-
-
-def validate_conversation_id(value: object, field: str = "conversation_id") -> str | None:
-    """The one rule for conversation ids in this package: ``None`` is "no conversation"; a
-    non-empty ``str``, an ``int`` (not ``bool``) or a ``UUID`` is an id, as a string (``0`` is
-    the conversation ``"0"``). Anything else: ``ValueError`` naming ``field``. Framework ids
-    (ints, UUIDs) become the core's string ids here, at the boundary."""
-    if value is None:
-        return None
-    if isinstance(value, bool) or not isinstance(value, str | int | UUID):
-        msg = (
-            f"{field} must be a non-empty str, an int or a UUID (None: no conversation), "
-            f"got {type(value).__name__} {value!r}"
-        )
-        raise ValueError(msg)
-    text = check_text(str(value), field)
-    if not text.strip():
-        msg = f"{field} must not be empty or blank (None: no conversation), got {value!r}"
-        raise ValueError(msg)
-    return text
 
 
 def split_nodes(nodes: Sequence[NodeWithScore], key_source: KeySource) -> SplitNodes:
