@@ -202,7 +202,7 @@ class CraftReorderPostprocessor(BaseNodePostprocessor):
 
     def _conversation(self, conversation_id: object) -> str | None:
         """The conversation to plan with: ``None`` unless :attr:`deduplicates`."""
-        conv = validate_conversation_id(conversation_id)
+        conv: str | None = validate_conversation_id(conversation_id)
         if conv is None:
             conv = self.conversation_id
         return conv if self.deduplicates else None
