@@ -127,13 +127,17 @@ class Dataset:
 
 
 def _folder(data_dir: Path | None, name: str) -> Path:
-    root = Path(data_dir) if data_dir is not None else shared_data_dir()
+    if data_dir is not None:
+        root, source = Path(data_dir), f"data_dir/--data-dir {data_dir} (or CRAFT_RAG_DATA)"
+        if not root.is_dir():
+            msg = f"{source} is not an existing folder; pass the shared/data folder"
+            raise FileNotFoundError(msg)
+    else:
+        root = shared_data_dir()
+        source = f"CRAFT_RAG_DATA (currently {root})"
     folder = root / name
     if not folder.is_dir():
-        msg = (
-            f"dataset folder {folder} not found; set CRAFT_RAG_DATA to the shared/data folder "
-            f"that holds {name}/ (currently {root})"
-        )
+        msg = f"dataset folder {folder} not found; point {source} at the folder holding {name}/"
         raise FileNotFoundError(msg)
     return folder
 

@@ -21,12 +21,12 @@ import sys
 import time
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass
-from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from tqdm import tqdm
 
 from craft_rag.chunk import make_chunk
+from craft_rag.cli_args import check_input_file, int_range, non_negative_int, seed_int
 from craft_rag.planner import CraftPlanner, PlannerConfig
 from craft_rag.replay import percentile
 from craft_rag.trace import TraceRequest, read_trace
@@ -160,13 +160,20 @@ def add_demo_parser(subparsers: Any) -> None:
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     p.add_argument("--trace", help="replay-format trace to serve (default: built from SQuAD)")
-    p.add_argument("--requests", type=int, default=40, help="requests (default 40)")
-    p.add_argument("--top-k", type=int, default=5)
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--max-tokens", type=int, default=16, help="tokens generated per request")
-    p.add_argument("--block-size", type=int, default=32)
-    p.add_argument("--max-model-len", type=int, default=4096)
-    p.add_argument("--answers", type=int, default=3, help="answers to print (default 3)")
+    p.add_argument(
+        "--requests", type=int_range(1, 100_000), default=40, help="requests (default 40)"
+    )
+    p.add_argument("--top-k", type=int_range(1, 1000), default=5)
+    p.add_argument("--seed", type=seed_int, default=0)
+    p.add_argument(
+        "--max-tokens", type=int_range(1, 1 << 20), default=16,
+        help="tokens generated per request",
+    )
+    p.add_argument("--block-size", type=int_range(1, 1 << 16), default=32)
+    p.add_argument("--max-model-len", type=int_range(1, 1 << 24), default=4096)
+    p.add_argument(
+        "--answers", type=non_negative_int, default=3, help="answers to print (default 3)"
+    )
     p.add_argument(
         "--systems",
         default=",".join(s.name for s in SYSTEMS),
@@ -180,26 +187,25 @@ def add_demo_parser(subparsers: Any) -> None:
 def run_demo(args: argparse.Namespace) -> int:
     # vLLM logs every cache reset at INFO on stdout; the demo's table is the output that matters.
     os.environ.setdefault("VLLM_LOGGING_LEVEL", "ERROR")
-    from craft_rag.engine import CraftEngine, EngineSettings
-
-    if args.requests < 1:
-        msg = f"--requests must be >= 1, got {args.requests}"
-        raise ValueError(msg)
     by_name = {s.name: s for s in SYSTEMS}
     names = [n.strip() for n in args.systems.split(",") if n.strip()]
     unknown = [n for n in names if n not in by_name]
     if unknown or not names:
-        msg = f"unknown system(s) {unknown}; choose from {sorted(by_name)}"
+        what = f"unknown system(s) {unknown}" if unknown else "no system given"
+        msg = f"--systems: {what}; choose from {','.join(sorted(by_name))}"
         raise ValueError(msg)
     progress = not args.no_progress
     started = time.perf_counter()
-    if args.trace:
-        trace = read_trace(Path(args.trace))[: args.requests]
+    if args.trace is not None:
+        trace = read_trace(check_input_file(args.trace, "--trace"), limit=args.requests)
     else:
         trace = default_trace(args.requests, args.top_k, args.seed)
     if not trace:
-        msg = "the trace has no requests"
+        msg = f"the trace {args.trace} has no requests; pass a trace with at least one JSON line"
         raise ValueError(msg)
+    # Imported only now (vLLM takes seconds): every input above was checked first.
+    from craft_rag.engine import CraftEngine, EngineSettings
+
     settings = EngineSettings(block_size=args.block_size, max_model_len=args.max_model_len)
     results: dict[str, SystemResult] = {}
     answers: list[tuple[str, str]] = []

@@ -27,12 +27,23 @@ def index_cache_dir() -> Path:
 
 
 def shared_data_dir() -> Path:
-    """shared/data: ``CRAFT_RAG_DATA`` if set, else ``../shared/data`` from the checkout root
-    or the working directory. Raises ``FileNotFoundError`` naming the variable to set."""
+    """shared/data: ``CRAFT_RAG_DATA`` if set (non-empty), else ``../shared/data`` from the
+    checkout root or the working directory. An explicit ``CRAFT_RAG_DATA`` that is not an
+    existing folder is an error (``FileNotFoundError`` naming it), never silently replaced by
+    the default location; no folder found raises ``FileNotFoundError`` naming the variable."""
     override = os.environ.get("CRAFT_RAG_DATA")
-    candidates = [Path(override)] if override else []
+    if override:
+        folder = Path(override).expanduser()
+        if not folder.is_dir():
+            what = "is not a folder" if folder.exists() else "does not exist"
+            msg = (
+                f"CRAFT_RAG_DATA={override} {what}; point it at the shared/data folder that holds "
+                "squad/, hotpotqa/, mtrag/ ... (or unset it to use ../shared/data)"
+            )
+            raise FileNotFoundError(msg)
+        return folder
     repo_root = Path(__file__).resolve().parents[2]
-    candidates += [repo_root.parent / "shared" / "data", Path.cwd().parent / "shared" / "data"]
+    candidates = [repo_root.parent / "shared" / "data", Path.cwd().parent / "shared" / "data"]
     for candidate in candidates:
         if candidate.is_dir():
             return candidate

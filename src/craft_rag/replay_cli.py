@@ -7,6 +7,7 @@ import json
 import sys
 from typing import Any
 
+from craft_rag.cli_args import check_input_file, int_range, non_negative_int, positive_int
 from craft_rag.ordering import DEFAULT_POLICY, ORDERING_POLICIES
 from craft_rag.paths import default_model_dir
 from craft_rag.planner import PlannerConfig
@@ -35,21 +36,26 @@ def add_replay_parser(subparsers: Any) -> None:
         default="all",
         help="ordering policy (default: all, side by side)",
     )
-    p.add_argument("--window", type=int, default=1000, help="CA-Table window in requests")
+    p.add_argument("--window", type=positive_int, default=1000, help="CA-Table window in requests")
     p.add_argument("--unlimited-window", action="store_true", help="no CA-Table window")
-    p.add_argument("--threshold", type=int, default=2, help="CP-Tree promotion threshold T")
+    p.add_argument(
+        "--threshold", type=positive_int, default=2, help="CP-Tree promotion threshold T"
+    )
     p.add_argument("--promotion", choices=["threshold", "served"], default=None)
     p.add_argument("--no-dedup", action="store_true", help="disable conversation dedup")
-    p.add_argument("--block-size", type=int, default=DEFAULT_BLOCK_SIZE)
-    p.add_argument("--cache-tokens", type=int, default=DEFAULT_CACHE_TOKENS)
+    p.add_argument("--block-size", type=int_range(1, 1 << 20), default=DEFAULT_BLOCK_SIZE)
+    p.add_argument("--cache-tokens", type=non_negative_int, default=DEFAULT_CACHE_TOKENS)
     p.add_argument(
         "--max-model-len",
-        type=int,
+        type=positive_int,
         default=None,
         help="drop oldest conversation turns to fit, as the engine does (engine default 4096)",
     )
     p.add_argument(
-        "--max-tokens", type=int, default=16, help="reply budget kept free (with --max-model-len)"
+        "--max-tokens",
+        type=non_negative_int,
+        default=16,
+        help="reply budget kept free (with --max-model-len)",
     )
     p.add_argument(
         "--tokenizer",
@@ -93,7 +99,13 @@ def _prompt_format(choice: str, tokenizer: Tokenizer) -> PromptFormat | None:
 
 
 def run_replay(args: argparse.Namespace) -> int:
+    """Handler of ``craft-rag replay``. Raises ``ValueError`` (exit 2 in :func:`craft_rag.cli.main`)
+    for a trace that is missing, not a file, malformed (naming the line) or empty."""
+    check_input_file(args.trace, "trace")
     requests = read_trace(args.trace)
+    if not requests:
+        msg = f"trace {args.trace} holds no requests; pass a trace with at least one JSON line"
+        raise ValueError(msg)
     tokenizer = _tokenizer(args.tokenizer)
     prompt_format = _prompt_format(args.prompt, tokenizer)
     policies = sorted(ORDERING_POLICIES) if args.policy == "all" else [args.policy]

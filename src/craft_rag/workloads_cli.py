@@ -12,17 +12,21 @@ import time
 from pathlib import Path
 from typing import Any
 
+from craft_rag.cli_args import (
+    check_output_file,
+    describe_error,
+    fail,
+    finite_float,
+    float_range,
+    int_range,
+    seed_int,
+)
 from craft_rag.datasets import LOADERS
 from craft_rag.retrieval.index import INDEX_KINDS
 from craft_rag.workloads import CORPUS_CHOICES, TraceConfig, build_trace, sharing_report
 
-
-def _positive_int(text: str) -> int:
-    value = int(text)
-    if value < 1:
-        msg = f"must be >= 1, got {value}"
-        raise argparse.ArgumentTypeError(msg)
-    return value
+MAX_TRACE_REQUESTS = 10_000_000
+"""--requests above this is refused: the trace is built in memory (~1 KB a request)."""
 
 
 def add_trace_parser(subparsers: Any) -> None:
@@ -41,30 +45,30 @@ def add_trace_parser(subparsers: Any) -> None:
     p.add_argument("--dataset", required=True, choices=list(LOADERS))
     p.add_argument(
         "--requests",
-        type=_positive_int,
+        type=int_range(1, MAX_TRACE_REQUESTS),
         default=None,
         help="trace length (default: every question/turn once, plus re-asks)",
     )
-    p.add_argument("--top-k", type=_positive_int, default=defaults.top_k)
+    p.add_argument("--top-k", type=int_range(1, 1000), default=defaults.top_k)
     p.add_argument(
         "--repeat",
-        type=float,
+        type=finite_float,
         default=defaults.repeat,
         help="single-turn: probability a request re-asks an earlier question (default %(default)s)",
     )
     p.add_argument(
         "--zipf",
-        type=float,
+        type=float_range(0.0, 100.0),
         default=defaults.zipf,
         help="single-turn: Zipf exponent of re-ask popularity, 0 = uniform (default %(default)s)",
     )
     p.add_argument(
         "--near-duplicates",
-        type=float,
+        type=finite_float,
         default=defaults.near_duplicates,
         help="single-turn: probability a re-ask is reworded (default %(default)s)",
     )
-    p.add_argument("--seed", type=int, default=defaults.seed)
+    p.add_argument("--seed", type=seed_int, default=defaults.seed)
     p.add_argument(
         "--corpus",
         choices=list(CORPUS_CHOICES),
@@ -72,17 +76,19 @@ def add_trace_parser(subparsers: Any) -> None:
         help="retrieve over the union of all passages or the dataset's own (default %(default)s)",
     )
     p.add_argument("--index", choices=list(INDEX_KINDS), default=defaults.index)
-    p.add_argument("--nlist", type=_positive_int, default=None, help="IVF lists (default ~4√n)")
-    p.add_argument("--nprobe", type=_positive_int, default=None, help="IVF lists scanned")
+    p.add_argument(
+        "--nlist", type=int_range(1, 1 << 20), default=None, help="IVF lists (default ~4√n)"
+    )
+    p.add_argument("--nprobe", type=int_range(1, 1 << 20), default=None, help="IVF lists scanned")
     p.add_argument(
         "--interleave",
         action="store_true",
         help="multi-turn: interleave conversations (seeded) instead of running them in order",
     )
-    p.add_argument("--concurrency", type=_positive_int, default=defaults.concurrency)
+    p.add_argument("--concurrency", type=int_range(1, 1 << 16), default=defaults.concurrency)
     p.add_argument(
         "--threads",
-        type=_positive_int,
+        type=int_range(1, 1024),
         default=None,
         help="torch threads for embedding (default: torch's choice, usually all cores)",
     )
@@ -99,6 +105,15 @@ def run_trace(args: argparse.Namespace) -> int:
 
     started = time.perf_counter()
     try:
+        # Before the expensive part (loading data, embedding a corpus): can we write the output,
+        # does the data folder exist?
+        if args.out != "-":
+            check_output_file(args.out, "--out")
+        if args.data_dir is not None and not args.data_dir.is_dir():
+            msg = (
+                f"--data-dir {args.data_dir} is not an existing folder; pass the shared/data folder"
+            )
+            raise FileNotFoundError(msg)
         config = TraceConfig(
             dataset=args.dataset,
             requests=args.requests,
@@ -122,9 +137,8 @@ def run_trace(args: argparse.Namespace) -> int:
         trace = build_trace(
             config, data_dir=args.data_dir, embedder=embedder, show_progress=not args.quiet
         )
-    except (ValueError, FileNotFoundError, ImportError) as e:
-        print(f"craft-rag trace: error: {e}", file=sys.stderr)
-        return 2
+    except (ValueError, OSError, ImportError) as e:
+        return fail("trace", describe_error(e))
     if args.out == "-":
         write_trace(trace, sys.stdout)
         sys.stdout.flush()

@@ -97,7 +97,9 @@ class BenchContext:
     """Options plus lazily built, cached resources of one bench process.
 
     ``trace_path``: serve this replay-format trace in every suite instead of the built
-    workloads. ``engine``: an existing engine to use (not closed by :meth:`close`).
+    workloads: the WHOLE trace (the suites' own sizes do not apply to it) unless
+    ``trace_requests`` caps it to its first N requests. ``engine``: an existing engine to use
+    (not closed by :meth:`close`).
     """
 
     sizes: BenchSizes = FULL
@@ -105,6 +107,7 @@ class BenchContext:
     seed: int = 0
     progress: bool = True
     trace_path: Path | None = None
+    trace_requests: int | None = None
     block_size: int = 32
     max_model_len: int = 4096
     engine: CraftEngine | None = None
@@ -146,14 +149,22 @@ class BenchContext:
     ) -> list[TraceRequest]:
         """The first ``requests`` requests of ``workload`` (cached). Single-turn workloads
         retrieve top-``top_k`` (default 5) from ONE IVF index over the union corpus; MTRAG
-        replays the passages shown per turn; ``trace`` is the ``--trace`` file, whose chunk
-        lists are cut to their first ``top_k`` when ``top_k`` is given."""
+        replays the passages shown per turn; ``trace`` is the ``--trace`` file, served whole
+        (``requests`` is ignored; ``trace_requests`` caps it), its chunk lists cut to their
+        first ``top_k`` when ``top_k`` is given. Files are read streamed
+        (:func:`craft_rag.trace.read_trace`)."""
         key = (workload, requests, top_k)
         if key in self._traces:
             return self._traces[key]
         if workload == CUSTOM_TRACE:
             assert self.trace_path is not None
-            trace = read_trace(self.trace_path)[:requests]
+            # The user's file is served whole unless they asked for fewer (issue 11 item 14:
+            # the suites' sizes used to cut it to 1,000 requests silently).
+            requests = self.trace_requests if self.trace_requests is not None else -1
+            key = (workload, requests, top_k)
+            if key in self._traces:
+                return self._traces[key]
+            trace = read_trace(self.trace_path, limit=self.trace_requests)
             if top_k is not None:
                 trace = [replace(r, chunks=r.chunks[:top_k]) for r in trace]
         else:

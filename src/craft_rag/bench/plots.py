@@ -31,9 +31,16 @@ def _plt() -> Any:
 
 
 def _save(fig: Any, path: Path) -> None:
+    """Write the PNG through :func:`craft_rag.files.atomic_writer` (private temp file renamed
+    into place: never a half-written figure, never through a symlink)."""
+    from craft_rag.files import atomic_writer
+
     fig.tight_layout()
-    fig.savefig(path, dpi=DPI)
-    _plt().close(fig)
+    try:
+        with atomic_writer(path, binary=True) as handle:
+            fig.savefig(handle, dpi=DPI, format="png")
+    finally:
+        _plt().close(fig)
 
 
 def plot_overlap(result: Mapping[str, Any], path: Path) -> None:

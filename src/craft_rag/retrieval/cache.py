@@ -4,25 +4,25 @@ Layout: ``<cache_dir>/embeddings/<key>.npy`` (float32, ``(n, dim)``) plus ``<key
 key covers, for humans). The key is sha256 over the embedder's ``model_id`` and every passage's
 id and content, in order: any change to the model, a passage, or the order gives a new file.
 Passages are cached in shards, one per contiguous run of the same dataset, so the union corpus
-and a single dataset's corpus share their shards. Writes go to a temporary file and are renamed
-into place, so concurrent builders never read a half-written file.
+and a single dataset's corpus share their shards. Writes go through
+:func:`craft_rag.files.atomic_writer` (a private temp file renamed into place, mode 0600), so
+concurrent builders never read a half-written file.
 """
 
 from __future__ import annotations
 
 import hashlib
 import json
-import os
 import sys
-import tempfile
 from collections.abc import Sequence
 from itertools import groupby
 from pathlib import Path
-from typing import Protocol
+from typing import IO, Protocol, cast
 
 import numpy as np
 
 from craft_rag.datasets import Passage
+from craft_rag.files import atomic_writer, write_atomic
 from craft_rag.paths import index_cache_dir
 from craft_rag.retrieval.embedder import Embeddings
 
@@ -58,17 +58,13 @@ def _load_shard(path: Path, n: int, dim: int) -> Embeddings | None:
 
 
 def _save_shard(folder: Path, key: str, array: Embeddings, meta: dict[str, object]) -> None:
+    """Write one shard (``.npy``, then its ``.json`` note) through
+    :func:`craft_rag.files.atomic_writer`: private (0600) temp files renamed into place, so a
+    crash leaves either no shard or a whole one (a truncated ``.npy`` is also recomputed)."""
     folder.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=folder, prefix=f".{key[:16]}-", suffix=".npy.tmp")
-    try:
-        with os.fdopen(fd, "wb") as handle:
-            np.save(handle, array, allow_pickle=False)
-        os.chmod(tmp, 0o644)  # mkstemp makes 0600; the cache is shared like any cache file
-        os.replace(tmp, folder / f"{key}.npy")
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
-    (folder / f"{key}.json").write_text(json.dumps(meta, indent=1), encoding="utf-8")
+    with atomic_writer(folder / f"{key}.npy", binary=True) as handle:
+        np.save(cast("IO[bytes]", handle), array, allow_pickle=False)
+    write_atomic(folder / f"{key}.json", json.dumps(meta, indent=1))
 
 
 def embed_passages(
