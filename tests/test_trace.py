@@ -100,8 +100,8 @@ def test_read_missing_file() -> None:
         (line(chunks={"id": "x"}), "'chunks' must be a list"),
         (line(chunks=["x"]), "chunks[0] must be an object"),
         (line(chunks=[{"id": "a", "text": "t"}, {"score": 1.0}]), "chunks[1]: chunk needs an 'id'"),
-        (line(chunks=[{"id": 5, "text": "t"}]), "chunks[0]: chunk 'id' must be a non-empty string"),
-        (line(chunks=[{"id": "a", "text": 5}]), "chunks[0]: chunk 'text' must be a string"),
+        (line(chunks=[{"id": 5, "text": "t"}]), "chunks[0]: chunk 'id': must be a string"),
+        (line(chunks=[{"id": "a", "text": 5}]), "chunks[0]: chunk 'text': must be a string"),
         (line(chunks=[{"id": "a", "num_tokens": -2}]), "'num_tokens'"),
         (line(chunks=[{"id": "a", "score": "high"}]), "'score'"),
         (line(conversation_id=3), "'conversation_id' must be a string"),
@@ -133,3 +133,64 @@ def test_errors_are_raised_lazily_after_good_lines() -> None:
     assert next(it).id == "r1"
     with pytest.raises(TraceFormatError, match="line 2"):
         next(it)
+
+
+# ---- streaming, caps and atomic writes (issue 11 items 4 and 15) ---------------------------------
+
+
+def test_write_trace_is_atomic_and_private(tmp_path: Path) -> None:
+    import os
+    import stat
+
+    path = tmp_path / "t.jsonl"
+    path.write_text("old\n", encoding="utf-8")
+
+    def failing() -> object:
+        yield parse_request(json.loads(GOOD), 1)
+        raise RuntimeError("retriever died")
+
+    with pytest.raises(RuntimeError, match="retriever died"):
+        write_trace(failing(), path)  # type: ignore[arg-type]
+    assert path.read_text(encoding="utf-8") == "old\n"  # untouched, no temp file left
+    assert os.listdir(tmp_path) == ["t.jsonl"]
+    write_trace([parse_request(json.loads(GOOD), 1)], path)
+    assert [r.id for r in read_trace(path)] == ["r1"]
+    assert stat.S_IMODE(path.stat().st_mode) == 0o600
+
+
+def test_read_trace_accepts_a_byte_order_mark_and_crlf(tmp_path: Path) -> None:
+    path = tmp_path / "t.jsonl"
+    path.write_bytes(b"\xef\xbb\xbf" + GOOD.encode() + b"\r\n" + GOOD.encode() + b"\r\n")
+    assert [r.id for r in read_trace(path)] == ["r1", "r1"]
+
+
+def test_read_trace_limit_stops_reading(tmp_path: Path) -> None:
+    path = tmp_path / "t.jsonl"
+    path.write_text(f"{GOOD}\n{GOOD}\nnot json\n", encoding="utf-8")
+    assert len(read_trace(path, limit=2)) == 2  # line 3 is never parsed
+    with pytest.raises(TraceFormatError, match="trace line 3"):
+        read_trace(path)
+    with pytest.raises(ValueError, match="limit"):
+        read_trace(path, limit=True)
+
+
+def test_line_caps_name_the_line(tmp_path: Path) -> None:
+    with pytest.raises(TraceFormatError, match="trace line 2: line longer than 10 characters"):
+        list(iter_trace([GOOD[:0] + "\n", "x" * 11 + "\n"], max_line_chars=10))
+    path = tmp_path / "t.jsonl"
+    path.write_bytes(b"\n" + b"y" * 11)  # no newline at the end
+    with pytest.raises(TraceFormatError, match="trace line 2: line longer than 10 bytes"):
+        read_trace(path, max_line_bytes=10)
+    path.write_bytes(b"\n" + b" " * 10 + b"\n")  # exactly at the cap: accepted (blank)
+    assert read_trace(path, max_line_bytes=10) == []
+
+
+def test_read_trace_refuses_folders_and_fifos(tmp_path: Path) -> None:
+    import os
+
+    with pytest.raises(IsADirectoryError, match="folder"):
+        read_trace(tmp_path)
+    fifo = tmp_path / "fifo"
+    os.mkfifo(fifo)
+    with pytest.raises(ValueError, match="not a regular file"):
+        read_trace(fifo)  # returns at once: never waits for a writer
