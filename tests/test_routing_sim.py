@@ -81,11 +81,13 @@ def test_every_policy_under_evictions_keeps_router_invariants(policy: str) -> No
 
 def test_one_replica_at_low_load_agrees_with_replay() -> None:
     """N = 1 with requests far apart is the single-engine replay: same planner settings, same
-    prompts, same cache, so exactly the same cached tokens."""
+    prompts, same cache, so exactly the same cached tokens (replay corrects its tree from
+    reuse reports only, so the simulator's eviction events are off here)."""
     trace = squad() + conversations_trace()
     tokenizer = HashingTokenizer()
     sim = simulate(prepare_trace(trace, tokenizer),
-                   SimConfig(replicas=1, policy="round_robin", capacity_tokens=2048, load=0.001))
+                   SimConfig(replicas=1, policy="round_robin", capacity_tokens=2048, load=0.001,
+                             kv_events=False))
     ref = replay(trace, PlannerConfig(policy="tree", promotion="served"), tokenizer,
                  cache_tokens=2048)
     assert sim.cached_token_fraction == pytest.approx(ref.reused_token_fraction, abs=1e-12)
@@ -176,3 +178,15 @@ def test_quick_suite_on_the_fixture(tmp_path: Path) -> None:
     assert any("craft_joint" in line for line in lines)
     plot(result, tmp_path / "routing.png")
     assert (tmp_path / "routing.png").read_bytes()[:4] == b"\x89PNG"
+
+
+def test_kv_events_keep_the_trees_true() -> None:
+    """With the caches' eviction events the router's predicted cached tokens track the real
+    ones; without them (reuse reports only) it over-predicts and places worse."""
+    prepared = prepare_trace(squad(), HashingTokenizer())
+    config = SimConfig(replicas=2, policy="craft_joint", capacity_tokens=1024)
+    with_events = simulate(prepared, config)
+    without = simulate(prepared, replace(config, kv_events=False))
+    assert abs(with_events.predicted_cached_fraction - with_events.cached_token_fraction) < 0.02
+    assert without.predicted_cached_fraction - without.cached_token_fraction > 0.05
+    assert with_events.cached_token_fraction > without.cached_token_fraction

@@ -61,6 +61,8 @@ class SimConfig:
     ttft_model: TTFTModel = DEFAULT_TTFT_MODEL
     router: RouterConfig | None = None
     faults: tuple[Fault, ...] = ()
+    kv_events: bool = True
+    """False: the router never hears evictions (only reuse reports correct its trees)."""
 
     def __post_init__(self) -> None:
         if isinstance(self.replicas, bool) or not isinstance(self.replicas, int) or (
@@ -93,7 +95,9 @@ class SimConfig:
 @dataclass(frozen=True, slots=True)
 class SimResult:
     """Aggregates of one run. ``load_imbalance``: max over replicas of requests served there,
-    over the mean; ``decision_us_*``: wall time of :meth:`Router.route` per request,
+    over the mean; ``predicted_cached_fraction``: the router's predicted cached tokens over
+    prompt tokens (close to the real one when the trees are kept true); ``decision_us_*``:
+    wall time of :meth:`Router.route` per request,
     ``decision_cpu_us_*`` its thread CPU time (free of preemption on a shared machine)."""
 
     replicas: int
@@ -101,6 +105,7 @@ class SimResult:
     capacity_tokens: int
     requests: int
     cached_token_fraction: float
+    predicted_cached_fraction: float
     mean_ttft_ms: float
     p99_ttft_ms: float
     load_imbalance: float
@@ -221,7 +226,7 @@ def simulate(
     ttfts: list[float] = []
     decision_ns: list[int] = []
     cpu_ns: list[int] = []
-    prompt_total = cached_total = 0
+    prompt_total = cached_total = predicted_total = 0
     head = trace.assembler.head_ids
     t = 0.0
 
@@ -230,7 +235,8 @@ def simulate(
         d = item.decision
         replica = router.replica(d.replica)
         if replica.healthy and replica.epoch == d.epoch:
-            router.on_blocks_removed(d.replica, item.evicted, d.salt)
+            if config.kv_events:
+                router.on_blocks_removed(d.replica, item.evicted, d.salt)
             reused = 0
             for _, end in item.spans:
                 if end // block * block > item.cached:
@@ -299,6 +305,7 @@ def simulate(
         served[r] += 1
         prompt_total += len(tokens)
         cached_total += cached
+        predicted_total += decision.predicted_cached_tokens
         heapq.heappush(pending, (finish, i, item))
         if check_invariants:
             router._check_invariants()
@@ -316,6 +323,7 @@ def simulate(
         capacity_tokens=config.capacity_tokens,
         requests=len(ttfts),
         cached_token_fraction=cached_total / prompt_total if prompt_total else 0.0,
+        predicted_cached_fraction=predicted_total / prompt_total if prompt_total else 0.0,
         mean_ttft_ms=1000 * sum(ttfts) / len(ttfts),
         p99_ttft_ms=1000 * percentile(ttfts, 99),
         load_imbalance=max(served) / mean_served if mean_served else 0.0,
