@@ -525,3 +525,50 @@ def test_load_names_the_file_for_text_that_is_not_state(tmp_path: Path) -> None:
         assert type(info.value) is ValueError
     with pytest.raises(FileNotFoundError):
         CraftPlanner.load(tmp_path / "missing.json")
+
+
+# ---- metrics and lookups ---------------------------------------------------------------------
+
+
+def test_overlap_metrics_read_generators_once() -> None:
+    from craft_rag.metrics import prefix_overlap, total_overlap
+
+    rows = [["a", "b"], ["a", "c"]]
+    assert prefix_overlap(iter(r) for r in rows) == prefix_overlap(rows) == 0.5
+    assert total_overlap(r for r in rows) == total_overlap(rows) == 0.5
+
+
+@pytest.mark.parametrize(
+    ("requests", "field"),
+    [
+        (None, "requests"),
+        ("ab", "requests"),
+        ([["a"], "ab"], r"requests\[1\]"),
+        ([["a"], [["x"]]], r"requests\[1\]\[0\]"),
+        ([["a"], 5], r"requests\[1\]"),
+    ],
+)
+def test_overlap_metrics_reject_malformed_requests(requests: Any, field: str) -> None:
+    from craft_rag.metrics import prefix_overlap, total_overlap
+
+    for metric in (prefix_overlap, total_overlap):
+        with pytest.raises(ValueError, match=field) as info:
+            metric(requests)
+        assert type(info.value) is ValueError
+
+
+@pytest.mark.parametrize(
+    "call",
+    [
+        lambda p: p.prefix_tree.match([["A"]]),
+        lambda p: p.prefix_tree.match(5),
+        lambda p: p.prefix_tree.match_subset([{"A": 1}]),
+        lambda p: p.access_table.count(["A"]),
+        lambda p: p.access_table.counts([ChunkKey("A"), ["B"]]),
+    ],
+)
+def test_lookups_with_unhashable_keys_are_value_errors(
+    call: Callable[[CraftPlanner], object],
+) -> None:
+    planner = populated()
+    refused(planner, lambda: call(planner), ValueError, "key")

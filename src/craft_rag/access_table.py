@@ -64,12 +64,20 @@ class ChunkAccessTable:
 
     def count(self, key: ChunkKey) -> int:
         """Access count of ``key`` in the window (0 if absent). O(1)."""
-        return self._counts.get(key, 0)
+        try:
+            return self._counts.get(key, 0)
+        except TypeError:
+            msg = f"key: must be a chunk key (string), got {type(key).__name__}"
+            raise ValueError(msg) from None
 
     def counts(self, keys: Sequence[ChunkKey]) -> list[int]:
         """Counts of several keys, in order. O(k)."""
         get = self._counts.get
-        return [get(key, 0) for key in keys]
+        try:
+            return [get(key, 0) for key in keys]
+        except TypeError:
+            msg = "keys: must be an iterable of chunk keys (strings)"
+            raise ValueError(msg) from None
 
     def __len__(self) -> int:
         """Number of distinct chunks in the window."""

@@ -8,12 +8,32 @@
 from __future__ import annotations
 
 from collections import Counter
-from collections.abc import Hashable, Sequence
+from collections.abc import Hashable, Iterable, Sequence
+
+from craft_rag.validation import materialise
 
 
-def prefix_overlap(requests: Sequence[Sequence[Hashable]]) -> float:
+def _checked(requests: Iterable[Iterable[Hashable]]) -> list[tuple[Hashable, ...]]:
+    """``requests`` read once, each request a tuple of hashable chunk ids. ``ValueError``
+    naming the request for a non-iterable, a bare string (one id, not a list of ids) or an
+    unhashable id. O(total chunks)."""
+    out: list[tuple[Hashable, ...]] = []
+    for i, request in enumerate(materialise(requests, "requests")):
+        items = materialise(request, f"requests[{i}]")
+        for j, key in enumerate(items):
+            try:
+                hash(key)
+            except TypeError:
+                msg = f"requests[{i}][{j}]: chunk ids must be hashable, got {type(key).__name__}"
+                raise ValueError(msg) from None
+        out.append(items)
+    return out
+
+
+def prefix_overlap(requests: Iterable[Iterable[Hashable]]) -> float:
     """Mean best longest-common-prefix fraction with any earlier request. O(total chunks) via a
-    trie of earlier requests."""
+    trie of earlier requests. Any iterables (read once); ``ValueError`` for malformed input."""
+    requests = _checked(requests)
     if len(requests) < 2:
         return 0.0
     trie: dict[Hashable, dict] = {}  # type: ignore[type-arg]
@@ -35,9 +55,10 @@ def prefix_overlap(requests: Sequence[Sequence[Hashable]]) -> float:
     return total / (len(requests) - 1)
 
 
-def total_overlap(requests: Sequence[Sequence[Hashable]]) -> float:
+def total_overlap(requests: Iterable[Iterable[Hashable]]) -> float:
     """Mean best shared-chunk fraction with any earlier request, position-free. O(sum of
-    posting-list lengths) via an inverted index."""
+    posting-list lengths) via an inverted index. Input as for :func:`prefix_overlap`."""
+    requests = _checked(requests)
     if len(requests) < 2:
         return 0.0
     postings: dict[Hashable, list[int]] = {}

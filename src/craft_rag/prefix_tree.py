@@ -172,12 +172,16 @@ class ChunkPrefixTree:
         effects: hits are recorded by :meth:`touch`."""
         nodes: list[PrefixNode] = []
         node = self.root
-        for key in keys:
-            child = node.children.get(key)
-            if child is None:
-                break
-            nodes.append(child)
-            node = child
+        try:
+            for key in keys:
+                child = node.children.get(key)
+                if child is None:
+                    break
+                nodes.append(child)
+                node = child
+        except TypeError:  # free unless raised: an unhashable key, or keys not iterable
+            msg = "keys: must be an iterable of chunk keys (strings)"
+            raise ValueError(msg) from None
         return PrefixMatch(tuple(nodes))
 
     def match_subset(self, keys: Iterable[ChunkKey]) -> PrefixMatch:
@@ -187,7 +191,11 @@ class ChunkPrefixTree:
         key sequence, so the choice is deterministic. Cost: O(visited nodes * min(k, fan-out));
         only nodes whose chunk is in the set are visited, at most k levels deep.
         """
-        wanted = keys if isinstance(keys, (set, frozenset, dict)) else set(keys)
+        try:
+            wanted = keys if isinstance(keys, (set, frozenset, dict)) else set(keys)
+        except TypeError:
+            msg = "keys: must be an iterable of chunk keys (strings)"
+            raise ValueError(msg) from None
         best_node = self.root
         best_depth, best_time = 0, float("-inf")
         # A path never repeats a key (insert() refuses that), so no visited-set is needed.
@@ -539,6 +547,21 @@ class ChunkPrefixTree:
             stack.extend(node.children.values())
         return out
 
+    def _check_no_repeated_key_on_a_path(self) -> None:
+        """Depth-first with the current path's keys in a set: O(size)."""
+        on_path: set[ChunkKey] = set()
+        stack: list[tuple[PrefixNode, bool]] = [(c, True) for c in self.root.children.values()]
+        while stack:
+            node, entering = stack.pop()
+            assert node.key is not None
+            if not entering:
+                on_path.discard(node.key)
+                continue
+            assert node.key not in on_path, "a path repeats a chunk key"
+            on_path.add(node.key)
+            stack.append((node, False))
+            stack.extend((c, True) for c in node.children.values())
+
     def _check_invariants(self) -> None:
         count = 0
         blocks: dict[BlockHash, PrefixNode] = {}
@@ -559,7 +582,6 @@ class ChunkPrefixTree:
                     assert child.token_start == node.token_end, "spans must be contiguous"
                 if child.token_start is not None:
                     assert child.token_end is not None and child.token_start <= child.token_end
-                assert key not in node.path(), "a path repeats a chunk key"
                 for h in child.block_hashes:
                     owner = blocks.setdefault(h, child)
                     assert owner is child, "a block hash is held by two nodes"
@@ -582,6 +604,7 @@ class ChunkPrefixTree:
         for leaf in leaves:
             assert valid.get(id(leaf)) == leaf.last_access, "stale eviction-heap entry"
             assert 0 <= leaf.heap_stamp < self._next_stamp
+        self._check_no_repeated_key_on_a_path()
         stamps = [n.heap_stamp for n in self._walk() if n.heap_stamp >= 0]
         assert len(set(stamps)) == len(stamps), "two nodes share a heap stamp"
         assert len(set(map(id, blocks.values()))) <= count
