@@ -194,7 +194,22 @@ def test_tree_only_uses_a_path_whose_chunks_are_all_requested() -> None:
     assert order_names("tree", ["c", "a"], context) == ["a", "c"]  # only [a] is usable
 
 
-@pytest.mark.parametrize("name", ["frequency", "tree"])
+def test_tree_breaks_frequency_ties_by_retriever_rank() -> None:
+    # Issue 16: the new branch keeps the retriever's rank among equally frequent chunks (a
+    # reworded question keeps its top-ranked chunks); frequency still comes first.
+    context = make_context(history=[["c"]], paths=[["q"]])
+    assert order_names("tree", ["b", "a", "c", "d"], context) == ["c", "b", "a", "d"]
+    assert order_names("tree", ["d", "a", "b"], context) == ["d", "a", "b"]
+    assert order_names("frequency", ["b", "a", "c", "d"], context) == ["c", "a", "b", "d"]
+
+
+def test_tree_gives_a_served_set_its_cached_order_whatever_the_retriever_order() -> None:
+    context = make_context(paths=[["b", "a", "c"]])
+    assert order_names("tree", ["c", "a", "b"], context) == ["b", "a", "c"]
+    assert order_names("tree", ["a", "b", "c"], context) == ["b", "a", "c"]
+
+
+@pytest.mark.parametrize("name", ["frequency"])
 @settings(max_examples=40, deadline=None)
 @given(
     history=history_strategy,
@@ -209,7 +224,8 @@ def test_set_based_policies_ignore_the_retriever_order(
     request: list[str],
     data: st.DataObject,
 ) -> None:
-    # The same chunk set gets the same order whatever order the retriever returned it in.
+    # The same chunk set gets the same order whatever order the retriever returned it in
+    # (``tree`` only for a set it served before: its new branch follows retriever rank).
     context = make_context(history, paths)
     shuffled = data.draw(st.permutations(request))
     assert order_names(name, request, context) == order_names(name, list(shuffled), context)
