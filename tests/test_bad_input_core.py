@@ -572,3 +572,12 @@ def test_lookups_with_unhashable_keys_are_value_errors(
 ) -> None:
     planner = populated()
     refused(planner, lambda: call(planner), ValueError, "key")
+
+
+def test_registry_split_reads_a_generator_once() -> None:
+    planner = populated()
+    sent_before = planner.conversations.turns(ConversationId("conv-1"))
+    assert sent_before
+    pool = chunks("A", "Q", "B")
+    new, seen = planner.conversations.split(ConversationId("conv-1"), (c for c in pool))
+    assert [c.key for c in new] == ["Q"] and sorted(c.key for c in seen) == ["A", "B"]

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import time
 from collections import OrderedDict
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -103,13 +103,14 @@ class ConversationRegistry:
         return list(state.turns) if state else []
 
     def split(
-        self, conversation_id: ConversationId, chunks: Sequence[Chunk]
+        self, conversation_id: ConversationId, chunks: Iterable[Chunk]
     ) -> tuple[list[Chunk], list[Chunk]]:
         """``(new, already_sent)`` for this turn's chunks, each list in input order. Read-only.
         O(k)."""
+        chunks = list(chunks)  # read once: a generator would be empty for the second pass
         state = self._live(conversation_id)
         if state is None:
-            return list(chunks), []
+            return chunks, []
         new = [c for c in chunks if c.key not in state.sent]
         seen = [c for c in chunks if c.key in state.sent]
         return new, seen
