@@ -581,3 +581,15 @@ def test_registry_split_reads_a_generator_once() -> None:
     pool = chunks("A", "Q", "B")
     new, seen = planner.conversations.split(ConversationId("conv-1"), (c for c in pool))
     assert [c.key for c in new] == ["Q"] and sorted(c.key for c in seen) == ["A", "B"]
+
+
+@pytest.mark.parametrize("name", ["retriever", "frequency", "tree"])
+def test_every_ordering_policy_reads_a_generator_once(name: str) -> None:
+    from craft_rag.ordering import OrderingContext
+
+    planner = populated()
+    pool = chunks("C", "A", "B", "Q")
+    context = OrderingContext(planner.access_table, planner.prefix_tree)
+    once = get_policy(name).order((c for c in pool), context)  # type: ignore[arg-type]
+    assert once == get_policy(name).order(pool, context)
+    assert sorted(c.key for c in once) == ["A", "B", "C", "Q"]

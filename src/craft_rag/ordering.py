@@ -55,6 +55,8 @@ class FrequencyOrder:
     name = "frequency"
 
     def order(self, chunks: Sequence[Chunk], context: OrderingContext) -> list[Chunk]:
+        if not isinstance(chunks, Sequence):  # a one-shot iterable: read it once
+            chunks = list(chunks)
         return _by_frequency(chunks, context.access_table)
 
 
@@ -86,6 +88,8 @@ class TreeOrder:
     name = "tree"
 
     def order(self, chunks: Sequence[Chunk], context: OrderingContext) -> list[Chunk]:
+        if not isinstance(chunks, Sequence):  # a one-shot iterable: read it once
+            chunks = list(chunks)
         by_key = {c.key: c for c in chunks}
         path = context.prefix_tree.match_subset(by_key).keys
         head = [by_key[k] for k in path]
