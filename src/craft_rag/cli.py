@@ -28,6 +28,7 @@ keeps its traceback."""
 _SUBCOMMANDS: tuple[tuple[str, str], ...] = (
     ("craft_rag.workloads_cli", "add_trace_parser"),
     ("craft_rag.engine.cli_commands", "add_model_parser"),
+    ("craft_rag.engine.serve", "add_serve_parser"),
     ("craft_rag.demo", "add_demo_parser"),
     ("craft_rag.bench.cli", "add_bench_parser"),
 )

@@ -17,6 +17,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import secrets
 import sys
 import time
 from collections.abc import Sequence
@@ -96,9 +97,9 @@ def default_trace(requests: int, top_k: int, seed: int) -> list[TraceRequest]:
     return build_trace(config)
 
 
-def _warm_up(engine: CraftEngine, max_tokens: int) -> None:
+def _warm_up(engine: CraftEngine, max_tokens: int, cache_salt: str | None = None) -> None:
     chunk = make_chunk("The warm-up passage is not part of the measured run.", id="warmup:0")
-    engine.generate([chunk], "Is this a warm-up?", max_tokens=max_tokens)
+    engine.generate([chunk], "Is this a warm-up?", max_tokens=max_tokens, cache_salt=cache_salt)
 
 
 def run_system(
@@ -108,11 +109,14 @@ def run_system(
     *,
     max_tokens: int,
     progress: bool,
+    cache_salt: str | None = None,
 ) -> list[GenerationResult]:
-    """Serve ``trace`` under ``system`` from an empty prefix cache and a fresh planner."""
+    """Serve ``trace`` under ``system`` from an empty prefix cache and a fresh planner.
+    ``cache_salt`` (over a server): the system's own fresh salt, a cold cache namespace
+    without resetting the server's cache (which needs its dev mode)."""
     engine.set_planner(CraftPlanner(PlannerConfig(policy=system.policy)))
-    _warm_up(engine, max_tokens)
-    if not engine.reset_prefix_cache():
+    _warm_up(engine, max_tokens, cache_salt)
+    if cache_salt is None and not engine.reset_prefix_cache():
         msg = "could not reset the prefix cache (requests still running)"
         raise RuntimeError(msg)
     out: list[GenerationResult] = []
@@ -124,6 +128,7 @@ def run_system(
                 conversation_id=request.conversation_id,
                 max_tokens=max_tokens,
                 read_prefix_cache=system.read_prefix_cache,
+                cache_salt=cache_salt,
             )
         )
     return out
@@ -179,6 +184,12 @@ def add_demo_parser(subparsers: Any) -> None:
         default=",".join(s.name for s in SYSTEMS),
         help="comma-separated subset of " + ",".join(s.name for s in SYSTEMS),
     )
+    p.add_argument(
+        "--server",
+        default=None,
+        help="serve through a vLLM server at this URL (`craft-rag serve`); each system gets "
+        "its own fresh cache_salt, no_cache a fresh salt per request",
+    )
     p.add_argument("--json", action="store_true", help="print one JSON object")
     p.add_argument("--no-progress", action="store_true")
     p.set_defaults(func=run_demo)
@@ -209,10 +220,17 @@ def run_demo(args: argparse.Namespace) -> int:
     settings = EngineSettings(block_size=args.block_size, max_model_len=args.max_model_len)
     results: dict[str, SystemResult] = {}
     answers: list[tuple[str, str]] = []
-    with CraftEngine(settings) as engine:
+    server = getattr(args, "server", None)
+    with CraftEngine(settings, server=server) as engine:
         for name in names:
+            salt = f"demo-{name}-{secrets.token_hex(8)}" if server else None
             served = run_system(
-                engine, by_name[name], trace, max_tokens=args.max_tokens, progress=progress
+                engine,
+                by_name[name],
+                trace,
+                max_tokens=args.max_tokens,
+                progress=progress,
+                cache_salt=salt,
             )
             results[name] = summarise(served)
             if name == names[-1]:
@@ -223,6 +241,7 @@ def run_demo(args: argparse.Namespace) -> int:
     payload["max_tokens"] = args.max_tokens
     payload["block_size"] = args.block_size
     payload["seconds"] = round(time.perf_counter() - started, 1)
+    payload["server"] = server
     if args.json:
         json.dump(payload, sys.stdout, indent=2)
         sys.stdout.write("\n")

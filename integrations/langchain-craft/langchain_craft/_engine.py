@@ -131,6 +131,13 @@ class CraftEngineParams(BaseModel):
         default_factory=dict,
         description="EngineSettings fields for the engine started when `engine` is None.",
     )
+    server: str | None = Field(
+        default=None,
+        description=(
+            "URL of a vLLM OpenAI-compatible server (`craft-rag serve`) for the engine started "
+            "when `engine` is None; engine_settings['model'] then names the local tokenizer folder."
+        ),
+    )
     model_name: str | None = Field(
         default=None,
         description="Name reported in metadata; default: the served model's folder name.",
@@ -197,7 +204,9 @@ class CraftEngineParams(BaseModel):
                     from craft_rag.engine.engine import CraftEngine, EngineSettings
                 except ImportError as exc:
                     raise ImportError(ENGINE_INSTALL_HINT) from exc
-                self._owned_engine = CraftEngine(EngineSettings(**self.engine_settings))
+                self._owned_engine = CraftEngine(
+                    EngineSettings(**self.engine_settings), server=self.server
+                )
             return self._owned_engine  # type: ignore[no-any-return]
 
     def close(self) -> None:

@@ -64,6 +64,7 @@ from craft_rag import Chunk, CraftPlanner, Plan
 from craft_rag.engine.engine import CraftEngine, EngineSettings
 from craft_rag.engine.planners import validate_cache_salt
 from craft_rag.engine.results import SamplingRequest
+from craft_rag.engine.server_backend import ServerSettings
 from craft_rag.tokenizer import check_text
 
 __all__ = ["EMBEDDED_MODEL_NAME", "REUSE_KEY", "CraftVLLM"]
@@ -78,7 +79,9 @@ class CraftVLLM(LLM):
     """LlamaIndex LLM over one :class:`craft_rag.engine.engine.CraftEngine`.
 
     Pass a running ``engine`` (shared, not closed by this object), or ``engine_settings`` (or
-    nothing, for the embedded default model) to start one that :meth:`close` stops.
+    nothing, for the embedded default model) to start one that :meth:`close` stops; with
+    ``server="http://HOST:PORT"`` that engine serves through a vLLM OpenAI-compatible server
+    (``settings.model``: the local folder of its tokenizer; see ``craft-rag serve``).
 
     The engine's state is left alone: requests are planned and committed by the engine's
     planner for :attr:`cache_salt` (``engine.planner_for(cache_salt)``, which must be a
@@ -117,6 +120,7 @@ class CraftVLLM(LLM):
         engine: CraftEngine | None = None,
         *,
         engine_settings: EngineSettings | None = None,
+        server: str | ServerSettings | None = None,
         **data: Any,
     ) -> None:
         if "planner" in data:
@@ -129,13 +133,16 @@ class CraftVLLM(LLM):
         if engine is not None and engine_settings is not None:
             msg = "pass either engine= (a running CraftEngine) or engine_settings=, not both"
             raise ValueError(msg)
+        if engine is not None and server is not None:
+            msg = "pass either engine= or server= (a vLLM server URL), not both"
+            raise ValueError(msg)
         if engine is not None and not isinstance(engine, CraftEngine):
             msg = f"engine must be a craft_rag CraftEngine, got {type(engine).__name__}"
             raise ValueError(msg)
         super().__init__(**data)  # validates cache_salt before an engine is started
         owns = engine is None
         if engine is None:
-            engine = CraftEngine(engine_settings or EngineSettings())
+            engine = CraftEngine(engine_settings or EngineSettings(), server=server)
         if "model" not in data and engine.settings.model is not None:
             self.model = str(engine.settings.model)
         self._engine = engine
