@@ -5,10 +5,20 @@ chunks repeat and the tree grows real paths) until every id has been seen at lea
 aggregate (``distinct`` new ids are introduced round-robin); latency is timed per request with
 ``perf_counter_ns`` around ``plan`` + ``commit``; memory is traced with ``tracemalloc`` in a
 separate identical run (tracing slows Python down, so it never overlaps the timing run).
+
+Issue 16: the first ``warmup`` requests are untimed; then ``gc.freeze()`` moves everything
+built so far out of the collector's generations (undone at the end), as a long-running server
+would after start-up. Each request is timed twice: wall clock (what a caller waits, including
+being descheduled on a shared machine) and this thread's CPU time (what the planner costs,
+garbage collection included). ``replay_us_p50``/``replay_us_p99`` are plan+commit as
+:func:`craft_rag.replay.replay` sees them inside a long replay (prompt rendering and the cache
+simulator allocate between the calls, so collector pauses land where they would in serving),
+over the first ``replay_requests`` requests with the hashing tokenizer.
 """
 
 from __future__ import annotations
 
+import gc
 import random
 import time
 import tracemalloc
@@ -32,6 +42,12 @@ class OverheadResult:
     table_chunks: int
     tree_nodes: int
     state_mib: float | None
+    cpu_us_p50: float | None = None
+    cpu_us_p99: float | None = None
+    replay_us_p50: float | None = None
+    replay_us_p99: float | None = None
+    replay_requests: int = 0
+    gc_frozen: bool = False
 
     def to_json(self) -> dict[str, object]:
         return asdict(self)
@@ -63,16 +79,40 @@ def _requests(distinct: int, k: int, seed: int) -> list[list[Chunk]]:
     return out
 
 
-def _run(planner: CraftPlanner, requests: list[list[Chunk]], timed: bool) -> list[float]:
-    times: list[float] = []
-    perf = time.perf_counter_ns
+def _run(
+    planner: CraftPlanner, requests: list[list[Chunk]], timed: bool
+) -> tuple[list[float], list[float]]:
+    """Plan+commit every request; with ``timed``, (wall µs, thread CPU µs) per request."""
+    wall: list[float] = []
+    cpu: list[float] = []
+    perf, thread = time.perf_counter_ns, time.thread_time_ns
     for request in requests:
-        t0 = perf()
+        t0, c0 = perf(), thread()
         plan = planner.plan(request)
         planner.commit(plan, prefix_tokens=40)
         if timed:
-            times.append((perf() - t0) / 1000)
-    return times
+            c1, t1 = thread(), perf()
+            wall.append((t1 - t0) / 1000)
+            cpu.append((c1 - c0) / 1000)
+    return wall, cpu
+
+
+def _replay_times(
+    policy: str, window: int | None, requests: list[list[Chunk]]
+) -> tuple[float, float]:
+    """p50/p99 of plan+commit inside :func:`craft_rag.replay.replay` (hashing tokenizer)."""
+    from craft_rag.replay import replay
+    from craft_rag.tokenizer import HashingTokenizer
+    from craft_rag.trace import TraceRequest
+
+    trace = [
+        TraceRequest(id=str(i), query="q", chunks=tuple(
+            Chunk(key=c.key, text=c.key, num_tokens=None) for c in request
+        ))
+        for i, request in enumerate(requests)
+    ]
+    result = replay(trace, PlannerConfig(policy=policy, window=window), HashingTokenizer())
+    return result.planner_us_p50, result.planner_us_p99
 
 
 def measure_overhead(
@@ -83,12 +123,30 @@ def measure_overhead(
     distinct: int = 1_000_000,
     seed: int = 0,
     trace_memory: bool = True,
+    warmup: int = 1000,
+    freeze_gc: bool = True,
+    replay_requests: int = 5_000,
 ) -> OverheadResult:
-    """Time plan+commit over a stream that introduces ``distinct`` chunks; optionally trace
-    the memory of the planner's state in a second run."""
+    """Time plan+commit over a stream that introduces ``distinct`` chunks (after ``warmup``
+    untimed requests and, with ``freeze_gc``, ``gc.freeze()``); optionally trace the memory of
+    the planner's state in a second run; time ``replay_requests`` requests inside a replay."""
     requests = _requests(distinct, k, seed)
     planner = CraftPlanner(PlannerConfig(policy=policy, window=window))
-    times = _run(planner, requests, timed=True)
+    warm = min(warmup, len(requests) // 10)
+    _run(planner, requests[:warm], timed=False)
+    frozen = freeze_gc and hasattr(gc, "freeze")
+    if frozen:
+        gc.collect()
+        gc.freeze()
+    try:
+        times, cpu = _run(planner, requests[warm:], timed=True)
+    finally:
+        if frozen:
+            gc.unfreeze()
+    replay_p50 = replay_p99 = None
+    replayed = min(replay_requests, len(requests))
+    if replayed:
+        replay_p50, replay_p99 = _replay_times(policy, window, requests[:replayed])
     mib: float | None = None
     if trace_memory:
         tracemalloc.start()
@@ -109,4 +167,10 @@ def measure_overhead(
         table_chunks=len(planner.access_table),
         tree_nodes=len(planner.prefix_tree),
         state_mib=mib,
+        cpu_us_p50=percentile(cpu, 50),
+        cpu_us_p99=percentile(cpu, 99),
+        replay_us_p50=replay_p50,
+        replay_us_p99=replay_p99,
+        replay_requests=replayed,
+        gc_frozen=frozen,
     )

@@ -30,13 +30,15 @@ def _table(header: Sequence[str], rows: Sequence[Sequence[str]]) -> list[str]:
 def _overhead(r: Mapping[str, Any]) -> list[str]:
     rows = [
         [x["policy"], str(x["k"]), f"{x['window']:,}", _f(x["plan_commit_us_p50"]),
-         _f(x["plan_commit_us_p99"]), f"{x['table_chunks']:,}", f"{x['tree_nodes']:,}",
-         _f(x["state_mib"])]
+         _f(x["plan_commit_us_p99"]), _f(x.get("cpu_us_p50")), _f(x.get("cpu_us_p99")),
+         _f(x.get("replay_us_p50")), _f(x.get("replay_us_p99")), f"{x['table_chunks']:,}",
+         f"{x['tree_nodes']:,}", _f(x["state_mib"])]
         for x in r["rows"]
     ]
     return [f"After {r['distinct_chunks']:,} distinct chunks (targets: p99 <= 50 µs at k=5, "
             "<= 64 MB):", "",
-            *_table(["policy", "k", "W", "p50 µs", "p99 µs", "table chunks", "tree nodes",
+            *_table(["policy", "k", "W", "p50 µs", "p99 µs", "CPU p50 µs", "CPU p99 µs",
+                     "replay p50 µs", "replay p99 µs", "table chunks", "tree nodes",
                      "state MiB"], rows)]
 
 
