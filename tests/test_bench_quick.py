@@ -17,6 +17,7 @@ import pytest
 from craft_rag.bench.cli import SUITES, run_suites
 from craft_rag.bench.context import BenchContext
 from craft_rag.bench.load import poisson_arrivals
+from craft_rag.bench.peers import available_peers
 from craft_rag.bench.qa_metrics import exact_match, normalize_answer, paired_t_test, token_f1
 from craft_rag.bench.report import render_report
 from craft_rag.bench.sensitivity import mean_table_size
@@ -64,7 +65,12 @@ def test_replay_suites_and_overhead_quick(tmp_path: Path) -> None:
 
     overlap = results["overlap"]
     rows = {r["policy"]: r for r in overlap["rows"]}
-    assert set(rows) == {"retriever", "frequency", "tree"}
+    craft = {name for name, r in rows.items() if not r["peer"]}
+    assert craft == {"retriever", "frequency", "tree"}
+    # Issue 16: the peers' rows, on the same replay, marked (offline ContextPilot sees ahead).
+    assert set(rows) - craft == set(available_peers())
+    assert all(r["sees_future"] == (n == "contextpilot_offline") for n, r in rows.items())
+    assert {x["peer"] for x in overlap["tree_vs_peers"]} == set(available_peers())
     for row in rows.values():
         assert row["workload"] == "trace"
         assert 0.0 <= row["prefix_overlap"] <= row["total_overlap"] <= 1.0
@@ -79,6 +85,10 @@ def test_replay_suites_and_overhead_quick(tmp_path: Path) -> None:
 
     over = results["overhead"]
     assert len(over["rows"]) == 8 and over["distinct_chunks"] == 2_000
+    for row in over["rows"]:
+        assert row["gc_frozen"] is True and row["replay_requests"] > 0
+        assert 0 < row["cpu_us_p50"] <= row["cpu_us_p99"]
+        assert 0 < row["replay_us_p50"] <= row["replay_us_p99"]
 
     for name in ("overlap", "sensitivity", "overhead"):
         saved = json.loads((out / f"{name}.json").read_text())
