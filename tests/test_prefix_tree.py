@@ -728,3 +728,16 @@ PrefixTreeMachine.TestCase.settings = settings(
     max_examples=120, stateful_step_count=40, deadline=None
 )
 TestPrefixTreeMachine = PrefixTreeMachine.TestCase
+
+
+def test_reinserting_an_unchanged_span_keeps_the_children_a_changed_one_drops_them() -> None:
+    # Issue 16: the stale-children scan runs only when a node's span end changes.
+    tree = ChunkPrefixTree(100)
+    span = [NodeMetadata(token_span=(0, 10)), NodeMetadata(token_span=(10, 20))]
+    tree.insert(ks("A", "B"), metadata=span)
+    tree.insert(ks("A", "C"), metadata=span)
+    tree.insert(ks("A"), metadata=span[:1])
+    assert sorted(tree.iter_paths()) == [("A",), ("A", "B"), ("A", "C")]
+    tree.insert(ks("A"), metadata=[NodeMetadata(token_span=(0, 12))])
+    assert tree.iter_paths() == [("A",)]
+    tree._check_invariants()

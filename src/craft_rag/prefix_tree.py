@@ -296,8 +296,12 @@ class ChunkPrefixTree:
             if location is not None:
                 child.location = location
             if metadata is not None:
+                old_end = child.token_end
                 self._set_metadata(child, metadata[i])
-                if metadata[i].token_span is not None and child.children:
+                # Children start where this node ended before (invariant), so only a changed
+                # (or newly known) end can leave stale children: the scan is O(fan-out), and a
+                # hot chunk's node has thousands of children (issue 16's planner cost).
+                if child.children and child.token_end != old_end:
                     self._remove_stale_children(child)
             nodes.append(child)
             node = child
