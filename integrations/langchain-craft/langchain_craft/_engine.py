@@ -190,7 +190,6 @@ class CraftEngineParams(BaseModel):
             tokenizer = self._text_tokenizer
         return list(tokenizer.encode(text))
 
-
     # ---- the engine ---------------------------------------------------------------------------
 
     def get_engine(self) -> CraftEngine:

@@ -149,6 +149,8 @@ class CraftVLLM(LLM):
         self._owns_engine = owns
         self._handoff = PlanHandoff()
         self.planner_for(self.cache_salt)  # fail now if the engine plans with something else
+        # Reports reach Response.metadata["craft_reuse"] on any synthesizer (see reuse.py).
+        install_reuse_metadata()
 
     @field_validator("cache_salt")
     @classmethod
@@ -156,8 +158,6 @@ class CraftVLLM(LLM):
         validate_cache_salt(value)
         return value
 
-        # Reports reach Response.metadata["craft_reuse"] on any synthesizer (see reuse.py).
-        install_reuse_metadata()
     @classmethod
     def class_name(cls) -> str:
         return "CraftVLLM"
