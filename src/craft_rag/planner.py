@@ -42,6 +42,7 @@ from craft_rag.prefix_tree import (
 from craft_rag.promotion import PROMOTION_RULES, PromotionInput, get_promotion_rule
 from craft_rag.stores import DEFAULT_NAMESPACE, StateStore, StoreUnavailable, as_store
 from craft_rag.stores.base import LogRead
+from craft_rag.stores.histories import SharedPosition
 from craft_rag.stores.shared import (
     CommitEntry,
     EndEntry,
@@ -579,6 +580,17 @@ class CraftPlanner:
     def store(self) -> StateStore | None:
         """The shared store this planner syncs with (None: local state only)."""
         return self._shared.store if self._shared is not None else None
+
+    def shared_position(self) -> SharedPosition | None:
+        """Store, namespace and last applied seq of a sharing planner (None: local state).
+        The engine stores each conversation's prompt history there at this seq. O(1)."""
+        with self._lock:
+            shared = self._shared
+            if shared is None:
+                return None
+            return SharedPosition(
+                shared.store, shared.namespace, shared.applied, self.config.conversation_ttl_s
+            )
 
     def sync(self) -> None:
         """Apply what other workers committed since the last sync (no-op without a store).

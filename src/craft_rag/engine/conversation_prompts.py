@@ -20,6 +20,11 @@ turn carrying a chunk is still in the prompt.
 When ``history + new turn + max_tokens`` would exceed ``max_model_len``, :meth:`fit` drops whole
 oldest turns before the turn is planned (never part of a turn, never part of a chunk); the count
 is reported. A turn that cannot fit even alone raises ``ValueError``.
+
+**Several workers** (``CraftEngine(store=...)``): this object owns the worker's local copy of
+each history; the store owns the shared copy (:mod:`craft_rag.stores.histories`), written by
+the worker that served the last turn. :meth:`export` and :meth:`adopt` move a history between
+the two; ``version`` (a store seq) says how new the local copy is.
 """
 
 from __future__ import annotations
@@ -31,6 +36,7 @@ from dataclasses import dataclass, field
 
 from craft_rag.chunk import Chunk
 from craft_rag.prompt import AssembledPrompt, PromptAssembler
+from craft_rag.stores.histories import StoredHistory
 from craft_rag.types import ChunkKey
 
 DEFAULT_MAX_CONVERSATIONS = 1024
@@ -108,6 +114,8 @@ class _History:
     """Turns dropped since the last served turn (reported by the next one)."""
     cache_salt: str | None = None
     """The prefix-cache namespace of every turn; fixed for the history's lifetime."""
+    version: int = 0
+    """The store seq this copy matches (0: never saved to or loaded from a store)."""
 
 
 class ConversationPrompts:
@@ -342,6 +350,52 @@ class ConversationPrompts:
         history.tokens = sum(len(t) for t in history.turns)
         if self._on_drop is not None:
             self._on_drop(conversation_id, history.cache_salt, n)
+
+    def version(self, conversation_id: str) -> int:
+        """The store seq the local history matches (0: unknown, or never stored). O(1)."""
+        with self._lock:
+            history = self._histories.get(conversation_id)
+            return history.version if history is not None else 0
+
+    def export(self, conversation_id: str, version: int) -> StoredHistory | None:
+        """The idle history's turns, marking the local copy as matching store seq ``version``
+        (the caller stores them at that version); None for an unknown or in-flight one.
+        O(tokens)."""
+        with self._lock:
+            history = self._histories.get(conversation_id)
+            if history is None or history.in_flight:
+                return None
+            history.version = max(history.version, version)
+            return StoredHistory(
+                tuple(history.turns), tuple(history.keys), history.dropped_since
+            )
+
+    def adopt(
+        self,
+        conversation_id: str,
+        stored: StoredHistory,
+        version: int,
+        cache_salt: str | None,
+    ) -> bool:
+        """Replace the local history by ``stored`` (another worker's newer copy, at store seq
+        ``version``). No hook runs: the planner already replayed the turns the other worker
+        served and dropped. False (nothing changed) while a turn is in flight here or when the
+        local copy is at least as new. O(tokens)."""
+        with self._lock:
+            history = self._histories.get(conversation_id)
+            if history is not None and (history.in_flight or history.version >= version):
+                return False
+            self._histories[conversation_id] = _History(
+                turns=list(stored.turns),
+                keys=list(stored.keys),
+                tokens=sum(len(t) for t in stored.turns),
+                dropped_since=stored.dropped_since,
+                cache_salt=cache_salt,
+                version=version,
+            )
+            self._histories.move_to_end(conversation_id)
+            self._evict_over_bound()
+            return True
 
     def cancel(self, rendered: RenderedTurn) -> None:
         """The turn was not served (engine failure, abort): keep the history as it was."""

@@ -75,6 +75,7 @@ from craft_rag.engine.vllm_backend import EngineSettings, EngineStartError, VLLM
 from craft_rag.metrics import chunks_inside_cache, chunks_with_cached_blocks
 from craft_rag.prompt import DEFAULT_INSTRUCTIONS, PromptAssembler, PromptFormat
 from craft_rag.stores.base import StateStore
+from craft_rag.stores.histories import load_history, save_history
 from craft_rag.tokenizer import HFTokenizer, Tokenizer
 from craft_rag.types import ChunkKey
 
@@ -385,6 +386,7 @@ class CraftEngine:
         do this themselves. Returns the chunk keys no longer in the prompt. O(turns)."""
         need = self.conversations.turn_token_count(chunks, question)
         salt = self._salt(cache_salt)
+        load_history(self.conversations, self._namespaces.get(salt), conversation_id, salt)
         return self.conversations.fit(conversation_id, need, max_tokens, salt)
 
     def side_prompt_ids(
@@ -394,7 +396,9 @@ class CraftEngine:
         cached prefix) without joining it, e.g. a condense step; serve them with
         :meth:`generate_tokens` (same ``cache_salt``) for a report of their own. ``text`` is
         tokenized as plain text. ``ValueError`` for empty text or another salt."""
-        return self.conversations.side_prompt(conversation_id, text, self._salt(cache_salt))
+        salt = self._salt(cache_salt)
+        load_history(self.conversations, self._namespaces.get(salt), conversation_id, salt)
+        return self.conversations.side_prompt(conversation_id, text, salt)
 
     def message_token_ids(self, messages: Sequence[ChatTurn]) -> tuple[int, ...]:
         """The token ids :meth:`generate_messages` sends for ``messages``: the chat template's
@@ -445,6 +449,8 @@ class CraftEngine:
         self._event_barrier()
         caller_plan = request.plan is not None
         fit_id = conversation_id or getattr(request.plan, "conversation_id", None)
+        # Shared store: another worker may have served the last turn; render after it.
+        load_history(self.conversations, planner, fit_id, salt)
         need = self.conversations.turn_token_count(request.chunks, question)
         # Before planning: dedup may only count chunks of turns that stay in the prompt.
         lost = self.conversations.fit(fit_id, need, sampling.max_tokens, salt)
@@ -597,6 +603,7 @@ class CraftEngine:
             block_hashes=block_hashes,
         )
         self.conversations.complete(rag.rendered, state.token_ids, self._backend.eos_token_ids)
+        save_history(self.conversations, rag.planner, rag.rendered.conversation_id)
         plan_id = getattr(plan, "plan_id", None)
         report = replace(
             self._report(flight),

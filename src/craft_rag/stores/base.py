@@ -11,6 +11,10 @@ A store keeps, for each namespace (one planner's state: one tenant / cache salt)
   conversation TTL where the backend has one). ``append`` refuses a turn planned before another
   worker committed a turn of the same conversation (:class:`ConversationConflict`): a chat's
   dedup and its append-only prompt never fork;
+- a **prompt history** per conversation (:mod:`craft_rag.stores.histories`): the token ids of
+  its stored turns, written by the worker that committed its last turn, stamped with a
+  ``version`` (a seq) and expiring with the conversation record, so a turn served by another
+  worker renders the same append-only prompt;
 - a **snapshot**: the state at some ``seq``; the log before it is trimmed (bounded log, see
   :data:`DEFAULT_SNAPSHOT_EVERY`). A reader that fell behind the trim point loads the snapshot,
   then the tail;
@@ -68,6 +72,17 @@ class Snapshot:
 
     seq: int
     state: str
+
+
+@dataclass(frozen=True, slots=True)
+class HistoryRecord:
+    """What the store holds for one conversation: ``last_seq``, its record's last seq (0: none
+    or expired); ``version`` and ``data``, its prompt history as last written (0 and None when
+    none was written or it expired)."""
+
+    last_seq: int
+    version: int = 0
+    data: str | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -174,8 +189,21 @@ class StateStore(abc.ABC):
         ``seq < keep_from``, atomically."""
 
     @abc.abstractmethod
+    def put_history(
+        self, namespace: str, conversation: str, version: int, data: str, ttl_s: float | None
+    ) -> bool:
+        """Atomically store ``data`` as ``conversation``'s prompt history at ``version``
+        (expiring after ``ttl_s``) unless one of a version ``>= version`` is there; True when
+        stored."""
+
+    @abc.abstractmethod
+    def get_history(self, namespace: str, conversation: str) -> HistoryRecord:
+        """Atomically: the conversation record's last seq and the stored prompt history."""
+
+    @abc.abstractmethod
     def clear(self, namespace: str) -> None:
-        """Delete everything of ``namespace`` (log, conversations, snapshot, fingerprint)."""
+        """Delete everything of ``namespace`` (log, conversations, histories, snapshot,
+        fingerprint)."""
 
     def close(self) -> None:  # noqa: B027  (optional hook)
         """Release connections; the store may not be used afterwards."""

@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 from craft_rag.stores.base import (
     DEFAULT_SNAPSHOT_EVERY,
     ConversationConflict,
+    HistoryRecord,
     LogEntry,
     Snapshot,
     StateStore,
@@ -35,6 +36,8 @@ class _Namespace:
     head: int = 0
     log: list[LogEntry] = field(default_factory=list)  # contiguous, ends at head
     conversations: dict[str, tuple[int, float | None]] = field(default_factory=dict)
+    histories: dict[str, tuple[int, str, float | None]] = field(default_factory=dict)
+    """conversation -> (version, history JSON, expiry time or None)."""
     snapshot: Snapshot | None = None
     fingerprint: str | None = None
 
@@ -126,7 +129,36 @@ class MemoryStore(StateStore):
                     space.conversations = {
                         c: r for c, r in space.conversations.items() if r[1] is None or r[1] > now
                     }
+                    space.histories = {
+                        c: h for c, h in space.histories.items() if h[2] is None or h[2] > now
+                    }
             return space.head, _after(space.log, since)
+
+    def put_history(
+        self, namespace: str, conversation: str, version: int, data: str, ttl_s: float | None
+    ) -> bool:
+        with self._lock:
+            space = self._space(namespace)
+            now = self._clock()
+            current = space.histories.get(conversation)
+            live = current is not None and (current[2] is None or current[2] > now)
+            if live and current is not None and current[0] >= version:
+                return False
+            expiry = now + ttl_s if ttl_s is not None else None
+            space.histories[conversation] = (version, data, expiry)
+            return True
+
+    def get_history(self, namespace: str, conversation: str) -> HistoryRecord:
+        with self._lock:
+            space = self._space(namespace)
+            now = self._clock()
+            last, expires = space.conversations.get(conversation, (0, None))
+            if expires is not None and expires <= now:
+                last = 0
+            stored = space.histories.get(conversation)
+            if stored is None or (stored[2] is not None and stored[2] <= now):
+                return HistoryRecord(last)
+            return HistoryRecord(last, stored[0], stored[1])
 
     def _snapshot(self, namespace: str) -> Snapshot | None:
         with self._lock:

@@ -23,6 +23,7 @@ from craft_rag.stores.base import (
     DEFAULT_SNAPSHOT_EVERY,
     STORE_FORMAT,
     ConversationConflict,
+    HistoryRecord,
     LogEntry,
     Snapshot,
     StateStore,
@@ -64,6 +65,25 @@ return {head, redis.call('ZRANGEBYSCORE', KEYS[2], '(' .. ARGV[2], '+inf')}
 _RANGE = """
 local head = tonumber(redis.call('GET', KEYS[1]) or '0')
 return {head, redis.call('ZRANGEBYSCORE', KEYS[2], '(' .. ARGV[1], '+inf')}
+"""
+
+# KEYS: history hash. ARGV: version, data, ttl_ms ('' = no expiry). Returns 1 when stored.
+_PUT_HISTORY = """
+local current = tonumber(redis.call('HGET', KEYS[1], 'v') or '-1')
+if current >= tonumber(ARGV[1]) then return 0 end
+redis.call('HSET', KEYS[1], 'v', ARGV[1], 'd', ARGV[2])
+if ARGV[3] ~= '' then
+  redis.call('PEXPIRE', KEYS[1], ARGV[3])
+else
+  redis.call('PERSIST', KEYS[1])
+end
+return 1
+"""
+
+# KEYS: conv, history hash. Returns {last seq or false, version or false, data or false}.
+_GET_HISTORY = """
+local h = redis.call('HMGET', KEYS[2], 'v', 'd')
+return {redis.call('GET', KEYS[1]), h[1], h[2]}
 """
 
 # KEYS: snapshot hash, log. ARGV: seq, state, keep_from.
@@ -125,6 +145,8 @@ class RedisStore(StateStore):
         self._range_script = self._client.register_script(_RANGE)
         self._snapshot_script = self._client.register_script(_PUT_SNAPSHOT)
         self._attach_script = self._client.register_script(_ATTACH)
+        self._put_history_script = self._client.register_script(_PUT_HISTORY)
+        self._get_history_script = self._client.register_script(_GET_HISTORY)
 
     @classmethod
     def from_url(cls, url: str) -> RedisStore:
@@ -208,8 +230,7 @@ class RedisStore(StateStore):
         head_key = self._key(namespace, "head")
         conv_key = head_key
         if conversation is not None:
-            digest = hashlib.sha256(conversation.encode("utf-8")).hexdigest()
-            conv_key = self._key(namespace, f"conv:{digest}")
+            conv_key = self._conv_key(namespace, "conv", conversation)
         args = [
             data,
             since,
@@ -223,6 +244,27 @@ class RedisStore(StateStore):
             assert conversation is not None and not_after is not None
             raise ConversationConflict(conflict_message(conversation, int(payload), not_after))
         return int(head), self._entries(payload)
+
+    def _conv_key(self, namespace: str, kind: str, conversation: str) -> str:
+        digest = hashlib.sha256(conversation.encode("utf-8")).hexdigest()
+        return self._key(namespace, f"{kind}:{digest}")
+
+    def put_history(
+        self, namespace: str, conversation: str, version: int, data: str, ttl_s: float | None
+    ) -> bool:
+        key = self._conv_key(namespace, "hist", conversation)
+        ttl = "" if ttl_s is None else str(max(1, round(ttl_s * 1000)))
+        return bool(self._call(self._put_history_script, keys=[key], args=[version, data, ttl]))
+
+    def get_history(self, namespace: str, conversation: str) -> HistoryRecord:
+        keys = [
+            self._conv_key(namespace, "conv", conversation),
+            self._conv_key(namespace, "hist", conversation),
+        ]
+        last, version, data = self._call(self._get_history_script, keys=keys, args=[])
+        if version is None or data is None:
+            return HistoryRecord(int(last or 0))
+        return HistoryRecord(int(last or 0), int(version), data.decode("utf-8"))
 
     def _snapshot(self, namespace: str) -> Snapshot | None:
         seq, state = self._call(
@@ -241,8 +283,9 @@ class RedisStore(StateStore):
     def clear(self, namespace: str) -> None:
         names = ["head", "log", "snapshot", "fingerprint"]
         keys = [self._key(namespace, n) for n in names]
-        pattern = self._key(namespace, "conv:*")
-        keys += self._call(lambda: list(self._client.scan_iter(match=pattern, count=1000)))
+        for kind in ("conv", "hist"):
+            pattern = self._key(namespace, f"{kind}:*")
+            keys += self._call(lambda p=pattern: list(self._client.scan_iter(match=p, count=1000)))
         self._call(self._client.delete, *keys)
 
     def ping(self) -> None:

@@ -26,6 +26,7 @@ from craft_rag.stores.base import (
     DEFAULT_SNAPSHOT_EVERY,
     STORE_FORMAT,
     ConversationConflict,
+    HistoryRecord,
     LogEntry,
     Snapshot,
     StateStore,
@@ -52,6 +53,9 @@ _SCHEMA = (
     "entry TEXT NOT NULL, PRIMARY KEY (ns, seq)) WITHOUT ROWID",
     "CREATE TABLE IF NOT EXISTS craft_conv(ns TEXT NOT NULL, id TEXT NOT NULL, "
     "last_seq INTEGER NOT NULL, expires REAL, PRIMARY KEY (ns, id)) WITHOUT ROWID",
+    "CREATE TABLE IF NOT EXISTS craft_history(ns TEXT NOT NULL, id TEXT NOT NULL, "
+    "version INTEGER NOT NULL, data TEXT NOT NULL, expires REAL, PRIMARY KEY (ns, id)) "
+    "WITHOUT ROWID",
     "CREATE TABLE IF NOT EXISTS craft_snapshot(ns TEXT PRIMARY KEY, seq INTEGER NOT NULL, "
     "state TEXT NOT NULL) WITHOUT ROWID",
 )
@@ -261,10 +265,45 @@ class SQLiteStore(StateStore):
                     (namespace, conversation, seq, expires),
                 )
                 if seq % 1024 == 0:
-                    cur.execute(
-                        "DELETE FROM craft_conv WHERE ns = ? AND expires <= ?", (namespace, now)
-                    )
+                    for table in ("craft_conv", "craft_history"):
+                        cur.execute(
+                            f"DELETE FROM {table} WHERE ns = ? AND expires <= ?", (namespace, now)
+                        )
             return self._head_and_after(cur, namespace, since)
+
+    def put_history(
+        self, namespace: str, conversation: str, version: int, data: str, ttl_s: float | None
+    ) -> bool:
+        now = self._clock()
+        with self._transaction() as cur:
+            row = cur.execute(
+                "SELECT version, expires FROM craft_history WHERE ns = ? AND id = ?",
+                (namespace, conversation),
+            ).fetchone()
+            if row is not None and (row[1] is None or row[1] > now) and row[0] >= version:
+                return False
+            expires = now + ttl_s if ttl_s is not None else None
+            cur.execute(
+                "INSERT OR REPLACE INTO craft_history VALUES (?, ?, ?, ?, ?)",
+                (namespace, conversation, version, data, expires),
+            )
+            return True
+
+    def get_history(self, namespace: str, conversation: str) -> HistoryRecord:
+        now = self._clock()
+        with self._transaction() as cur:
+            conv = cur.execute(
+                "SELECT last_seq, expires FROM craft_conv WHERE ns = ? AND id = ?",
+                (namespace, conversation),
+            ).fetchone()
+            hist = cur.execute(
+                "SELECT version, data, expires FROM craft_history WHERE ns = ? AND id = ?",
+                (namespace, conversation),
+            ).fetchone()
+        last = int(conv[0]) if conv is not None and (conv[1] is None or conv[1] > now) else 0
+        if hist is None or (hist[2] is not None and hist[2] <= now):
+            return HistoryRecord(last)
+        return HistoryRecord(last, int(hist[0]), str(hist[1]))
 
     def _snapshot(self, namespace: str) -> Snapshot | None:
         with self._transaction() as cur:
@@ -285,7 +324,10 @@ class SQLiteStore(StateStore):
     def clear(self, namespace: str) -> None:
         check_namespace(namespace)
         with self._transaction() as cur:
-            for table in ("craft_meta", "craft_head", "craft_log", "craft_conv", "craft_snapshot"):
+            for table in (
+                "craft_meta", "craft_head", "craft_log", "craft_conv", "craft_history",
+                "craft_snapshot",
+            ):
                 cur.execute(f"DELETE FROM {table} WHERE ns = ?", (namespace,))
 
     def integrity_check(self) -> str:
