@@ -110,4 +110,4 @@ def test_peer_trace_keeps_arrival_order_and_request_fields() -> None:
     out = peer_trace("contextpilot_offline", trace)
     assert [r.id for r in out] == [r.id for r in trace]
     assert [r.query for r in out] == [r.query for r in trace]
-    assert peers.SEES_FUTURE == frozenset({"contextpilot_offline"})
+    assert frozenset({"contextpilot_offline"}) == peers.SEES_FUTURE
