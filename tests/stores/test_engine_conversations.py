@@ -2,7 +2,8 @@
 different CraftEngine instances and still get the append-only prompt and the dedup one engine
 gives. Two engines per store (fake vLLM backend: two real engines cannot share one process;
 the tokenizer, prompt assembly, planners and stores are the real ones); SQLite file and a real
-redis-server, plus a MemoryStore shared in-process."""
+redis-server, plus a MemoryStore shared in-process. One ``engine`` test puts the real vLLM
+engine (session fixture) in worker A's place."""
 
 from __future__ import annotations
 
@@ -226,3 +227,54 @@ def test_history_primitives_keep_the_newest_version(make_store: StoreFactory) ->
     assert store.get_history("other-ns", CONV) == HistoryRecord(0)
     store.clear("ns")
     assert other.get_history("ns", CONV) == HistoryRecord(0)
+
+
+@pytest.mark.engine
+def test_real_engine_turn_continues_on_another_worker(
+    craft_engine: CraftEngine, tmp_path: Path
+) -> None:
+    """Worker A is the real vLLM engine (its reply is the model's), worker B a fake-backend
+    engine with A's tokenizer and prompt format on the same SQLite store: B's turn 2 continues
+    A's turn-1 prompt, reply and answer close token for token, and A's turn 3 continues B's."""
+    from craft_rag.planner import CraftPlanner, PlannerConfig
+
+    url = f"sqlite://{tmp_path / 's.db'}"
+    craft_engine.set_planner(CraftPlanner(PlannerConfig(policy="tree"), store=url))
+    backend = FakeBackend(max_model_len=craft_engine.max_model_len)
+    b = CraftEngine(
+        backend=backend,
+        tokenizer=craft_engine.assembler.tokenizer,
+        prompt_format=craft_engine.prompt_format,
+        block_hasher=backend.hasher,
+        chat_renderer=jinja_renderer(CHATML),
+        store=url,
+    )
+    chunks = make_chunks(5, words=10)
+    close = craft_engine.assembler.answer_ids("")
+    stops = craft_engine._backend.eos_token_ids
+    conv = "real-chat"
+
+    def stored(r: GenerationResult) -> tuple[int, ...]:
+        reply = list(r.token_ids)
+        while reply and reply[-1] in stops:
+            reply.pop()
+        return r.prompt_token_ids + tuple(reply) + close
+
+    try:
+        r1 = craft_engine.generate(chunks[:3], "what is w1?", conversation_id=conv, max_tokens=4)
+        r2 = b.generate(chunks[1:4], "and w2?", conversation_id=conv, max_tokens=4)
+        assert set(r2.report.removed_duplicates) == {chunks[1].key, chunks[2].key}
+        b_part = b.conversations.turn_token_count([chunks[3]], "and w2?")
+        assert r2.prompt_token_ids[: len(stored(r1))] == stored(r1)
+        assert len(r2.prompt_token_ids) == len(stored(r1)) + b_part
+        r3 = craft_engine.generate(
+            [chunks[3], chunks[4]], "compare", conversation_id=conv, max_tokens=4
+        )
+        assert r3.report.turn == 3
+        assert r3.report.removed_duplicates == (chunks[3].key,)
+        assert r3.prompt_token_ids[: len(stored(r2))] == stored(r2)
+        assert r3.report.prefix_tokens == len(stored(r2))
+    finally:
+        b.close()
+        craft_engine.end_conversation(conv)
+        craft_engine.set_planner(CraftPlanner(PlannerConfig(policy="tree")))
