@@ -99,7 +99,8 @@ class BenchContext:
     ``trace_path``: serve this replay-format trace in every suite instead of the built
     workloads: the WHOLE trace (the suites' own sizes do not apply to it) unless
     ``trace_requests`` caps it to its first N requests. ``engine``: an existing engine to use
-    (not closed by :meth:`close`).
+    (not closed by :meth:`close`, which hands it back with the planner it came with: the
+    suites swap in each system's planner, and a lent engine must not keep the last one).
     """
 
     sizes: BenchSizes = FULL
@@ -119,6 +120,11 @@ class BenchContext:
     _prompt_format: PromptFormat | None = None
     runs: dict[tuple[str, ...], list[GenerationResult]] = field(default_factory=dict)
     """Engine runs already served, keyed by (workload, system, ...): suites share them."""
+    _lent_planner: Any = None
+
+    def __post_init__(self) -> None:
+        if self.engine is not None and not self._own_engine:
+            self._lent_planner = self.engine.planner
 
     @classmethod
     def create(cls, *, quick: bool, **kwargs: Any) -> BenchContext:
@@ -255,11 +261,21 @@ class BenchContext:
         return self.runs[key]
 
     def close(self) -> None:
-        """Close the engine if this context started it."""
+        """Close the engine if this context started it. An engine passed in gets its own
+        planner back (the suites swapped in each system's) and an empty prefix cache, so its
+        CP-Tree matches the cache; its conversations and salted planners were already dropped
+        by the suites' planner swaps."""
         if self.engine is not None and self._own_engine:
             self.engine.close()
             self.engine = None
             self._own_engine = False
+        elif (
+            self.engine is not None
+            and self._lent_planner is not None
+            and self.engine.planner is not self._lent_planner
+        ):
+                self.engine.set_planner(self._lent_planner)
+                self.engine.reset_prefix_cache()
 
 
 def engine_kv_tokens(engine: CraftEngine) -> int | None:
