@@ -27,6 +27,24 @@ def make_node(i: int | str, text: str | None = None, score: float = 1.0) -> Node
     return NodeWithScore(node=TextNode(id_=f"n{name}", text=text or f"text {name}"), score=score)
 
 
+def assert_whole_prefix_reused(engine: Any, chunks: Sequence[Any], report: Any) -> None:
+    """``report`` (a repeated single-turn request) reused every cacheable prompt token (whole
+    blocks, the last prompt token excluded), and its ``reused_chunks`` is the count of served
+    chunks lying entirely inside the cached prefix (issue 11 item 9,
+    :func:`craft_rag.metrics.chunks_inside_cache`) over the spans the engine's assembler gives
+    ``chunks`` (any order: they are put in ``report.chunk_order``). A last chunk whose tail
+    shares the trailing partial block with the question does not count."""
+    from craft_rag.metrics import chunks_inside_cache
+
+    by_key = {c.key: c for c in chunks}
+    served = [by_key[k] for k in report.chunk_order]
+    spans = engine.assembler.single_turn(served, "?").chunk_spans
+    block = engine.block_size
+    assert report.cached_tokens == (report.prompt_tokens - 1) // block * block > 0
+    assert report.reused_chunks == chunks_inside_cache(spans, report.cached_tokens)
+    assert report.reused_chunks >= len(served) - 1  # only a last chunk may miss the rule
+
+
 def make_nodes(ids: Sequence[int | str]) -> list[NodeWithScore]:
     return [make_node(i) for i in ids]
 

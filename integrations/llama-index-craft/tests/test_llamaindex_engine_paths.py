@@ -21,8 +21,9 @@ from llama_index.llms.craft_vllm import (
     craft_query_engine,
 )
 from llama_index.postprocessor.craft import CraftCommitEvent, CraftReorderEndEvent
+from llama_index.postprocessor.craft.nodes import chunk_for_node
 
-from conftest import EventRecorder, SquadIndex, make_node, node_ids
+from conftest import EventRecorder, SquadIndex, assert_whole_prefix_reused, make_node, node_ids
 from craft_rag import CraftPlanner, make_chunk
 from craft_rag.engine.results import ReuseReport
 
@@ -123,7 +124,8 @@ async def test_async_query_engine(llm: CraftVLLM, squad_index: SquadIndex) -> No
     assert isinstance(streaming, AsyncStreamingResponse)
     text = "".join([d async for d in streaming.async_response_gen()])
     assert text == str(done)
-    assert _meta(streaming)[REUSE_KEY].reused_chunks == TOP_K
+    chunks = [chunk_for_node(n, "node_id") for n in retriever.retrieve(q)]
+    assert_whole_prefix_reused(llm.engine, chunks, _meta(streaming)[REUSE_KEY])
 
 
 def test_synthesizer_keeps_non_text_nodes_as_sources(llm: CraftVLLM) -> None:
