@@ -68,11 +68,9 @@ def atomic_writer(
             continue
         break
     try:
-        handle: IO[str] | IO[bytes]
-        if binary:
-            handle = os.fdopen(fd, "wb")
-        else:
-            handle = os.fdopen(fd, "w", encoding="utf-8", newline="")
+        handle: IO[str] | IO[bytes] = (
+            os.fdopen(fd, "wb") if binary else os.fdopen(fd, "w", encoding="utf-8", newline="")
+        )
         with handle:
             yield handle
             handle.flush()
