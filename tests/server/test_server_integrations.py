@@ -106,3 +106,35 @@ def test_langchain_chain_and_conversation_over_the_server(vllm_server: str) -> N
         assert two["cached_tokens"] >= one["prompt_tokens"] - 32
     finally:
         model.close()
+
+
+def test_llamaindex_chat_engine_over_the_server(vllm_server: str) -> None:
+    """CraftChatEngine on CraftVLLM(server=...): turn 2 is append-only on turn 1 (its cached
+    prefix reused by the server), the chunk both turns retrieved is sent once, and the condense
+    step runs on the server with its own report."""
+    pytest.importorskip("llama_index.core")
+    from llama_index.core.base.base_retriever import BaseRetriever
+    from llama_index.core.schema import NodeWithScore, QueryBundle, TextNode
+    from llama_index.llms.craft_vllm import CraftChatEngine, CraftVLLM
+
+    tag = uuid.uuid4().hex[:8]
+    nodes = [TextNode(id_=key, text=text) for key, text in texts(tag, 4)]
+    turns = iter([nodes[:2], [nodes[1], nodes[3]]])
+
+    class Turns(BaseRetriever):
+        def _retrieve(self, query_bundle: QueryBundle) -> list[NodeWithScore]:
+            return [NodeWithScore(node=n, score=1.0) for n in next(turns)]
+
+    llm = CraftVLLM(server=vllm_server, max_tokens=2)
+    try:
+        chat = CraftChatEngine(Turns(), llm, conversation_id=f"srv-chat-{tag}")
+        first = chat.chat("Which facts are about rivers?")
+        second = chat.chat("And which about glaciers?")
+        one, two = first.metadata["craft_reuse"], second.metadata["craft_reuse"]
+        assert one.turn == 1 and two.turn == 2
+        assert list(two.removed_duplicates) == [f"{tag}-1"]
+        assert two.cached_tokens >= one.prompt_tokens // 32 * 32 - 32 > 0
+        condensed = second.metadata["craft_condense"]
+        assert condensed is not None and condensed.report is not None
+    finally:
+        llm.close()
