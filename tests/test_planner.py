@@ -6,7 +6,6 @@ from __future__ import annotations
 import json
 import random
 import threading
-import time
 from collections import Counter
 from pathlib import Path
 
@@ -350,15 +349,13 @@ def test_unicode_ids_and_text() -> None:
 def test_10000_chunks_in_one_request(policy: str) -> None:
     planner = make_planner(policy=policy, threshold=1)
     chunks = [make_chunk(id=f"doc-{i}:0", num_tokens=3) for i in range(10_000)]
-    start = time.perf_counter()
+    # Correctness at size only: its cost is measured by `craft-rag bench overhead`, not here.
     for _ in range(3):
         plan = planner.plan(chunks)
         planner.commit(plan, prefix_tokens=5)
-    elapsed = time.perf_counter() - start
     assert len(plan.ordered) == 10_000
     assert plan.matched_chunks == 10_000
     assert plan.matched_tokens == 5 + 3 * 10_000
-    assert elapsed < 5.0  # measured ~0.05 s; generous for a loaded 2-core machine
     planner._check_invariants()
 
 
