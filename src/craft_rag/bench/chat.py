@@ -457,11 +457,6 @@ def plot(result: dict[str, Any], path: Any) -> None:
         ax.set_title(f"{workload}: mean TTFT, turns >= 2")
         ax.set_ylabel("ms")
         ax.tick_params(axis="x", rotation=30)
-    fig.tight_layout()
-    from craft_rag.files import atomic_writer
+    from craft_rag.bench.plots import save_figure
 
-    try:
-        with atomic_writer(path, binary=True) as handle:
-            fig.savefig(handle, dpi=90, format="png")
-    finally:
-        plt.close(fig)
+    save_figure(fig, path)

@@ -194,7 +194,7 @@ def run_suites(
         if plots:
             from craft_rag.bench.plots import PLOTTERS
 
-            PLOTTERS[name](result, out / f"{name}.png")  # written atomically (plots._save)
+            PLOTTERS[name](result, out / f"{name}.png")  # written atomically (plots.save_figure)
             result["png"] = f"{name}.png"
         result = finite_json(result)
         write_atomic(out / f"{name}.json", json.dumps(result, indent=1, allow_nan=False) + "\n")

@@ -30,7 +30,7 @@ def _plt() -> Any:
     return plt
 
 
-def _save(fig: Any, path: Path) -> None:
+def save_figure(fig: Any, path: Path) -> None:
     """Write the PNG through :func:`craft_rag.files.atomic_writer` (private temp file renamed
     into place: never a half-written figure, never through a symlink)."""
     from craft_rag.files import atomic_writer
@@ -63,7 +63,7 @@ def plot_overlap(result: Mapping[str, Any], path: Path) -> None:
     ax.set_ylabel("chunk overlap (%)")
     ax.set_title("Chunk overlap across requests: prefix vs total (cf. paper Fig. 3)")
     ax.legend(fontsize=7)
-    _save(fig, path)
+    save_figure(fig, path)
 
 
 def plot_kv(result: Mapping[str, Any], path: Path) -> None:
@@ -85,7 +85,7 @@ def plot_kv(result: Mapping[str, Any], path: Path) -> None:
     ax.set_ylabel("KV computation reduction (%)\nvs prefix caching, retriever order")
     ax.set_title("Reduction in prefill KV computation, engine (cf. Fig. 12)", fontsize=9)
     ax.legend(fontsize=7)
-    _save(fig, path)
+    save_figure(fig, path)
 
 
 def plot_ttft(result: Mapping[str, Any], path: Path) -> None:
@@ -105,7 +105,7 @@ def plot_ttft(result: Mapping[str, Any], path: Path) -> None:
         ax.set_ylabel("TTFT / w/o prefix caching")
         ax.set_title(f"{workload}: normalised TTFT (cf. Fig. 11)", fontsize=9)
         ax.legend(fontsize=7)
-    _save(fig, path)
+    save_figure(fig, path)
 
 
 def plot_load(result: Mapping[str, Any], path: Path) -> None:
@@ -120,7 +120,7 @@ def plot_load(result: Mapping[str, Any], path: Path) -> None:
     ax.set_ylabel("mean TTFT (s)")
     ax.set_title("TTFT vs request rate (cf. Fig. 13a)", fontsize=9)
     ax.legend(fontsize=7)
-    _save(fig, path)
+    save_figure(fig, path)
 
 
 def plot_topk(result: Mapping[str, Any], path: Path) -> None:
@@ -135,7 +135,7 @@ def plot_topk(result: Mapping[str, Any], path: Path) -> None:
     ax.set_xticks(result["topks"])
     ax.set_title("TTFT vs number of chunks (cf. Fig. 13c)", fontsize=9)
     ax.legend(fontsize=7)
-    _save(fig, path)
+    save_figure(fig, path)
 
 
 def plot_sensitivity(result: Mapping[str, Any], path: Path) -> None:
@@ -162,7 +162,7 @@ def plot_sensitivity(result: Mapping[str, Any], path: Path) -> None:
     for ax in axes:
         ax.set_ylabel("reused prompt tokens (%)")
         ax.legend(fontsize=6)
-    _save(fig, path)
+    save_figure(fig, path)
 
 
 def plot_quality(result: Mapping[str, Any], path: Path) -> None:
@@ -195,7 +195,7 @@ def plot_quality(result: Mapping[str, Any], path: Path) -> None:
         axes[2].set_xlabel("turn")
         axes[2].set_ylabel("token F1")
         axes[2].legend(fontsize=6)
-    _save(fig, path)
+    save_figure(fig, path)
 
 
 def plot_overhead(result: Mapping[str, Any], path: Path) -> None:
@@ -212,7 +212,7 @@ def plot_overhead(result: Mapping[str, Any], path: Path) -> None:
     ax.set_title(f"Planner overhead after {result['distinct_chunks']:,} distinct chunks",
                  fontsize=9)
     ax.legend(fontsize=7)
-    _save(fig, path)
+    save_figure(fig, path)
 
 
 def plot_routing(result: Mapping[str, Any], path: Path) -> None:

@@ -346,7 +346,7 @@ def plot(result: dict[str, Any], path: Path) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    from craft_rag.files import atomic_writer
+    from craft_rag.bench.plots import save_figure
 
     rows = result["simulated"]
     caps = result["capacities"]
@@ -365,7 +365,4 @@ def plot(result: dict[str, Any], path: Path) -> None:
             ax.set_xscale("log", base=2)
             ax.set_xlabel("replicas")
     axes[0][0].legend(fontsize=7)
-    fig.tight_layout()
-    with atomic_writer(path, binary=True) as handle:
-        fig.savefig(handle, dpi=80, format="png")
-    plt.close(fig)
+    save_figure(fig, path)
