@@ -1,0 +1,135 @@
+"""Plan leases: the one map of plans made and not yet committed or aborted.
+
+A plan's life is ``plan`` -> (``claim`` -> ``release``)* -> ``commit`` | ``abort``:
+
+- **planned**: made by :meth:`craft_rag.planner.CraftPlanner.plan`; its holder (the caller, a
+  framework adapter holding only its id) may claim it;
+- **claimed**: an engine serves it now; a second claim is refused (a plan is served once at a
+  time). A claim whose request failed is released (back to planned: the holder may serve it
+  again);
+- **committed** or **aborted**: the lease is gone; claiming or committing it again is refused.
+
+Owner: one :class:`PlanLeases` per planner, used only under the planner's lock (this class does
+no locking). Each conversation has at most one lease (its next turn can only be planned once
+the earlier one is recorded). Cost: every operation O(1) amortised.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+from craft_rag.types import ConversationId
+
+if TYPE_CHECKING:
+    from craft_rag.plans import Plan
+
+
+def fingerprint(plan: Plan) -> int:
+    """A hash of the plan's content: a plan altered after planning is refused at commit."""
+    return hash(
+        (
+            tuple(c.key for c in plan.ordered),
+            tuple(c.key for c in plan.removed_duplicates),
+            tuple(c.key for c in plan.repeated_in_request),
+            plan.conversation_id,
+            plan.turn,
+        )
+    )
+
+
+@dataclass(slots=True)
+class PlanLease:
+    """What the planner keeps of a plan until it is committed or aborted.
+
+    ``seen``: the store seq the plan was made at (0 without a store); ``fingerprint``: see
+    :func:`fingerprint`; ``made_at``: the planner clock when it was made (a conversation's plan
+    in flight longer than the conversation TTL is abandoned by the next plan of that
+    conversation); ``claimed``: an engine serves it now."""
+
+    plan: Plan
+    seen: int
+    fingerprint: int
+    made_at: float
+    claimed: bool = field(default=False)
+
+    @property
+    def conversation_id(self) -> ConversationId | None:
+        return self.plan.conversation_id
+
+
+class PlanLeases:
+    """plan id -> :class:`PlanLease`, oldest first, plus conversation -> its plan id.
+
+    Invariants: every conversation marker names a lease of that conversation; at most
+    ``limit`` leases after :meth:`add` (the oldest are dropped: too old to commit)."""
+
+    def __init__(self) -> None:
+        self._leases: OrderedDict[int, PlanLease] = OrderedDict()
+        self._by_conversation: dict[ConversationId, int] = {}
+
+    def __len__(self) -> int:
+        return len(self._leases)
+
+    def add(self, lease: PlanLease, limit: int) -> None:
+        plan_id = lease.plan.plan_id
+        self._leases[plan_id] = lease
+        if lease.conversation_id is not None:
+            self._by_conversation[lease.conversation_id] = plan_id
+        while len(self._leases) > limit:
+            self._drop(next(iter(self._leases)))
+
+    def get(self, plan_id: int) -> PlanLease | None:
+        return self._leases.get(plan_id)
+
+    def claim(self, plan_id: int) -> PlanLease:
+        """planned -> claimed. ``RuntimeError`` for an unknown (committed, aborted, too old)
+        or already claimed plan."""
+        lease = self._leases.get(plan_id)
+        if lease is None:
+            msg = (
+                f"plan {plan_id} was already committed, aborted, or is too old to commit; "
+                "make a new plan"
+            )
+            raise RuntimeError(msg)
+        if lease.claimed:
+            msg = f"plan {plan_id} is already being served; a plan is served once"
+            raise RuntimeError(msg)
+        lease.claimed = True
+        return lease
+
+    def release(self, plan_id: int) -> bool:
+        """claimed -> planned (the request serving it failed). False if it was not claimed."""
+        lease = self._leases.get(plan_id)
+        if lease is None or not lease.claimed:
+            return False
+        lease.claimed = False
+        return True
+
+    def finish(self, plan_id: int) -> PlanLease | None:
+        """planned or claimed -> gone (commit, abort). None if there was no lease."""
+        lease = self._leases.get(plan_id)
+        if lease is not None:
+            self._drop(plan_id)
+        return lease
+
+    def of_conversation(self, conversation_id: ConversationId) -> PlanLease | None:
+        """The conversation's lease (made, neither committed nor aborted), if any. O(1)."""
+        plan_id = self._by_conversation.get(conversation_id)
+        return self._leases.get(plan_id) if plan_id is not None else None
+
+    def forget_conversation(self, conversation_id: ConversationId) -> None:
+        """The conversation no longer blocks planning (its lease, if any, stays committable)."""
+        self._by_conversation.pop(conversation_id, None)
+
+    def _drop(self, plan_id: int) -> None:
+        lease = self._leases.pop(plan_id)
+        conv = lease.conversation_id
+        if conv is not None and self._by_conversation.get(conv) == plan_id:
+            del self._by_conversation[conv]
+
+    def _check_invariants(self) -> None:
+        for conv, plan_id in self._by_conversation.items():
+            lease = self._leases.get(plan_id)
+            assert lease is not None and lease.conversation_id == conv

@@ -1,0 +1,246 @@
+"""The planner's value types: :class:`PlannerConfig`, :class:`Plan`, :class:`CommitResult`,
+:class:`PlannerStats` (re-exported by :mod:`craft_rag.planner`)."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, fields
+
+from craft_rag.access_table import DEFAULT_WINDOW
+from craft_rag.chunk import Chunk
+from craft_rag.conversation import DEFAULT_MAX_CONVERSATIONS, DEFAULT_TTL_S
+from craft_rag.ordering import DEFAULT_POLICY, ORDERING_POLICIES
+from craft_rag.prefix_tree import DEFAULT_MAX_NODES, KVLocation, NodeMetadata
+from craft_rag.promotion import PROMOTION_RULES
+from craft_rag.types import BlockHash, ChunkKey, ConversationId, as_block_hash
+from craft_rag.validation import (
+    MAX_INT,
+    check_bool,
+    check_int,
+    check_number,
+    check_optional_int,
+    materialise,
+    state_dict,
+)
+
+# The promotion rule each policy uses unless configured: the paper's threshold rule for the
+# paper's policies; `served` for `tree`, whose set match needs every served order in the tree.
+_DEFAULT_PROMOTION = {"retriever": "threshold", "frequency": "threshold", "tree": "served"}
+
+
+@dataclass(frozen=True, slots=True)
+class PlannerConfig:
+    """Planner settings. ``window=None`` is an unlimited CA-Table window; ``promotion=None``
+    picks the policy's default rule (see :mod:`craft_rag.promotion`)."""
+
+    policy: str = DEFAULT_POLICY
+    window: int | None = DEFAULT_WINDOW
+    threshold: int = 2
+    promotion: str | None = None
+    max_tree_nodes: int = DEFAULT_MAX_NODES
+    dedup: bool = True
+    max_conversations: int = DEFAULT_MAX_CONVERSATIONS
+    conversation_ttl_s: float | None = DEFAULT_TTL_S
+
+    def __post_init__(self) -> None:
+        """``ValueError`` naming the field (``"window: must be ..."``) for any bad setting;
+        bools are refused where ints are meant and non-bools where bools are meant."""
+        if not isinstance(self.policy, str) or self.policy not in ORDERING_POLICIES:
+            msg = (
+                f"policy: unknown policy {self.policy!r}; "
+                f"choose one of {sorted(ORDERING_POLICIES)}"
+            )
+            raise ValueError(msg)
+        if self.promotion is not None and (
+            not isinstance(self.promotion, str) or self.promotion not in PROMOTION_RULES
+        ):
+            msg = (
+                f"promotion: unknown promotion rule {self.promotion!r}; "
+                f"choose one of {sorted(PROMOTION_RULES)} or None (the policy's default)"
+            )
+            raise ValueError(msg)
+        check_optional_int(self.window, "window", minimum=1, none_means="unlimited window")
+        check_int(self.threshold, "threshold", minimum=1)
+        check_int(self.max_tree_nodes, "max_tree_nodes", minimum=1)
+        check_bool(self.dedup, "dedup")
+        check_int(self.max_conversations, "max_conversations", minimum=1)
+        if self.conversation_ttl_s is not None:
+            try:
+                check_number(self.conversation_ttl_s, "conversation_ttl_s", positive=True)
+            except ValueError as exc:
+                msg = f"{exc} (or None: no expiry); pass seconds, e.g. 3600.0 for an hour"
+                raise ValueError(msg) from None
+
+    @property
+    def promotion_rule(self) -> str:
+        return self.promotion or _DEFAULT_PROMOTION.get(self.policy, "threshold")
+
+
+@dataclass(frozen=True, slots=True)
+class Plan:
+    """What to send for one request.
+
+    ``ordered`` is this turn's chunks in render order. ``removed_duplicates`` were sent in an
+    earlier turn of the conversation and are left out; ``repeated_in_request`` repeated a key
+    within this request (the first occurrence is kept). Every input chunk is in exactly one of
+    the three. ``matched_chunks``/``matched_tokens`` is the CP-Tree's predicted reusable prefix
+    (tokens counted from the start of the prompt; None when spans are unknown).
+    ``planner_token`` names the planner instance that made the plan: plan ids count per
+    instance, so only the maker may commit it.
+    """
+
+    plan_id: int
+    ordered: tuple[Chunk, ...]
+    removed_duplicates: tuple[Chunk, ...]
+    repeated_in_request: tuple[Chunk, ...]
+    matched_chunks: int
+    matched_tokens: int | None
+    conversation_id: ConversationId | None
+    turn: int
+    policy: str
+    planner_token: int = 0
+
+    @property
+    def keys(self) -> tuple[ChunkKey, ...]:
+        return tuple(c.key for c in self.ordered)
+
+    @property
+    def retrieved_count(self) -> int:
+        return len(self.ordered) + len(self.removed_duplicates) + len(self.repeated_in_request)
+
+    @property
+    def ref(self) -> str:
+        """The plan's name across planners (``"<planner token>.<plan id>"``): what a framework
+        adapter hands to the LLM side, which claims the plan by it
+        (:meth:`craft_rag.planner.CraftPlanner.claim`). Plain text: fits node metadata and
+        message kwargs."""
+        return f"{self.planner_token:x}.{self.plan_id}"
+
+
+@dataclass(frozen=True, slots=True)
+class CommitResult:
+    """What a commit changed in the CP-Tree."""
+
+    reused_chunks: int
+    inserted_path: int
+    stale_nodes_removed: int
+    turn: int
+
+
+@dataclass(slots=True)
+class PlannerStats:
+    """Running totals since creation (or load). Owner: :class:`CraftPlanner`."""
+
+    plans: int = 0
+    commits: int = 0
+    chunks_retrieved: int = 0
+    chunks_removed_by_dedup: int = 0
+    chunks_repeated_in_request: int = 0
+    predicted_chunks: int = 0
+    reused_chunks: int = 0
+
+
+def commit_metadata(
+    plan: Plan,
+    prefix_tokens: int | None,
+    chunk_token_counts: Sequence[int] | None,
+    reused_chunks: int | None,
+    block_hashes: Sequence[Sequence[BlockHash | int]] | None,
+    location: KVLocation | None,
+) -> list[NodeMetadata] | None:
+    """Check every argument of :meth:`craft_rag.planner.CraftPlanner.commit` (``ValueError``
+    naming the argument; nothing has changed yet) and build each chunk's CP-Tree metadata
+    (token span from ``prefix_tokens`` and the counts, block hashes). O(k)."""
+    if not isinstance(plan, Plan):
+        msg = (
+            f"plan: must be the craft_rag.planner.Plan that plan() returned, "
+            f"got {type(plan).__name__}"
+        )
+        raise ValueError(msg)
+    k = len(plan.ordered)
+    keys = plan.keys
+    if len(set(keys)) != k:
+        msg = "plan: its ordered chunks repeat a key; commit the Plan that plan() returned"
+        raise ValueError(msg)
+    if prefix_tokens is not None:
+        check_int(prefix_tokens, "prefix_tokens", minimum=0)
+    counts = None
+    if chunk_token_counts is not None:
+        counts = materialise(chunk_token_counts, "chunk_token_counts")
+        if len(counts) != k:
+            msg = f"chunk_token_counts: has {len(counts)} entries for {k} chunks"
+            raise ValueError(msg)
+        for i, count in enumerate(counts):
+            check_int(count, f"chunk_token_counts[{i}]", minimum=0)
+    hashes = None
+    if block_hashes is not None:
+        rows = materialise(block_hashes, "block_hashes")
+        if len(rows) != k:
+            msg = f"block_hashes: has {len(rows)} entries for {k} chunks"
+            raise ValueError(msg)
+        hashes = [
+            tuple(
+                as_block_hash(h, f"block_hashes[{i}][{j}]")
+                for j, h in enumerate(materialise(row, f"block_hashes[{i}]"))
+            )
+            for i, row in enumerate(rows)
+        ]
+    if reused_chunks is not None:
+        check_int(reused_chunks, "reused_chunks", minimum=0, maximum=k)
+    if location is not None and not isinstance(location, KVLocation):
+        msg = f"location: must be a KVLocation or None, got {type(location).__name__}"
+        raise ValueError(msg)
+    return _node_metadata(plan, prefix_tokens, counts, hashes)
+
+
+def _node_metadata(
+    plan: Plan,
+    prefix_tokens: int | None,
+    counts: Sequence[int] | None,
+    block_hashes: Sequence[Sequence[BlockHash]] | None,
+) -> list[NodeMetadata] | None:
+    if counts is None and all(c.num_tokens is not None for c in plan.ordered):
+        counts = [c.num_tokens or 0 for c in plan.ordered]
+    if counts is None and block_hashes is None:
+        return None
+    out: list[NodeMetadata] = []
+    pos = prefix_tokens or 0
+    if counts is not None and pos + sum(counts) > MAX_INT:
+        msg = f"chunk_token_counts: spans past token {MAX_INT}; pass real token counts"
+        raise ValueError(msg)
+    for i in range(len(plan.ordered)):
+        span = None
+        if counts is not None:
+            span = (pos, pos + counts[i])
+            pos += counts[i]
+        hashes = tuple(block_hashes[i]) if block_hashes is not None else None
+        out.append(NodeMetadata(token_span=span, block_hashes=hashes))
+    return out
+
+
+def parse_plan_ref(ref: object) -> tuple[int | None, int]:
+    """``(planner token, plan id)`` of a :attr:`Plan.ref`, or ``(None, plan id)`` for a bare
+    int id. ``ValueError`` naming ``plan`` for anything else."""
+    if isinstance(ref, int) and not isinstance(ref, bool) and ref > 0:
+        return None, ref
+    if isinstance(ref, str):
+        token, _, plan_id = ref.partition(".")
+        try:
+            return int(token, 16), int(plan_id, 10)
+        except ValueError:
+            pass
+    msg = (
+        f"plan: must be a craft_rag.planner.Plan, its plan.ref (\"<token>.<id>\") or its "
+        f"plan_id, got {ref!r}"
+    )
+    raise ValueError(msg)
+
+
+def config_from_json(value: object) -> PlannerConfig:
+    """The saved ``config`` object as a :class:`PlannerConfig`; a missing field takes its
+    default, an unknown one is refused. ``ValueError`` naming ``config.<field>``."""
+    data = state_dict(value, "config", optional=[f.name for f in fields(PlannerConfig)])
+    try:
+        return PlannerConfig(**data)
+    except ValueError as exc:
+        raise ValueError(f"config.{exc}") from None
