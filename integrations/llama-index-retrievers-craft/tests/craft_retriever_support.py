@@ -1,20 +1,16 @@
-"""Fixtures for the llama-index-craft tests: node factories, an event recorder, a small real
-faiss vector index over SQuAD passages with the packaged MiniLM model.
-
-The engine tests use the repository-wide ``craft_engine`` fixture (root conftest.py); they never
-start an engine of their own.
-"""
+"""Test helpers for llama-index-retrievers-craft: node factories, an event recorder and a small
+real faiss vector index over SQuAD passages with the packaged MiniLM model (uniquely named, not
+``conftest``, so a root run imports the right one)."""
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
 import pytest
 from llama_index.core.instrumentation.event_handlers import BaseEventHandler
 from llama_index.core.schema import NodeWithScore, TextNode
-from llama_index_instrumentation import get_dispatcher  # = llama_index.core.instrumentation's
 from llama_index_instrumentation.base import BaseEvent
 
 CORPUS_SIZE = 96
@@ -25,24 +21,6 @@ first time on 2 cores, then read from craft-rag's embedding cache)."""
 def make_node(i: int | str, text: str | None = None, score: float = 1.0) -> NodeWithScore:
     name = str(i)
     return NodeWithScore(node=TextNode(id_=f"n{name}", text=text or f"text {name}"), score=score)
-
-
-def assert_whole_prefix_reused(engine: Any, chunks: Sequence[Any], report: Any) -> None:
-    """``report`` (a repeated single-turn request) reused every cacheable prompt token (whole
-    blocks, the last prompt token excluded), and its ``reused_chunks`` is the count of served
-    chunks lying entirely inside the cached prefix (issue 11 item 9,
-    :func:`craft_rag.metrics.chunks_inside_cache`) over the spans the engine's assembler gives
-    ``chunks`` (any order: they are put in ``report.chunk_order``). A last chunk whose tail
-    shares the trailing partial block with the question does not count."""
-    from craft_rag.metrics import chunks_inside_cache
-
-    by_key = {c.key: c for c in chunks}
-    served = [by_key[k] for k in report.chunk_order]
-    spans = engine.assembler.single_turn(served, "?").chunk_spans
-    block = engine.block_size
-    assert report.cached_tokens == (report.prompt_tokens - 1) // block * block > 0
-    assert report.reused_chunks == chunks_inside_cache(spans, report.cached_tokens)
-    assert report.reused_chunks >= len(served) - 1  # only a last chunk may miss the rule
 
 
 def make_nodes(ids: Sequence[int | str]) -> list[NodeWithScore]:
@@ -69,17 +47,6 @@ class EventRecorder(BaseEventHandler):
         return [e for e in self.events if isinstance(e, cls)]
 
 
-@pytest.fixture
-def events() -> Iterator[EventRecorder]:
-    recorder = EventRecorder(events=[])
-    root = get_dispatcher()
-    root.add_event_handler(recorder)
-    try:
-        yield recorder
-    finally:
-        root.event_handlers = [h for h in root.event_handlers if h is not recorder]
-
-
 @dataclass(frozen=True)
 class SquadIndex:
     """A real ``VectorStoreIndex`` over a ``FaissVectorStore`` plus the questions it can answer."""
@@ -90,8 +57,9 @@ class SquadIndex:
     passage_ids: tuple[str, ...]
 
 
-@pytest.fixture(scope="session")
-def squad_index() -> SquadIndex:
+def build_squad_index() -> SquadIndex:
+    """The index behind the session fixture ``squad_index``; skips when faiss, the LlamaIndex
+    faiss store or the packaged model is missing."""
     faiss = pytest.importorskip("faiss", reason="pip install faiss-cpu")
     pytest.importorskip(
         "llama_index.vector_stores.faiss", reason="pip install llama-index-vector-stores-faiss"
@@ -104,8 +72,8 @@ def squad_index() -> SquadIndex:
     from llama_index.embeddings.huggingface import HuggingFaceEmbedding
     from llama_index.vector_stores.faiss import FaissVectorStore
 
-    from craft_rag.datasets import load_squad
-    from craft_rag.retrieval import Embedder, embed_passages
+    from craft_rag_bench.datasets import load_squad
+    from craft_rag_bench.retrieval import Embedder, embed_passages
 
     try:
         embedder = Embedder()

@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import pytest
+from craft_retriever_support import EventRecorder, SquadIndex, node_ids
 from llama_index.core.base.base_retriever import BaseRetriever
 from llama_index.core.llms import MockLLM
 from llama_index.core.query_engine import RetrieverQueryEngine
@@ -14,7 +15,6 @@ from llama_index.postprocessor.craft import (
     CraftRetriever,
 )
 
-from conftest import EventRecorder, SquadIndex, node_ids
 from craft_rag import CraftPlanner
 
 pytestmark = pytest.mark.retrieval
@@ -97,7 +97,7 @@ class _ListRetriever(BaseRetriever):
 
 
 def test_retriever_wrapper_settings_and_errors() -> None:
-    from conftest import make_nodes
+    from craft_retriever_support import make_nodes
 
     wrapped = CraftRetriever(_ListRetriever(make_nodes([3, 1])), policy="frequency")
     assert wrapped.reorderer.policy == "frequency"

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import pytest
+from craft_pp_support import EventRecorder, make_node, make_nodes, node_ids
 from llama_index.core.bridge.pydantic import AnyUrl
 from llama_index.core.postprocessor.types import BaseNodePostprocessor
 from llama_index.core.schema import (
@@ -20,7 +21,6 @@ from llama_index.postprocessor.craft import (
     CraftReorderStartEvent,
 )
 
-from conftest import EventRecorder, make_node, make_nodes, node_ids
 from craft_rag import CraftPlanner, PlannerConfig
 
 

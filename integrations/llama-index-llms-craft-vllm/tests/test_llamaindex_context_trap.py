@@ -15,11 +15,11 @@ from collections.abc import Sequence
 from typing import Any
 
 import pytest
+from craft_llm_support import SquadIndex
 from llama_index.core.base.llms.types import ChatMessage, MessageRole
 from llama_index.llms.craft_vllm import CraftVLLM, craft_query_engine
 from llama_index.postprocessor.craft import CraftReorderPostprocessor
 
-from conftest import SquadIndex
 from craft_rag import CraftPlanner, make_chunk
 from craft_rag.tokenizer import HFTokenizer
 

@@ -8,6 +8,13 @@ from collections.abc import Iterator, Sequence
 from typing import Any
 
 import pytest
+from craft_llm_support import (
+    EventRecorder,
+    SquadIndex,
+    assert_whole_prefix_reused,
+    make_node,
+    node_ids,
+)
 from llama_index.core.base.response.schema import AsyncStreamingResponse, StreamingResponse
 from llama_index.core.memory import ChatMemoryBuffer
 from llama_index.core.query_engine import RetrieverQueryEngine
@@ -23,7 +30,6 @@ from llama_index.llms.craft_vllm import (
 from llama_index.postprocessor.craft import CraftCommitEvent, CraftReorderEndEvent
 from llama_index.postprocessor.craft.nodes import chunk_for_node
 
-from conftest import EventRecorder, SquadIndex, assert_whole_prefix_reused, make_node, node_ids
 from craft_rag import CraftPlanner, make_chunk
 from craft_rag.engine.results import ReuseReport
 

@@ -23,7 +23,7 @@ INSTALL_HINT = (
 def minilm_model_dir() -> str:
     """The MiniLM folder inside the installed wheel. ``FileNotFoundError`` names the pip
     command when the wheel is missing."""
-    from craft_rag.retrieval.embedder import packaged_model_dir
+    from craft_rag_bench.retrieval.embedder import packaged_model_dir
 
     return str(packaged_model_dir())
 

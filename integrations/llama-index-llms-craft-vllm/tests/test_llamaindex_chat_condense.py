@@ -8,6 +8,7 @@ from collections.abc import Iterator, Sequence
 from typing import Any
 
 import pytest
+from craft_llm_support import SquadIndex
 from llama_index.core.base.base_retriever import BaseRetriever
 from llama_index.core.schema import NodeWithScore, QueryBundle, TextNode
 from llama_index.llms.craft_vllm import (
@@ -21,7 +22,6 @@ from llama_index.llms.craft_vllm import (
 )
 from llama_index.postprocessor.craft import CraftReorderPostprocessor
 
-from conftest import SquadIndex
 from craft_rag import CraftPlanner
 from craft_rag.engine.condense import Condensed, condense_ids
 from craft_rag.engine.conversation_prompts import HistoryBudget
