@@ -11,126 +11,24 @@ from __future__ import annotations
 import heapq
 import time
 from collections.abc import Callable, Iterable, Sequence
-from dataclasses import dataclass, field
 from typing import Any
 
-from craft_rag.prefix_tree_io import FORMAT, tree_from_json
-from craft_rag.types import BlockHash, ChunkKey, as_block_hash
-from craft_rag.validation import (
-    check_int,
-    check_text,
-    materialise,
-)
+from craft_rag.prefix_nodes import KVLocation, NodeMetadata, PrefixMatch, PrefixNode
+from craft_rag.prefix_nodes import block_hash_tuple as _block_hashes
+from craft_rag.prefix_tree_io import tree_from_json, tree_to_json
+from craft_rag.types import BlockHash, ChunkKey
+from craft_rag.validation import check_int, materialise
+
+__all__ = [
+    "DEFAULT_MAX_NODES",
+    "ChunkPrefixTree",
+    "KVLocation",
+    "NodeMetadata",
+    "PrefixMatch",
+    "PrefixNode",
+]
 
 DEFAULT_MAX_NODES = 65_536
-_FORMAT = FORMAT
-
-
-@dataclass(frozen=True, slots=True)
-class KVLocation:
-    """Where a prefix's KV lives: which engine (replica) and which memory tier."""
-
-    engine_id: str = "local"
-    tier: str = "device"
-
-    def __post_init__(self) -> None:
-        check_text(self.engine_id, "KVLocation.engine_id", nonempty=True)
-        check_text(self.tier, "KVLocation.tier", nonempty=True)
-
-
-@dataclass(slots=True, eq=False)
-class PrefixNode:
-    """One chunk at one position of a chunk-prefix. Owner: :class:`ChunkPrefixTree` only.
-
-    ``token_start``/``token_end`` is the chunk's ``[start, end)`` span within the prompt (None when
-    token counts were never supplied); ``block_hashes`` are the engine's hashes of the full KV
-    blocks whose last token falls inside that span.
-    """
-
-    key: ChunkKey | None
-    parent: PrefixNode | None
-    depth: int
-    children: dict[ChunkKey, PrefixNode] = field(default_factory=dict)
-    token_start: int | None = None
-    token_end: int | None = None
-    location: KVLocation | None = None
-    block_hashes: tuple[BlockHash, ...] = ()
-    hit_count: int = 0
-    last_access: float = 0.0
-    alive: bool = True
-    heap_stamp: int = -1  # stamp of this node's current entry in the leaf heap
-
-    def path(self) -> tuple[ChunkKey, ...]:
-        """Chunk keys from the root to this node. O(depth)."""
-        keys: list[ChunkKey] = []
-        node: PrefixNode | None = self
-        while node is not None and node.key is not None:
-            keys.append(node.key)
-            node = node.parent
-        return tuple(reversed(keys))
-
-
-@dataclass(frozen=True, slots=True)
-class PrefixMatch:
-    """Result of a lookup: the matched nodes, root side first."""
-
-    nodes: tuple[PrefixNode, ...]
-
-    @property
-    def length(self) -> int:
-        return len(self.nodes)
-
-    @property
-    def keys(self) -> tuple[ChunkKey, ...]:
-        return tuple(n.key for n in self.nodes if n.key is not None)
-
-    @property
-    def tokens(self) -> int | None:
-        """Tokens of the matched prefix (end of the last node's span), None if unknown."""
-        return self.nodes[-1].token_end if self.nodes else 0
-
-    def sliced(self, length: int) -> PrefixMatch:
-        """The sub-prefix of the first ``length`` chunks (prefix slicing; no storage)."""
-        return PrefixMatch(self.nodes[:length])
-
-
-@dataclass(frozen=True, slots=True)
-class NodeMetadata:
-    """Metadata to attach to one node on insert (any field left None is kept as is).
-
-    Checked at construction: ``token_span`` is ``(start, end)`` ints with
-    ``0 <= start <= end``; ``block_hashes`` are normalised by
-    :func:`craft_rag.types.as_block_hash` (bytes, or ints as some vLLM servers report them).
-    ``ValueError`` naming the field otherwise."""
-
-    token_span: tuple[int, int] | None = None
-    block_hashes: tuple[BlockHash, ...] | None = None
-
-    def __post_init__(self) -> None:
-        span = self.token_span
-        if span is not None:
-            if not isinstance(span, (tuple, list)) or len(span) != 2:
-                msg = f"token_span: must be a (start, end) pair, got {span!r}"
-                raise ValueError(msg)
-            start = check_int(span[0], "token_span[0] (token span start)", minimum=0)
-            end = check_int(span[1], "token_span[1] (token span end)", minimum=0)
-            if start > end:
-                msg = f"token_span: token span must satisfy 0 <= start <= end, got {span}"
-                raise ValueError(msg)
-            object.__setattr__(self, "token_span", (start, end))
-        if self.block_hashes is not None:
-            hashes = tuple(
-                as_block_hash(h, f"block_hashes[{i}]")
-                for i, h in enumerate(materialise(self.block_hashes, "block_hashes"))
-            )
-            object.__setattr__(self, "block_hashes", hashes)
-
-
-def _block_hashes(hashes: Iterable[BlockHash | int]) -> tuple[BlockHash, ...]:
-    """KV-event hashes, read once and normalised before anything changes."""
-    return tuple(
-        as_block_hash(h, f"hashes[{i}]") for i, h in enumerate(materialise(hashes, "hashes"))
-    )
 
 
 class ChunkPrefixTree:
@@ -213,8 +111,7 @@ class ChunkPrefixTree:
                 if depth > best_depth or (
                     depth == best_depth
                     and (
-                        seen > best_time
-                        or (seen == best_time and child.path() < best_node.path())
+                        seen > best_time or (seen == best_time and child.path() < best_node.path())
                     )
                 ):
                     best_node, best_depth, best_time = child, depth, seen
@@ -489,35 +386,9 @@ class ChunkPrefixTree:
     # ---- persistence --------------------------------------------------------------------------
 
     def to_json(self) -> dict[str, Any]:
-        """Plain-JSON state: nodes in pre-order with their parent's index. O(size)."""
-        nodes: list[dict[str, Any]] = []
-        stack: list[tuple[PrefixNode, int]] = [
-            (c, -1) for c in reversed(list(self.root.children.values()))
-        ]
-        while stack:
-            node, parent_index = stack.pop()
-            index = len(nodes)
-            nodes.append(
-                {
-                    "parent": parent_index,
-                    "key": node.key,
-                    "span": [node.token_start, node.token_end],
-                    "location": None
-                    if node.location is None
-                    else [node.location.engine_id, node.location.tier],
-                    "blocks": [h.hex() for h in node.block_hashes],
-                    "hits": node.hit_count,
-                    "last_access": node.last_access,
-                    "stamp": node.heap_stamp,
-                }
-            )
-            stack.extend((c, index) for c in reversed(list(node.children.values())))
-        return {
-            "format": _FORMAT,
-            "max_nodes": self.max_nodes,
-            "next_stamp": self._next_stamp,
-            "nodes": nodes,
-        }
+        """Plain-JSON state: nodes in pre-order with their parent's index (see
+        :func:`craft_rag.prefix_tree_io.tree_to_json`). O(size)."""
+        return tree_to_json(self)
 
     @classmethod
     def from_json(

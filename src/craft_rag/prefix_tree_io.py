@@ -1,4 +1,5 @@
-"""Reading a saved CP-Tree (:meth:`ChunkPrefixTree.from_json`) with the whole structure checked.
+"""A CP-Tree saved (:meth:`ChunkPrefixTree.to_json`) and read back with the whole structure
+checked (:meth:`ChunkPrefixTree.from_json`).
 
 A state file is untrusted input: a hand-edited or corrupted file must not build a tree that
 breaks the tree's invariants (a path repeating a key makes ``plan()`` return a chunk twice, a
@@ -30,6 +31,7 @@ from craft_rag.validation import (
 )
 
 if TYPE_CHECKING:
+    from craft_rag.prefix_nodes import PrefixNode
     from craft_rag.prefix_tree import ChunkPrefixTree
 
 FORMAT = "craft-rag/prefix-tree/v1"
@@ -40,9 +42,40 @@ _MAX_COUNTER = 2**62
 _NODE_FIELDS = ("parent", "key", "span", "location", "blocks", "hits", "last_access")
 
 
-def tree_from_json(
-    data: object, *, clock: Callable[[], float], path: str = ""
-) -> ChunkPrefixTree:
+def tree_to_json(tree: ChunkPrefixTree) -> dict[str, Any]:
+    """``tree``'s plain-JSON state (:meth:`ChunkPrefixTree.to_json`): nodes in pre-order with
+    their parent's index, which :func:`tree_from_json` reads back. O(size)."""
+    nodes: list[dict[str, Any]] = []
+    stack: list[tuple[PrefixNode, int]] = [
+        (c, -1) for c in reversed(list(tree.root.children.values()))
+    ]
+    while stack:
+        node, parent_index = stack.pop()
+        index = len(nodes)
+        nodes.append(
+            {
+                "parent": parent_index,
+                "key": node.key,
+                "span": [node.token_start, node.token_end],
+                "location": None
+                if node.location is None
+                else [node.location.engine_id, node.location.tier],
+                "blocks": [h.hex() for h in node.block_hashes],
+                "hits": node.hit_count,
+                "last_access": node.last_access,
+                "stamp": node.heap_stamp,
+            }
+        )
+        stack.extend((c, index) for c in reversed(list(node.children.values())))
+    return {
+        "format": FORMAT,
+        "max_nodes": tree.max_nodes,
+        "next_stamp": tree._next_stamp,
+        "nodes": nodes,
+    }
+
+
+def tree_from_json(data: object, *, clock: Callable[[], float], path: str = "") -> ChunkPrefixTree:
     """Build a :class:`ChunkPrefixTree` from ``to_json`` data, checking everything first.
     O(nodes + block hashes)."""
     from craft_rag.prefix_tree import ChunkPrefixTree, KVLocation, PrefixNode
