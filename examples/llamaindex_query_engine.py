@@ -10,7 +10,8 @@ craft-rag's on-disk cache (computed once, ~1-2 minutes on 2 CPU cores); query em
 llama-index-embeddings-huggingface over the same packaged MiniLM folder.
 
 Needs: pip install llama-index-vector-stores-faiss llama-index-embeddings-huggingface;
-pip install --no-deps -e integrations/llama-index-craft.
+pip install --no-deps -e integrations/llama-index-postprocessor-craft
+-e integrations/llama-index-llms-craft-vllm -e integrations/llama-index-embeddings-craft-minilm.
 Run: python examples/llamaindex_query_engine.py [--questions N] [--k K]
 """
 

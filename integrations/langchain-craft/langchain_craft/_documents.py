@@ -16,9 +16,8 @@ from uuid import UUID
 from langchain_core.documents import Document
 from langchain_core.runnables import RunnableConfig
 
-from craft_rag import Chunk, Plan, content_key, make_chunk
-from craft_rag.tokenizer import check_text
-from craft_rag.validation import validate_conversation_id as validate_conversation_id
+from craft_rag import Chunk, Plan, check_text, content_key, make_chunk
+from craft_rag import validate_conversation_id as validate_conversation_id
 
 DEFAULT_CONVERSATION_KEYS: tuple[str, ...] = ("conversation_id", "session_id", "thread_id")
 """Keys of ``config["configurable"]`` read, in this order, as the conversation id."""

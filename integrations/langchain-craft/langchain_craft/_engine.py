@@ -25,10 +25,10 @@ from craft_rag import Chunk
 from langchain_craft._documents import validate_conversation_id
 
 if TYPE_CHECKING:
-    from craft_rag.engine.engine import CraftEngine
-    from craft_rag.engine.planners import PlanLike
-    from craft_rag.engine.results import (
+    from craft_rag.engine import (
+        CraftEngine,
         GenerationResult,
+        PlanLike,
         ReuseReport,
         SamplingRequest,
         StreamChunk,
@@ -177,12 +177,12 @@ class CraftEngineParams(BaseModel):
         is prepared on first use). O(len(text))."""
         engine = self.engine if self.engine is not None else self._owned_engine
         if engine is not None:
-            return list(engine.assembler.tokenizer.encode(text))
+            return list(engine.tokenizer.encode(text))
         with self._engine_lock:
             if self._text_tokenizer is None:
                 try:
-                    from craft_rag.engine.model import resolve_model
-                    from craft_rag.tokenizer import HFTokenizer
+                    from craft_rag import HFTokenizer
+                    from craft_rag.engine import resolve_model
                 except ImportError as exc:
                     raise ImportError(ENGINE_INSTALL_HINT) from exc
                 folder = Path(resolve_model(self.engine_settings.get("model")))
@@ -200,7 +200,7 @@ class CraftEngineParams(BaseModel):
         with self._engine_lock:
             if self._owned_engine is None:
                 try:
-                    from craft_rag.engine.engine import CraftEngine, EngineSettings
+                    from craft_rag.engine import CraftEngine, EngineSettings
                 except ImportError as exc:
                     raise ImportError(ENGINE_INSTALL_HINT) from exc
                 self._owned_engine = CraftEngine(
@@ -246,7 +246,7 @@ class CraftEngineParams(BaseModel):
 
     def _sampling(self, stop: Sequence[str] | None, kwargs: Mapping[str, Any]) -> SamplingRequest:
         try:
-            from craft_rag.engine.results import SamplingRequest
+            from craft_rag.engine import SamplingRequest
         except ImportError as exc:  # pragma: no cover - results.py has no heavy imports
             raise ImportError(ENGINE_INSTALL_HINT) from exc
         unknown = set(kwargs) - _CALL_KWARGS

@@ -41,7 +41,7 @@ from langchain_core.runnables import Runnable, RunnableConfig, RunnableSerializa
 from langchain_core.runnables.config import patch_config
 from pydantic import ConfigDict, Field
 
-from craft_rag.engine.condense import (
+from craft_rag.engine import (
     CONDENSE_INSTRUCTION,
     DEFAULT_CONDENSE_MAX_TOKENS,
     Condensed,
@@ -179,7 +179,7 @@ class CraftConversation(RunnableSerializable[ConversationInput, AIMessage]):
         question = turn.question
         earlier = turn.history.messages if turn.history is not None else []
         engine = self.llm.get_engine()
-        if earlier and engine.conversations.turn_count(turn.session_id) == 0:
+        if earlier and engine.turn_count(turn.session_id) == 0:
             question = f"Earlier conversation:\n{_transcript(earlier)}\n\n{question}"
         context = build_context(documents, question, conversation_id=turn.session_id)
         return [HumanMessage(content=question, additional_kwargs={CRAFT_CONTEXT_KEY: context})]

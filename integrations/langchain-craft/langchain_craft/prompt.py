@@ -22,9 +22,7 @@ from langchain_core.prompt_values import ChatPromptValue
 from langchain_core.runnables import RunnableConfig, RunnableSerializable
 from pydantic import Field
 
-from craft_rag import Chunk, Plan
-from craft_rag.prompt import DEFAULT_INSTRUCTIONS
-from craft_rag.tokenizer import check_text
+from craft_rag import DEFAULT_INSTRUCTIONS, Chunk, Plan, check_text
 from langchain_craft._documents import (
     DEFAULT_CONVERSATION_KEYS,
     CraftDocuments,

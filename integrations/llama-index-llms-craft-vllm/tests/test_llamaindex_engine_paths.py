@@ -27,8 +27,7 @@ from llama_index.llms.craft_vllm import (
     CraftVLLM,
     craft_query_engine,
 )
-from llama_index.postprocessor.craft import CraftCommitEvent, CraftReorderEndEvent
-from llama_index.postprocessor.craft.nodes import chunk_for_node
+from llama_index.postprocessor.craft import CraftCommitEvent, CraftReorderEndEvent, chunk_for_node
 
 from craft_rag import CraftPlanner, make_chunk
 from craft_rag.engine.results import ReuseReport

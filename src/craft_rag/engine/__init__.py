@@ -5,6 +5,13 @@ or the embedded model is converted. See docs/engine.md.
 """
 
 from craft_rag.engine.chat_format import derive_chat_format
+from craft_rag.engine.condense import (
+    CONDENSE_INSTRUCTION,
+    DEFAULT_CONDENSE_MAX_TOKENS,
+    Condensed,
+    acondense,
+    condense,
+)
 from craft_rag.engine.conversation_prompts import (
     DEFAULT_HISTORY_BUDGET,
     ConversationPrompts,
@@ -16,7 +23,7 @@ from craft_rag.engine.engine import CraftEngine, reused_chunk_count
 from craft_rag.engine.kv_events import BlockHasher, KVEventSync
 from craft_rag.engine.messages import ChatTurn
 from craft_rag.engine.model import PreparedModel, prepare_default_model, resolve_model
-from craft_rag.engine.planners import PlanLike, PlannerLike
+from craft_rag.engine.planners import PlanLike, PlannerLike, validate_cache_salt
 from craft_rag.engine.results import (
     GenerationResult,
     RagRequest,
@@ -33,9 +40,12 @@ from craft_rag.engine.server_backend import (
 from craft_rag.engine.vllm_backend import EngineSettings, EngineStartError
 
 __all__ = [
+    "CONDENSE_INSTRUCTION",
+    "DEFAULT_CONDENSE_MAX_TOKENS",
     "DEFAULT_HISTORY_BUDGET",
     "BlockHasher",
     "ChatTurn",
+    "Condensed",
     "ConversationPrompts",
     "CraftEngine",
     "EngineFailure",
@@ -57,8 +67,11 @@ __all__ = [
     "ServerSettings",
     "ServerUnavailable",
     "StreamChunk",
+    "acondense",
+    "condense",
     "derive_chat_format",
     "prepare_default_model",
     "resolve_model",
     "reused_chunk_count",
+    "validate_cache_salt",
 ]

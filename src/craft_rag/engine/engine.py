@@ -333,6 +333,15 @@ class CraftEngine:
     def block_size(self) -> int:
         return self._backend.block_size
 
+    @property
+    def tokenizer(self) -> Tokenizer:
+        """The tokenizer prompts are built with (text -> ids exactly as the engine sends them)."""
+        return self.assembler.tokenizer
+
+    def turn_count(self, conversation_id: str) -> int:
+        """Turns the engine holds for ``conversation_id`` (0: unknown, ended or forgotten)."""
+        return self.conversations.turn_count(conversation_id)
+
     def reset_prefix_cache(self) -> bool:
         """Drop vLLM's whole prefix cache (every salt) and empty every CP-Tree. False (nothing
         changed) if running requests hold blocks."""

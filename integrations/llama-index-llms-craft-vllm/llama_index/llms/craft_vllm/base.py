@@ -56,16 +56,16 @@ from llama_index.llms.craft_vllm.calls import (
 )
 from llama_index.llms.craft_vllm.prompts import chat_turns, completion_ids
 from llama_index.llms.craft_vllm.reuse import install_reuse_metadata
-from llama_index.postprocessor.craft.base import CraftReorderPostprocessor
-from llama_index.postprocessor.craft.handoff import PlanHandoff
-from llama_index.postprocessor.craft.nodes import validate_conversation_id
+from llama_index.postprocessor.craft import CraftReorderPostprocessor, PlanHandoff
 
-from craft_rag import Chunk, CraftPlanner, Plan
-from craft_rag.engine.engine import CraftEngine, EngineSettings
-from craft_rag.engine.planners import validate_cache_salt
-from craft_rag.engine.results import SamplingRequest
-from craft_rag.engine.server_backend import ServerSettings
-from craft_rag.tokenizer import check_text
+from craft_rag import Chunk, CraftPlanner, Plan, check_text, validate_conversation_id
+from craft_rag.engine import (
+    CraftEngine,
+    EngineSettings,
+    SamplingRequest,
+    ServerSettings,
+    validate_cache_salt,
+)
 
 __all__ = ["EMBEDDED_MODEL_NAME", "REUSE_KEY", "CraftVLLM"]
 
@@ -271,7 +271,7 @@ class CraftVLLM(LLM):
         # The prompt (retrieved text included) is plain text; only completion_to_prompt's own
         # wrapping may hold control tokens.
         wrap = to_prompt if not formatted else None
-        ids = completion_ids(engine.assembler.tokenizer, prompt, wrap)
+        ids = completion_ids(engine.tokenizer, prompt, wrap)
         return EngineCall.bind(methods, ids, **self._options(kwargs))
 
     def _chunks_call(

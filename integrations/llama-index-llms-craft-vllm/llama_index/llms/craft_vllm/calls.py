@@ -24,11 +24,11 @@ from llama_index.core.base.llms.types import (
     MessageRole,
 )
 from llama_index.llms.craft_vllm.reuse import ReuseCollector, open_collectors
-from llama_index.postprocessor.craft.events import CraftCommitEvent
+from llama_index.postprocessor.craft import CraftCommitEvent
 from llama_index_instrumentation import get_dispatcher
 
 from craft_rag import Plan
-from craft_rag.engine.results import GenerationResult, StreamChunk
+from craft_rag.engine import GenerationResult, StreamChunk
 
 dispatcher = get_dispatcher(__name__)
 

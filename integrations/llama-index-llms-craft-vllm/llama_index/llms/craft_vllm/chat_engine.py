@@ -46,18 +46,22 @@ from llama_index.core.memory import BaseMemory, ChatMemoryBuffer
 from llama_index.core.postprocessor.types import BaseNodePostprocessor
 from llama_index.core.schema import NodeWithScore, QueryBundle
 from llama_index.llms.craft_vllm.base import REUSE_KEY, CraftVLLM
-from llama_index.postprocessor.craft.base import CraftReorderPostprocessor, CraftReorderResult
-from llama_index.postprocessor.craft.nodes import KeySource, split_nodes, validate_conversation_id
+from llama_index.postprocessor.craft import (
+    CraftReorderPostprocessor,
+    CraftReorderResult,
+    KeySource,
+    split_nodes,
+)
 
-from craft_rag import Chunk
-from craft_rag.engine.condense import (
+from craft_rag import Chunk, validate_conversation_id
+from craft_rag.engine import (
     CONDENSE_INSTRUCTION,
     DEFAULT_CONDENSE_MAX_TOKENS,
     Condensed,
+    ReuseReport,
     acondense,
     condense,
 )
-from craft_rag.engine.results import ReuseReport
 
 REUSE_METADATA_KEY = "craft_reuse"
 """Response metadata key of the turn's :class:`ReuseReport` (also under ``reuse_report``)."""

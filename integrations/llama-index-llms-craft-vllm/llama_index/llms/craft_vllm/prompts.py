@@ -12,8 +12,8 @@ from collections.abc import Callable, Sequence
 
 from llama_index.core.base.llms.types import ChatMessage, MessageRole, TextBlock
 
-from craft_rag.engine.messages import ChatTurn
-from craft_rag.tokenizer import Tokenizer, check_text, encode_pieces
+from craft_rag import Tokenizer, check_text, encode_pieces
+from craft_rag.engine import ChatTurn
 
 _PROMPT_SENTINEL = "CRAFTPROMPTSENTINEL"
 

@@ -37,7 +37,7 @@ from llama_index_instrumentation import get_dispatcher
 from llama_index_instrumentation.event_handlers import BaseEventHandler
 from pydantic import PrivateAttr
 
-from craft_rag.engine.results import ReuseReport
+from craft_rag.engine import ReuseReport
 
 REUSE_METADATA_KEY = "craft_reuse"
 REUSE_REPORTS_KEY = "craft_reuse_reports"

@@ -47,10 +47,10 @@ from llama_index.core.response_synthesizers.base import BaseSynthesizer, QueryTe
 from llama_index.core.schema import NodeWithScore
 from llama_index.core.types import RESPONSE_TEXT_TYPE
 from llama_index.llms.craft_vllm.base import REUSE_KEY, CraftVLLM
-from llama_index.postprocessor.craft.nodes import KeySource, split_nodes, validate_conversation_id
+from llama_index.postprocessor.craft import KeySource, split_nodes
 from llama_index_instrumentation import get_dispatcher
 
-from craft_rag import Chunk, make_chunk
+from craft_rag import Chunk, make_chunk, validate_conversation_id
 
 dispatcher = get_dispatcher(__name__)
 

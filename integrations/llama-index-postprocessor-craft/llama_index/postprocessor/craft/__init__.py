@@ -21,7 +21,13 @@ from llama_index.postprocessor.craft.events import (
     CraftReorderStartEvent,
 )
 from llama_index.postprocessor.craft.handoff import PlanHandoff
-from llama_index.postprocessor.craft.nodes import KEY_SOURCES, KeySource
+from llama_index.postprocessor.craft.nodes import (
+    KEY_SOURCES,
+    KeySource,
+    SplitNodes,
+    chunk_for_node,
+    split_nodes,
+)
 
 __all__ = [
     "COMMIT_MODES",
@@ -35,6 +41,9 @@ __all__ = [
     "CraftRetriever",
     "KeySource",
     "PlanHandoff",
+    "SplitNodes",
+    "chunk_for_node",
+    "split_nodes",
 ]
 
 

@@ -49,10 +49,15 @@ from llama_index.postprocessor.craft.nodes import (
 )
 from llama_index_instrumentation import get_dispatcher  # = llama_index.core.instrumentation's
 
-from craft_rag import CraftPlanner, Plan, PlannerConfig
-from craft_rag.access_table import DEFAULT_WINDOW
-from craft_rag.chunk import Chunk
-from craft_rag.ordering import DEFAULT_POLICY, ORDERING_POLICIES
+from craft_rag import (
+    DEFAULT_POLICY,
+    DEFAULT_WINDOW,
+    ORDERING_POLICIES,
+    Chunk,
+    CraftPlanner,
+    Plan,
+    PlannerConfig,
+)
 
 dispatcher = get_dispatcher(__name__)
 

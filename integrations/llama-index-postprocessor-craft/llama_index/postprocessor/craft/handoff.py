@@ -13,8 +13,7 @@ import threading
 from collections import OrderedDict, deque
 from collections.abc import Sequence
 
-from craft_rag import Plan
-from craft_rag.types import ChunkKey
+from craft_rag import ChunkKey, Plan
 
 DEFAULT_MAX_PENDING = 1024
 

@@ -28,10 +28,8 @@ from llama_index.core.schema import (
     TextNode,
 )
 
-from craft_rag import Chunk, content_key, make_chunk
-from craft_rag.tokenizer import check_text
-from craft_rag.types import ChunkKey
-from craft_rag.validation import validate_conversation_id as validate_conversation_id
+from craft_rag import Chunk, ChunkKey, check_text, content_key, make_chunk
+from craft_rag import validate_conversation_id as validate_conversation_id
 
 KeySource = Literal["node_id", "content_hash"]
 KEY_SOURCES: tuple[KeySource, ...] = ("node_id", "content_hash")

@@ -12,7 +12,7 @@ from typing import Any
 
 from llama_index.core.base.base_retriever import BaseRetriever
 from llama_index.core.schema import NodeWithScore, QueryBundle
-from llama_index.postprocessor.craft.base import CraftReorderPostprocessor
+from llama_index.postprocessor.craft import CraftReorderPostprocessor
 
 
 class CraftRetriever(BaseRetriever):
