@@ -5,10 +5,10 @@ from __future__ import annotations
 import random
 
 import pytest
-from engine_fakes import FAKE_FORMAT, make_chunks
 
 from craft_rag.engine.conversation_prompts import ConversationPrompts
 from craft_rag.prompt import PromptAssembler
+from craft_rag.testing import FAKE_FORMAT, make_chunks
 from craft_rag.tokenizer import HashingTokenizer
 
 

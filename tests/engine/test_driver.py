@@ -3,10 +3,10 @@
 from __future__ import annotations
 
 import pytest
-from engine_fakes import FakeBackend
 
 from craft_rag.engine.driver import EngineDriver, EngineFailure, RequestCancelled, RequestState
 from craft_rag.engine.results import SamplingRequest, StepOutput
+from craft_rag.testing import FakeBackend
 
 
 def run(driver: EngineDriver, state: RequestState, max_tokens: int = 3) -> RequestState:

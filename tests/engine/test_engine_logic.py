@@ -8,7 +8,7 @@ import threading
 from collections.abc import AsyncIterator, Callable, Sequence
 
 import pytest
-from engine_fakes import FakeBackend, make_chunks
+from craft_rag.testing import FakeBackend, make_chunks
 
 from craft_rag.chunk import Chunk
 from craft_rag.engine.engine import CraftEngine, EngineFailure, reused_chunk_count

@@ -6,12 +6,12 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
-from engine_fakes import CHATML, FAKE_FORMAT, FakeBackend, make_chunks
 
 from craft_rag.engine.chat_format import jinja_renderer
 from craft_rag.engine.engine import CraftEngine
 from craft_rag.planner import CraftPlanner
 from craft_rag.stores import StateStore, namespace_for_salt, open_store
+from craft_rag.testing import CHATML, FAKE_FORMAT, FakeBackend, make_chunks
 from craft_rag.tokenizer import HashingTokenizer
 
 

@@ -11,11 +11,11 @@ import random
 from collections.abc import Callable
 
 import pytest
-from engine_fakes import FAKE_FORMAT, FakeBackend, make_chunks
 
 from craft_rag.engine.conversation_prompts import ConversationPrompts, HistoryBudget
 from craft_rag.engine.engine import CraftEngine
 from craft_rag.prompt import PromptAssembler
+from craft_rag.testing import FAKE_FORMAT, FakeBackend, make_chunks
 from craft_rag.tokenizer import HashingTokenizer
 
 Factory = Callable[..., tuple[CraftEngine, FakeBackend]]

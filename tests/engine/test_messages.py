@@ -5,10 +5,10 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
-from engine_fakes import CHATML
 
 from craft_rag.engine.chat_format import jinja_renderer, model_renderer
 from craft_rag.engine.messages import MessageRenderer
+from craft_rag.testing import CHATML
 from craft_rag.tokenizer import HashingTokenizer, HFTokenizer
 
 CHAT = [

@@ -5,7 +5,6 @@ from __future__ import annotations
 import random
 
 import pytest
-from engine_fakes import make_chunks
 
 from craft_rag.engine.planners import (
     CacheSalt,
@@ -14,6 +13,7 @@ from craft_rag.engine.planners import (
     validate_cache_salt,
 )
 from craft_rag.planner import CraftPlanner, PlannerConfig
+from craft_rag.testing import make_chunks
 from craft_rag.types import BlockHash
 
 

@@ -8,9 +8,12 @@ import sys
 import craft_rag.engine as engine_pkg
 
 EXPECTED = {
+    "CONDENSE_INSTRUCTION",
+    "DEFAULT_CONDENSE_MAX_TOKENS",
     "DEFAULT_HISTORY_BUDGET",
     "BlockHasher",
     "ChatTurn",
+    "Condensed",
     "ConversationPrompts",
     "CraftEngine",
     "EngineFailure",
@@ -32,10 +35,13 @@ EXPECTED = {
     "ServerSettings",
     "ServerUnavailable",
     "StreamChunk",
+    "acondense",
+    "condense",
     "derive_chat_format",
     "prepare_default_model",
     "resolve_model",
     "reused_chunk_count",
+    "validate_cache_salt",
 }
 
 

@@ -8,15 +8,10 @@ engine (session fixture) in worker A's place."""
 from __future__ import annotations
 
 import itertools
-import sys
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "engine"))
-
-from engine_fakes import CHATML, FAKE_FORMAT, FakeBackend, make_chunks
 
 from craft_rag.chunk import Chunk
 from craft_rag.engine.chat_format import jinja_renderer
@@ -30,6 +25,7 @@ from craft_rag.stores import (
     StoreCorrupted,
     open_store,
 )
+from craft_rag.testing import CHATML, FAKE_FORMAT, FakeBackend, make_chunks
 from craft_rag.tokenizer import HashingTokenizer
 
 StoreFactory = Callable[..., StateStore]

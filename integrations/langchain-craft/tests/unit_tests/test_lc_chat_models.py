@@ -17,10 +17,10 @@ from langchain_core.messages import (
 )
 from langchain_core.runnables import RunnableLambda, RunnablePassthrough
 from langchain_craft import ChatCraftVLLM, CraftDocuments, CraftRAGPrompt, CraftReorder, CraftVLLM
-from lc_craft_fakes import FakeBackend, make_fake_engine
 
 from craft_rag import CraftPlanner
 from craft_rag.engine.engine import CraftEngine
+from craft_rag.testing import FakeBackend, make_fake_engine
 
 REPLY = "t101 t102 t103 t104 "
 

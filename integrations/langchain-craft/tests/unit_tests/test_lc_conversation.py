@@ -11,9 +11,9 @@ from langchain_core.documents import Document
 from langchain_core.messages import AIMessage, BaseMessage
 from langchain_core.runnables import RunnableLambda
 from langchain_craft import ChatCraftVLLM, CraftConversation
-from lc_craft_fakes import FakeBackend, make_fake_engine
 
 from craft_rag.engine.engine import CraftEngine
+from craft_rag.testing import FakeBackend, make_fake_engine
 
 
 class ListHistory:
@@ -193,7 +193,7 @@ def test_a_session_keeps_its_salt_and_salts_share_nothing(
 def test_an_evicted_session_starts_over_with_its_chunks() -> None:
     """The engine keeps one conversation's prompt (max_conversations=1): when another session
     evicts s1, s1's next turn is a fresh first turn, its documents all in the prompt."""
-    engine, _ = make_fake_engine({"max_conversations": 1})
+    engine, _ = make_fake_engine(max_conversations=1)
     try:
         store: dict[str, Any] = {}
         conv = make_conversation(engine, [docs("a"), docs("b"), docs("a", "c")], store)

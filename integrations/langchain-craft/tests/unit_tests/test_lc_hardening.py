@@ -195,7 +195,8 @@ def test_retriever_with_a_session_id_never_drops() -> None:
 def test_model_paths_name_the_field_for_lone_surrogates() -> None:
     from langchain_core.messages import AIMessage, HumanMessage
     from langchain_craft import ChatCraftVLLM, CraftVLLM
-    from lc_craft_fakes import make_fake_engine
+
+    from craft_rag.testing import make_fake_engine
 
     engine, _ = make_fake_engine()
     try:
