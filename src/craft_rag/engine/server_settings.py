@@ -1,0 +1,146 @@
+"""Where a vLLM OpenAI-compatible server is and how to talk to it (:class:`ServerSettings`),
+and the errors a server request raises. Split from :mod:`craft_rag.engine.server_backend`
+(the HTTP client), which re-exports every name here.
+
+Errors: :class:`ServerUnavailable` (a ``ConnectionError``) when the server cannot be reached
+or drops a stream; :class:`ServerError` (an ``EngineFailure``) for 5xx answers after retries or
+a malformed stream; :class:`ServerRejected` (a ``ValueError``) for a 4xx answer.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+from urllib.parse import urlsplit
+
+from craft_rag.engine.driver import EngineFailure
+
+__all__ = [
+    "KV_EVENTS_PORT_OFFSET",
+    "ServerError",
+    "ServerRejected",
+    "ServerSettings",
+    "ServerUnavailable",
+    "as_server_settings",
+    "parse_cache_config",
+]
+
+KV_EVENTS_PORT_OFFSET = 1000
+"""Default KV-events port: the HTTP port plus this (``craft-rag serve`` binds it)."""
+
+_INFO_LABEL = re.compile(r'(\w+)="([^"]*)"')
+
+
+class ServerUnavailable(ConnectionError):
+    """The server could not be reached (or dropped the connection); the message names the URL
+    and the fix. The engine clears its CP-Trees: a restarted server has an empty cache."""
+
+
+class ServerError(EngineFailure):
+    """The server answered with a 5xx status (after retries) or a malformed stream."""
+
+
+class ServerRejected(ValueError):
+    """The server refused the request (4xx): the request itself is invalid."""
+
+
+@dataclass(frozen=True, slots=True)
+class ServerSettings:
+    """Where the server is and how to talk to it.
+
+    ``kv_events``: ``None`` -> ``tcp://HOST:(PORT+1000)``; an int -> that port on the URL's
+    host; a ``tcp://`` string -> that endpoint; ``False`` -> no KV events (the CP-Tree then
+    learns evictions only from commits). ``block_size``/``hash_algo``: ``None`` reads them
+    from the server's ``/metrics``. ``hash_seed``: the server's ``PYTHONHASHSEED`` if it
+    set one (``None``: vLLM's fixed default for sha256). ``retries``: extra attempts after a
+    connect error or 5xx, waiting ``backoff * 2**i`` seconds.
+    """
+
+    url: str
+    kv_events: int | str | bool | None = None
+    model_name: str | None = None
+    block_size: int | None = None
+    hash_algo: str | None = None
+    hash_seed: str | None = None
+    connect_timeout: float = 3.0
+    read_timeout: float = 300.0
+    retries: int = 2
+    backoff: float = 0.25
+    api_key: str | None = None
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.url, str):
+            msg = f"server must be an http(s) URL string, got {type(self.url).__name__}"
+            raise ValueError(msg)
+        parts = urlsplit(self.url)
+        if parts.scheme not in ("http", "https") or not parts.hostname:
+            msg = (
+                f"server URL {self.url!r} is not http(s)://HOST[:PORT]; e.g. "
+                "server='http://127.0.0.1:8000' (start one with `craft-rag serve`)"
+            )
+            raise ValueError(msg)
+        try:
+            parts.port  # noqa: B018  (raises ValueError for a bad port)
+        except ValueError as exc:
+            msg = f"server URL {self.url!r} has an invalid port: {exc}"
+            raise ValueError(msg) from exc
+        if parts.path.rstrip("/") not in ("", "/v1") or parts.query or parts.fragment:
+            msg = f"server URL {self.url!r} must be the server root, e.g. http://127.0.0.1:8000"
+            raise ValueError(msg)
+        for name in ("connect_timeout", "read_timeout"):
+            if not getattr(self, name) > 0:
+                msg = f"{name} must be > 0 seconds, got {getattr(self, name)!r}"
+                raise ValueError(msg)
+        if not isinstance(self.retries, int) or self.retries < 0 or self.backoff < 0:
+            msg = (
+                f"retries must be an int >= 0 and backoff >= 0, got {self.retries}, {self.backoff}"
+            )
+            raise ValueError(msg)
+        if isinstance(self.kv_events, str) and not self.kv_events.startswith("tcp://"):
+            msg = f"kv_events {self.kv_events!r} must be a tcp://HOST:PORT endpoint or a port"
+            raise ValueError(msg)
+        if (
+            isinstance(self.kv_events, int)
+            and not isinstance(self.kv_events, bool)
+            and not 0 < self.kv_events < 65536
+        ):
+            msg = f"kv_events port must be in 1..65535, got {self.kv_events}"
+            raise ValueError(msg)
+
+    @property
+    def base_url(self) -> str:
+        parts = urlsplit(self.url)
+        return f"{parts.scheme}://{parts.netloc}"
+
+    @property
+    def kv_events_endpoint(self) -> str | None:
+        """The ZMQ endpoint to subscribe to, or ``None`` for no events (see the class doc)."""
+        if self.kv_events is False:
+            return None
+        parts = urlsplit(self.url)
+        host = parts.hostname
+        assert host is not None  # checked in __post_init__
+        if ":" in host:
+            host = f"[{host}]"
+        if isinstance(self.kv_events, str):
+            return self.kv_events
+        if isinstance(self.kv_events, int) and not isinstance(self.kv_events, bool):
+            return f"tcp://{host}:{self.kv_events}"
+        port = parts.port or (443 if parts.scheme == "https" else 80)
+        if port + KV_EVENTS_PORT_OFFSET > 65535:
+            msg = f"HTTP port {port} + {KV_EVENTS_PORT_OFFSET} is no port; pass kv_events=PORT"
+            raise ValueError(msg)
+        return f"tcp://{host}:{port + KV_EVENTS_PORT_OFFSET}"
+
+
+def as_server_settings(server: str | ServerSettings) -> ServerSettings:
+    """``server=`` as :class:`ServerSettings` (a URL string gets the defaults)."""
+    return server if isinstance(server, ServerSettings) else ServerSettings(server)
+
+
+def parse_cache_config(metrics_text: str) -> dict[str, str]:
+    """The labels of ``vllm:cache_config_info`` in a Prometheus ``/metrics`` page ({} if absent)."""
+    for line in metrics_text.splitlines():
+        if line.startswith("vllm:cache_config_info{"):
+            return dict(_INFO_LABEL.findall(line))
+    return {}
