@@ -38,7 +38,6 @@ __all__ = [
     "CraftReorderPostprocessor",
     "CraftReorderResult",
     "CraftReorderStartEvent",
-    "CraftRetriever",
     "KeySource",
     "PlanHandoff",
     "SplitNodes",
