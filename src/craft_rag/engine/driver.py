@@ -17,11 +17,12 @@ import threading
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Protocol, TypeVar
+from typing import Generic, Protocol, TypeVar
 
 from craft_rag.engine.results import SamplingRequest, StepOutput
 
 T = TypeVar("T")
+E = TypeVar("E")
 
 
 class EngineBackend(Protocol):
@@ -103,28 +104,35 @@ class RequestState:
             self.on_done()
 
 
-class EngineDriver:
-    """Steps ``backend`` on a daemon thread while any request is unfinished.
+class RequestTable(Generic[E]):
+    """The bookkeeping both drivers share: requests in flight by id (each with the driver's
+    entry ``E``: its state and whatever the driver needs to stop it), the closed flag and the
+    clock. ``_cond`` guards the table; nothing slow runs under it. O(1) per operation."""
 
-    Cost: one ``backend.step()`` per iteration (a forward pass over the batch); dispatching a
-    delta is O(1). The thread sleeps on a condition when there is no work.
-    """
-
-    def __init__(
-        self, backend: EngineBackend, *, clock: Callable[[], float] = time.perf_counter
-    ) -> None:
-        self._backend = backend
+    def __init__(self, clock: Callable[[], float]) -> None:
         self._clock = clock
-        self._engine_lock = threading.Lock()
         self._cond = threading.Condition()
-        self._states: dict[str, RequestState] = {}  # owner: guarded by _cond
+        self._states: dict[str, E] = {}  # owner: guarded by _cond
         self._closed = False
-        self._thread = threading.Thread(target=self._loop, name="craft-engine-driver", daemon=True)
-        self._thread.start()
 
     @property
     def clock(self) -> Callable[[], float]:
         return self._clock
+
+    def in_flight(self) -> int:
+        with self._cond:
+            return len(self._states)
+
+    def _register(self, state: RequestState, entry: E) -> None:
+        """Add a request. ``RuntimeError`` once closed or for an id already in flight. Call
+        under ``_cond``."""
+        if self._closed:
+            msg = "the engine is closed; create a new CraftEngine"
+            raise RuntimeError(msg)
+        if state.request_id in self._states:
+            msg = f"request id {state.request_id!r} is already in flight"
+            raise RuntimeError(msg)
+        self._states[state.request_id] = entry
 
     def submit(
         self,
@@ -134,54 +142,105 @@ class EngineDriver:
         *,
         cache_salt: str | None = None,
     ) -> None:
-        """Queue a request (``cache_salt``: its prefix-cache namespace); its deltas go to
-        ``state``. Errors from the backend's ``add_request`` (e.g. an invalid prompt)
-        propagate here and register nothing."""
+        """Start a request (``cache_salt``: its prefix-cache namespace); its deltas go to
+        ``state``. It is registered first, so no output arrives that cannot be routed; an error
+        starting it unregisters it and propagates (see each driver's ``_start``)."""
+        entry = self._entry(state)
         with self._cond:
-            if self._closed:
-                msg = "the engine is closed; create a new CraftEngine"
-                raise RuntimeError(msg)
-            if state.request_id in self._states:
-                msg = f"request id {state.request_id!r} is already in flight"
-                raise RuntimeError(msg)
-            # Registered before add_request so the driver cannot see an output it cannot route.
-            self._states[state.request_id] = state
+            self._register(state, entry)
         state.submitted_at = self._clock()
         try:
-            with self._engine_lock:
-                if cache_salt is None:
-                    self._backend.add_request(state.request_id, token_ids, sampling)
-                else:
-                    self._backend.add_request(
-                        state.request_id, token_ids, sampling, cache_salt=cache_salt
-                    )
+            self._start(tuple(token_ids), sampling, entry, cache_salt)
         except BaseException:
-            with self._cond:
-                self._states.pop(state.request_id, None)
+            self._pop(state.request_id)
             raise
+
+    def _entry(self, state: RequestState) -> E:
+        """The table entry of a new request (the driver's hook)."""
+        raise NotImplementedError
+
+    def _start(
+        self,
+        token_ids: tuple[int, ...],
+        sampling: SamplingRequest,
+        entry: E,
+        cache_salt: str | None,
+    ) -> None:
+        """Hand a registered request to the backend (the driver's hook)."""
+        raise NotImplementedError
+
+    def _pop(self, request_id: str) -> E | None:
+        with self._cond:
+            return self._states.pop(request_id, None)
+
+    def _close_table(self) -> list[E]:
+        """Mark closed, empty the table and wake any waiter; returns the entries in flight."""
+        with self._cond:
+            self._closed = True
+            entries = list(self._states.values())
+            self._states.clear()
+            self._cond.notify_all()
+        return entries
+
+
+def aborted_error(request_id: str) -> RequestCancelled:
+    """The error of a request stopped by ``abort``."""
+    return RequestCancelled(f"request {request_id} was aborted")
+
+
+class EngineDriver(RequestTable[RequestState]):
+    """Steps ``backend`` on a daemon thread while any request is unfinished.
+
+    Cost: one ``backend.step()`` per iteration (a forward pass over the batch); dispatching a
+    delta is O(1). The thread sleeps on a condition when there is no work.
+    """
+
+    def __init__(
+        self, backend: EngineBackend, *, clock: Callable[[], float] = time.perf_counter
+    ) -> None:
+        super().__init__(clock)
+        self._backend = backend
+        self._engine_lock = threading.Lock()
+        self._thread = threading.Thread(target=self._loop, name="craft-engine-driver", daemon=True)
+        self._thread.start()
+
+    def _entry(self, state: RequestState) -> RequestState:
+        return state
+
+    def _start(
+        self,
+        token_ids: tuple[int, ...],
+        sampling: SamplingRequest,
+        entry: RequestState,
+        cache_salt: str | None,
+    ) -> None:
+        """Queue the request in the backend (errors from ``add_request``, e.g. an invalid
+        prompt, propagate) and wake the stepping thread."""
+        with self._engine_lock:
+            if cache_salt is None:
+                self._backend.add_request(entry.request_id, token_ids, sampling)
+            else:
+                self._backend.add_request(
+                    entry.request_id, token_ids, sampling, cache_salt=cache_salt
+                )
         with self._cond:
             self._cond.notify_all()
 
     def abort(self, request_id: str) -> bool:
         """Stop a request if still running (its state fails with :class:`RequestCancelled`).
         Returns whether it was running."""
-        with self._cond:
-            state = self._states.pop(request_id, None)
+        state = self._pop(request_id)
         if state is None:
             return False
         with self._engine_lock:
             self._backend.abort([request_id])
-        state._fail(RequestCancelled(f"request {request_id} was aborted"), self._clock())
+        state._fail(aborted_error(request_id), self._clock())
         return True
 
     def exclusive(self, fn: Callable[[], T]) -> T:
         """Run ``fn`` while no step is in progress (e.g. ``reset_prefix_cache``)."""
         with self._engine_lock:
             return fn()
-
-    def in_flight(self) -> int:
-        with self._cond:
-            return len(self._states)
 
     def _loop(self) -> None:
         while True:
@@ -213,9 +272,7 @@ class EngineDriver:
 
     def _drop(self, state: RequestState, error: BaseException, now: float) -> None:
         """Stop one request on the driver's side (its consumer failed) and fail it."""
-        with self._cond:
-            running = self._states.pop(state.request_id, None) is not None
-        if running:
+        if self._pop(state.request_id) is not None:
             with self._engine_lock:
                 self._backend.abort([state.request_id])
         if not state.done.is_set():
@@ -238,12 +295,7 @@ class EngineDriver:
 
     def close(self) -> None:
         """Fail whatever is in flight with :class:`RequestCancelled` and stop the thread."""
-        with self._cond:
-            self._closed = True
-            states = list(self._states.values())
-            self._states.clear()
-            self._cond.notify_all()
-        now = self._clock()
+        now, states = self._clock(), self._close_table()
         for state in states:
             state._fail(RequestCancelled("the engine was closed"), now)
         self._thread.join(timeout=30)

@@ -8,7 +8,7 @@ request path (plan, render, commit) for both. Why threads and not an event loop:
 must work without a running loop, requests are few and long (seconds of prefill/decode), and
 ``httpx.Client`` is thread-safe.
 
-Locking: ``_lock`` guards the request table only; deltas are delivered outside it. A request's
+Locking: ``_cond`` guards the request table only; deltas are delivered outside it. A request's
 thread is the only writer of its state until ``done`` is set (``abort`` marks it cancelled
 and fails it; the thread then delivers nothing more).
 """
@@ -17,17 +17,23 @@ from __future__ import annotations
 
 import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from typing import TypeVar
 
-from craft_rag.engine.driver import EngineFailure, RequestCancelled, RequestState
+from craft_rag.engine.driver import (
+    EngineFailure,
+    RequestCancelled,
+    RequestState,
+    RequestTable,
+    aborted_error,
+)
 from craft_rag.engine.results import SamplingRequest
 from craft_rag.engine.server_backend import ServerBackend, ServerUnavailable, step_output
 
 T = TypeVar("T")
 
 
-class ServerDriver:
+class ServerDriver(RequestTable[tuple[RequestState, threading.Event]]):
     """Streams requests to ``backend``'s server on one daemon thread each.
 
     ``on_server_lost`` runs (on the request's thread) when the server is unreachable or drops
@@ -42,46 +48,33 @@ class ServerDriver:
         on_server_lost: Callable[[], object] | None = None,
         clock: Callable[[], float] = time.perf_counter,
     ) -> None:
+        super().__init__(clock)
         self._backend = backend
         self._on_lost = on_server_lost
-        self._clock = clock
-        self._lock = threading.Lock()
         self._exclusive = threading.Lock()
-        self._states: dict[str, tuple[RequestState, threading.Event]] = {}  # owner: _lock
-        self._threads: set[threading.Thread] = set()  # owner: _lock
-        self._closed = False
+        self._threads: set[threading.Thread] = set()  # owner: _cond
 
-    @property
-    def clock(self) -> Callable[[], float]:
-        return self._clock
+    def _entry(self, state: RequestState) -> tuple[RequestState, threading.Event]:
+        return state, threading.Event()  # set: stop streaming
 
-    def submit(
+    def _start(
         self,
-        token_ids: Sequence[int],
+        token_ids: tuple[int, ...],
         sampling: SamplingRequest,
-        state: RequestState,
-        *,
-        cache_salt: str | None = None,
+        entry: tuple[RequestState, threading.Event],
+        cache_salt: str | None,
     ) -> None:
-        """Start streaming the request; its deltas go to ``state``. Errors (server down, HTTP
-        errors) arrive as ``state.error`` (raised by the engine when the request is finished)."""
-        cancelled = threading.Event()
-        with self._lock:
-            if self._closed:
-                msg = "the engine is closed; create a new CraftEngine"
-                raise RuntimeError(msg)
-            if state.request_id in self._states:
-                msg = f"request id {state.request_id!r} is already in flight"
-                raise RuntimeError(msg)
-            self._states[state.request_id] = (state, cancelled)
-            thread = threading.Thread(
-                target=self._run,
-                args=(tuple(token_ids), sampling, state, cache_salt, cancelled),
-                name=f"craft-server-{state.request_id}",
-                daemon=True,
-            )
+        """Stream the request on its own thread. Errors (server down, HTTP errors) arrive as
+        ``state.error`` (raised by the engine when the request is finished)."""
+        state, cancelled = entry
+        thread = threading.Thread(
+            target=self._run,
+            args=(token_ids, sampling, state, cache_salt, cancelled),
+            name=f"craft-server-{state.request_id}",
+            daemon=True,
+        )
+        with self._cond:
             self._threads.add(thread)
-        state.submitted_at = self._clock()
         thread.start()
 
     def _run(
@@ -95,7 +88,7 @@ class ServerDriver:
         try:
             for delta in self._backend.stream(token_ids, sampling, cache_salt, cancelled):
                 out = step_output(state.request_id, delta)
-                if out.finished and not self._release(state.request_id):
+                if out.finished and self._pop(state.request_id) is None:
                     return  # aborted meanwhile: abort already failed the state
                 if cancelled.is_set():
                     return
@@ -112,28 +105,23 @@ class ServerDriver:
         except Exception as exc:
             self._fail(state, exc if isinstance(exc, EngineFailure | ValueError) else _wrap(exc))
         finally:
-            with self._lock:
+            with self._cond:
                 self._threads.discard(threading.current_thread())
 
-    def _release(self, request_id: str) -> bool:
-        with self._lock:
-            return self._states.pop(request_id, None) is not None
-
     def _fail(self, state: RequestState, error: BaseException) -> None:
-        self._release(state.request_id)
+        self._pop(state.request_id)
         if not state.done.is_set():
             state._fail(error, self._clock())
 
     def abort(self, request_id: str) -> bool:
         """Stop a running request (its stream is closed, so the server aborts it too); its
         state fails with :class:`RequestCancelled`. Returns whether it was running."""
-        with self._lock:
-            entry = self._states.pop(request_id, None)
+        entry = self._pop(request_id)
         if entry is None:
             return False
-        state, cancelled = entry
-        cancelled.set()
-        state._fail(RequestCancelled(f"request {request_id} was aborted"), self._clock())
+        state, stop = entry
+        stop.set()
+        state._fail(aborted_error(request_id), self._clock())
         return True
 
     def exclusive(self, fn: Callable[[], T]) -> T:
@@ -142,21 +130,14 @@ class ServerDriver:
         with self._exclusive:
             return fn()
 
-    def in_flight(self) -> int:
-        with self._lock:
-            return len(self._states)
-
     def close(self) -> None:
         """Cancel whatever is in flight (:class:`RequestCancelled`) and wait briefly for the
         request threads to notice. Idempotent."""
-        with self._lock:
-            self._closed = True
-            entries = list(self._states.values())
-            self._states.clear()
+        with self._cond:
             threads = list(self._threads)
-        now = self._clock()
-        for state, cancelled in entries:
-            cancelled.set()
+        now, entries = self._clock(), self._close_table()
+        for state, stop in entries:
+            stop.set()
             if not state.done.is_set():
                 state._fail(RequestCancelled("the engine was closed"), now)
         for thread in threads:
