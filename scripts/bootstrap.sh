@@ -29,6 +29,9 @@ echo "[bootstrap] installing into .venv (first run: ~5-10 minutes)" >&2
   "llama-index-embeddings-huggingface==0.8.0" "langchain-core>=1.7,<2" "langchain-tests>=1.1" \
   "langchain-community==0.4.2" "langchain-classic==1.0.8" \
   "matplotlib>=3.8" "redis>=5" "msgpack>=1.0" "langgraph==1.2.22" "langchain-huggingface==1.2.3"
+# One editable install per integration distribution (LlamaIndex: one per namespace). The former
+# single llama-index-craft distribution is removed from venvs that still have it.
+.venv/bin/pip uninstall -y -q llama-index-craft 2>/dev/null || true
 for pkg in integrations/*/; do
   [ -f "$pkg/pyproject.toml" ] && .venv/bin/pip install -q --no-deps -e "$pkg"
 done
