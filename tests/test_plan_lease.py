@@ -83,3 +83,27 @@ def test_a_committed_plan_cannot_be_claimed_or_released() -> None:
     conv = p.plan(chunks("B"), "c")
     p.commit(p.claim(conv.ref))
     assert p.committed_turns("c") == 1
+
+
+def test_reserve_finds_the_oldest_waiting_plan_of_those_keys_once() -> None:
+    p = planner()
+    first, second = p.plan(chunks("A", "B")), p.plan(chunks("A", "B"))
+    assert p.waiting() == 2
+    assert p.reserve(None, ["B", "A"]) is None  # another order: not these plans
+    assert p.reserve(None, list(first.keys)) is first
+    assert p.reserve(None, list(first.keys)) is second
+    assert p.reserve(None, list(first.keys)) is None and p.waiting() == 0
+    assert p.claim(first.ref) is first  # a reserved plan is claimed by its holder
+    assert p.release(first) and p.waiting() == 1  # released: waiting again
+    p.commit(second)
+    p._check_invariants()
+
+
+def test_made_and_pending_plan_name_the_maker() -> None:
+    p, other = planner(), planner()
+    plan = p.plan(chunks("A"))
+    assert p.made(plan) and p.made(plan.ref) and not other.made(plan.ref)
+    assert not p.made(plan.plan_id)  # a bare id names no maker
+    assert p.pending_plan(plan.ref) is plan and other.pending_plan(plan.ref) is None
+    p.abort(plan)
+    assert p.made(plan) and p.pending_plan(plan) is None

@@ -4,6 +4,8 @@ A plan's life is ``plan`` -> (``claim`` -> ``release``)* -> ``commit`` | ``abort
 
 - **planned**: made by :meth:`craft_rag.planner.CraftPlanner.plan`; its holder (the caller, a
   framework adapter holding only its id) may claim it;
+- **reserved** (optional): a framework adapter found it by its conversation and chunk keys
+  (:meth:`PlanLeases.reserve`) and hands its ``ref`` to the engine; no other adapter finds it;
 - **claimed**: an engine serves it now; a second claim is refused (a plan is served once at a
   time). A claim whose request failed is released (back to planned: the holder may serve it
   again);
@@ -53,6 +55,7 @@ class PlanLease:
     fingerprint: int
     made_at: float
     claimed: bool = field(default=False)
+    reserved: bool = field(default=False)
 
     @property
     def conversation_id(self) -> ConversationId | None:
@@ -68,6 +71,9 @@ class PlanLeases:
     def __init__(self) -> None:
         self._leases: OrderedDict[int, PlanLease] = OrderedDict()
         self._by_conversation: dict[ConversationId, int] = {}
+        # (conversation, planned keys) -> plan ids, oldest first: what an adapter that passes
+        # plain node lists can find a plan by (an index over _leases, not a second owner).
+        self._by_keys: dict[tuple[ConversationId | None, tuple[str, ...]], list[int]] = {}
 
     def __len__(self) -> int:
         return len(self._leases)
@@ -77,6 +83,7 @@ class PlanLeases:
         self._leases[plan_id] = lease
         if lease.conversation_id is not None:
             self._by_conversation[lease.conversation_id] = plan_id
+        self._by_keys.setdefault(_keys_of(lease), []).append(plan_id)
         while len(self._leases) > limit:
             self._drop(next(iter(self._leases)))
 
@@ -104,8 +111,25 @@ class PlanLeases:
         lease = self._leases.get(plan_id)
         if lease is None or not lease.claimed:
             return False
-        lease.claimed = False
+        lease.claimed = lease.reserved = False
         return True
+
+    def reserve(
+        self, conversation_id: ConversationId | None, keys: tuple[str, ...]
+    ) -> PlanLease | None:
+        """The oldest lease of exactly these planned keys (in order) and conversation that is
+        neither reserved nor claimed, now reserved; None if there is none. O(plans with
+        those keys)."""
+        for plan_id in self._by_keys.get((conversation_id, keys), ()):
+            lease = self._leases[plan_id]
+            if not lease.reserved and not lease.claimed:
+                lease.reserved = True
+                return lease
+        return None
+
+    def waiting(self) -> int:
+        """Leases neither reserved nor claimed (plans parked for an adapter). O(leases)."""
+        return sum(1 for lease in self._leases.values() if not lease.reserved and not lease.claimed)
 
     def finish(self, plan_id: int) -> PlanLease | None:
         """planned or claimed -> gone (commit, abort). None if there was no lease."""
@@ -119,17 +143,48 @@ class PlanLeases:
         plan_id = self._by_conversation.get(conversation_id)
         return self._leases.get(plan_id) if plan_id is not None else None
 
+    def check_not_in_flight(
+        self, conversation_id: ConversationId, now: float, ttl_s: float | None
+    ) -> None:
+        """Refuse (``RuntimeError``) a second plan of a conversation while one is in flight;
+        a lease older than ``ttl_s`` is abandoned instead (it can no longer be committed)."""
+        lease = self.of_conversation(conversation_id)
+        if lease is None:
+            return
+        if ttl_s is None or now - lease.made_at <= ttl_s:
+            msg = (
+                f"conversation {conversation_id!r} has a plan in flight (plan "
+                f"{lease.plan.plan_id}); commit or abort it first (planner.commit(plan, ...) "
+                "once served, planner.abort(plan) if it will not be served)"
+            )
+            raise RuntimeError(msg)
+        self.finish(lease.plan.plan_id)
+
     def forget_conversation(self, conversation_id: ConversationId) -> None:
         """The conversation no longer blocks planning (its lease, if any, stays committable)."""
         self._by_conversation.pop(conversation_id, None)
 
+    def claimed(self) -> list[int]:
+        """Ids of the plans being served now (tests, diagnostics). O(leases)."""
+        return [plan_id for plan_id, lease in self._leases.items() if lease.claimed]
+
     def _drop(self, plan_id: int) -> None:
         lease = self._leases.pop(plan_id)
+        key = _keys_of(lease)
+        same = self._by_keys[key]
+        same.remove(plan_id)
+        if not same:
+            del self._by_keys[key]
         conv = lease.conversation_id
         if conv is not None and self._by_conversation.get(conv) == plan_id:
             del self._by_conversation[conv]
 
     def _check_invariants(self) -> None:
+        assert sorted(i for ids in self._by_keys.values() for i in ids) == sorted(self._leases)
         for conv, plan_id in self._by_conversation.items():
             lease = self._leases.get(plan_id)
             assert lease is not None and lease.conversation_id == conv
+
+
+def _keys_of(lease: PlanLease) -> tuple[ConversationId | None, tuple[str, ...]]:
+    return lease.conversation_id, tuple(lease.plan.keys)

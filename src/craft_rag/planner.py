@@ -137,7 +137,6 @@ class CraftPlanner(SharedSync):
 
     # ---- the two steps ------------------------------------------------------------------------
 
-
     def plan(
         self, chunks: Iterable[Chunk], conversation_id: str | None = None
     ) -> Plan:
@@ -174,7 +173,8 @@ class CraftPlanner(SharedSync):
         with self._lock:
             self._pull()
             if conv is not None:
-                self._check_not_in_flight(conv)
+                ttl = self.config.conversation_ttl_s
+                self._leases.check_not_in_flight(conv, self._clock(), ttl)
             removed: list[Chunk] = []
             turn = 1
             if conv is not None:
@@ -205,35 +205,12 @@ class CraftPlanner(SharedSync):
             self.stats.plans += 1
         return plan
 
-
-    def _check_not_in_flight(self, conv: ConversationId) -> None:
-        """Refuse a second plan of ``conv`` while one is in flight; abandon one older than the
-        conversation TTL. Caller holds the lock. O(1)."""
-        lease = self._leases.of_conversation(conv)
-        if lease is None:
-            return
-        ttl = self.config.conversation_ttl_s
-        if ttl is None or self._clock() - lease.made_at <= ttl:
-            msg = (
-                f"conversation {conv!r} has a plan in flight (plan {lease.plan.plan_id}); "
-                "commit or abort it first (planner.commit(plan, ...) once served, "
-                "planner.abort(plan) if it will not be served)"
-            )
-            raise RuntimeError(msg)
-        self._leases.finish(lease.plan.plan_id)
-
     # ---- the lease: claim -> commit | abort (release: claimed -> planned) -----------------------
 
     def _lease_id(self, plan: Plan | int | str) -> int | None:
         """The plan id ``plan`` names here, or None when another planner made it."""
-        token: int | None
-        if isinstance(plan, Plan):
-            token, plan_id = plan.planner_token, plan.plan_id
-        else:
-            token, plan_id = parse_plan_ref(plan)
-        if token is not None and token != self._token:
-            return None
-        return plan_id
+        token, plan_id = parse_plan_ref(plan)
+        return None if token is not None and token != self._token else plan_id
 
     def claim(self, plan: Plan | int | str) -> Plan:
         """Take the plan to serve it (an engine does this): ``plan`` is the :class:`Plan`, its
@@ -244,8 +221,8 @@ class CraftPlanner(SharedSync):
         with self._lock:
             if plan_id is None:
                 msg = (
-                    f"plan {plan} was made by another CraftPlanner (or before this one was "
-                    "loaded); serve it with the planner that made it"
+                    f"plan {parse_plan_ref(plan)[1]} was made by another CraftPlanner (or before "
+                    "this one was loaded); serve it with the planner that made it"
                 )
                 raise RuntimeError(msg)
             lease = self._leases.claim(plan_id)
@@ -257,6 +234,36 @@ class CraftPlanner(SharedSync):
                 )
                 raise ValueError(msg)
             return lease.plan
+
+    def made(self, plan: Plan | int | str) -> bool:
+        """True if ``plan`` (a :class:`Plan` or its ``ref``) was made by this planner instance,
+        pending or not; a bare ``plan_id`` names no maker (False). O(1)."""
+        token, _ = parse_plan_ref(plan)
+        return token == self._token
+
+    def reserve(self, conversation_id: str | None, keys: Sequence[ChunkKey]) -> Plan | None:
+        """For a framework adapter that passes plain node lists: the oldest plan of exactly
+        these planned ``keys`` (in order) and conversation that no one reserved or claimed yet,
+        now reserved for the caller, who hands its ``ref`` to the engine (the engine claims
+        it); None if there is none. ``waiting()`` counts the plans still parked. O(1)-ish."""
+        conv = validate_conversation_id(conversation_id)
+        with self._lock:
+            lease = self._leases.reserve(conv, tuple(keys))
+            return lease.plan if lease is not None else None
+
+    def waiting(self) -> int:
+        """Plans made and neither reserved, claimed, committed nor aborted. O(plans)."""
+        with self._lock:
+            return self._leases.waiting()
+
+    def pending_plan(self, plan: Plan | int | str) -> Plan | None:
+        """The plan ``plan`` (a :class:`Plan`, its ``ref`` or ``plan_id``) names if it can still
+        be claimed or committed here; None otherwise (another planner's, committed, aborted,
+        too old). ``ValueError`` for something that names no plan. Read-only, O(1)."""
+        plan_id = self._lease_id(plan)
+        with self._lock:
+            lease = self._leases.get(plan_id) if plan_id is not None else None
+            return lease.plan if lease is not None else None
 
     def release(self, plan: Plan) -> bool:
         """The claimed ``plan`` was not served (engine failure, abort): it goes back to its
@@ -418,7 +425,6 @@ class CraftPlanner(SharedSync):
         if conversation_id is not None:
             self.conversations.record_turn(conversation_id, keys)
         return reused, inserted, stale
-
 
     # ---- engine feedback (KV events) ----------------------------------------------------------
 

@@ -220,7 +220,9 @@ def _node_metadata(
 
 def parse_plan_ref(ref: object) -> tuple[int | None, int]:
     """``(planner token, plan id)`` of a :attr:`Plan.ref`, or ``(None, plan id)`` for a bare
-    int id. ``ValueError`` naming ``plan`` for anything else."""
+    int id (a :class:`Plan` gives its own). ``ValueError`` naming ``plan`` for anything else."""
+    if isinstance(ref, Plan):
+        return ref.planner_token, ref.plan_id
     if isinstance(ref, int) and not isinstance(ref, bool) and ref > 0:
         return None, ref
     if isinstance(ref, str):
