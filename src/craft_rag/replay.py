@@ -1,8 +1,12 @@
-"""Trace replay: run a trace through the planner and a simulated vLLM prefix cache.
+"""Trace replay: run a trace through the engine's RAG-turn code around a simulated prefix cache.
 
-Per request: plan -> render token-exact prompt (append-only across a conversation's turns) ->
-simulated cache lookup -> commit with the reuse the cache actually gave. Reports the paper's
-overlap metrics on the order fed to the engine plus reuse fractions and planner latency.
+Per request, :class:`craft_rag.engine.rag_turn.RagTurns` runs exactly what ``CraftEngine`` runs
+(make room for the turn, plan, render the token-exact append-only prompt, commit with the
+reuse the cache actually gave, record the turn, drop oldest turns to fit ``max_model_len``);
+only the cache differs: :class:`~craft_rag.prefix_cache_sim.SimulatedPrefixCache` instead of
+vLLM, and the trace's ``answer`` instead of a generated reply. This module only aggregates:
+the paper's overlap metrics on the order fed to the engine plus reuse fractions and turn
+latency.
 """
 
 from __future__ import annotations
@@ -11,21 +15,30 @@ import time
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import asdict, dataclass
 
-from craft_rag.chunk import Chunk
-from craft_rag.metrics import (
-    chunks_inside_cache,
-    chunks_with_cached_blocks,
-    fraction,
-    prefix_overlap,
-    total_overlap,
-)
+from craft_rag.engine.conversation_prompts import ConversationPrompts
+from craft_rag.engine.driver import RequestState
+from craft_rag.engine.planners import CacheSalt, PlannerNamespaces, validate_cache_salt
+from craft_rag.engine.rag_turn import RagTurn, RagTurns, reused_chunk_count
+from craft_rag.engine.results import RagRequest, SamplingRequest
+from craft_rag.metrics import fraction, prefix_overlap, total_overlap
 from craft_rag.planner import CraftPlanner, PlannerConfig
 from craft_rag.prefix_cache_sim import SimulatedPrefixCache
 from craft_rag.prompt import AssembledPrompt, PromptAssembler, PromptFormat
 from craft_rag.stores import DEFAULT_NAMESPACE, StateStore
 from craft_rag.tokenizer import Tokenizer
 from craft_rag.trace import TraceRequest
-from craft_rag.types import ChunkKey, ConversationId
+from craft_rag.types import ChunkKey
+from craft_rag.validation import MAX_INT
+
+__all__ = [
+    "DEFAULT_BLOCK_SIZE",
+    "DEFAULT_CACHE_TOKENS",
+    "ReplayResult",
+    "ServedRequest",
+    "percentile",
+    "replay",
+    "reused_chunk_count",
+]
 
 DEFAULT_BLOCK_SIZE = 32
 DEFAULT_CACHE_TOKENS = 1 << 18
@@ -76,17 +89,6 @@ class ServedRequest:
     removed_by_dedup: int
 
 
-def reused_chunk_count(
-    prompt: AssembledPrompt, cached_tokens: int, block_size: int | None = None
-) -> int:
-    """Leading chunks of this turn lying entirely inside the cached prefix
-    (:func:`craft_rag.metrics.chunks_inside_cache`, the engine's definition too); 0 on a cold
-    request. ``block_size`` is accepted for compatibility and no longer changes the count.
-    O(k)."""
-    del block_size
-    return chunks_inside_cache(prompt.chunk_spans, cached_tokens)
-
-
 def percentile(values: Sequence[float], q: float) -> float:
     """Nearest-rank percentile (q in [0, 100]); 0.0 for no values."""
     if not values:
@@ -96,31 +98,27 @@ def percentile(values: Sequence[float], q: float) -> float:
     return ordered[rank]
 
 
-def _render(
-    assembler: PromptAssembler,
-    turns: Sequence[tuple[int, ...]],
-    chunks: Sequence[Chunk],
-    query: str,
-    max_model_len: int | None,
-    max_tokens: int,
-    request_id: str,
-) -> tuple[AssembledPrompt, int]:
-    """The prompt for one turn and how many oldest turns were dropped to fit."""
-    dropped = 0
-    while True:
-        history = [*assembler.head_ids]
-        for turn in turns[dropped:]:
-            history.extend(turn)
-        prompt = assembler.next_turn(history, chunks, query)
-        if max_model_len is None or prompt.num_tokens + max_tokens <= max_model_len:
-            return prompt, dropped
-        if dropped == len(turns):
-            msg = (
-                f"request {request_id!r} needs {prompt.num_tokens} prompt tokens + max_tokens "
-                f"{max_tokens} > max_model_len {max_model_len} even without earlier turns"
-            )
-            raise ValueError(msg)
-        dropped += 1
+@dataclass(frozen=True, slots=True)
+class _SimulatedCache:
+    """A simulated prefix cache as the RAG-turn code sees an engine: ``submit`` looks the
+    prompt up (and inserts it), the reply is the trace's answer (stored by the caller)."""
+
+    cache: SimulatedPrefixCache
+    block_size: int
+    eos_token_ids: frozenset[int] = frozenset()
+
+    def submit(
+        self,
+        token_ids: tuple[int, ...],
+        sampling: SamplingRequest,
+        state: RequestState,
+        salt: CacheSalt | None,
+    ) -> None:
+        del sampling, salt
+        state.num_cached_tokens = self.cache.serve(token_ids)
+        state.finished_at = state.submitted_at
+        state.finish_reason = "stop"
+        state.done.set()
 
 
 def replay(
@@ -147,47 +145,62 @@ def replay(
     while the simulated prefix cache stays this process's own."""
     planner = CraftPlanner(config, store=store, namespace=namespace)
     assembler = PromptAssembler(tokenizer, prompt_format)
-    cache = SimulatedPrefixCache(block_size, cache_tokens)
-    # Per conversation: the stored turns, each [chunks][question tail][answer close].
-    histories: dict[ConversationId, list[tuple[int, ...]]] = {}
+    sim = _SimulatedCache(SimulatedPrefixCache(block_size, cache_tokens), block_size)
+    # The engine's sampling needs max_tokens >= 1; the context budget stays max_model_len -
+    # max_tokens (max_model_len grows by what max_tokens was raised).
+    sampling = SamplingRequest(max_tokens=max(1, max_tokens))
+    limit = MAX_INT if max_model_len is None else max_model_len + sampling.max_tokens - max_tokens
+    conversations = ConversationPrompts(
+        assembler,
+        max_model_len=limit,
+        max_conversations=config.max_conversations,
+        on_forget=lambda cid, salt: turns.forget_planned(cid, salt),
+        history_budget=None,
+        on_drop=lambda cid, salt, n: turns.forget_dropped_turns(cid, salt, n),
+    )
+    turns = RagTurns(
+        PlannerNamespaces(planner),
+        conversations,
+        sim.submit,
+        sim,
+        check_salt=validate_cache_salt,
+    )
     orders: list[tuple[ChunkKey, ...]] = []
-    planner_us: list[float] = []
+    turn_us: list[float] = []
     prompt_tokens = cached_total = rendered = reused_total = 0
     count = 0
 
     for request in requests:
-        t0 = time.perf_counter_ns()
-        plan = planner.plan(request.chunks, request.conversation_id)
-        t1 = time.perf_counter_ns()
-        conv = request.conversation_id
-        turns = histories.get(conv, []) if conv is not None and plan.turn > 1 else []
-        prompt, dropped = _render(assembler, turns, plan.ordered, request.query,
-                                  max_model_len, max_tokens, request.id)
-        cached = cache.serve(prompt.token_ids)
-        reused = chunks_inside_cache(prompt.chunk_spans, cached)
-        t2 = time.perf_counter_ns()
-        planner.commit(
-            plan,
-            prefix_tokens=prompt.prefix_tokens,
-            chunk_token_counts=[end - start for start, end in prompt.chunk_spans],
-            # Block-granular KV evidence, as the engine passes it (see the function).
-            reused_chunks=chunks_with_cached_blocks(prompt.chunk_spans, cached, block_size),
+        rag_request = RagRequest(
+            request.chunks, request.query, request.conversation_id, sampling=sampling
         )
-        t3 = time.perf_counter_ns()
-        planner_us.append(((t1 - t0) + (t3 - t2)) / 1000)
-        if conv is not None:
-            segment = prompt.token_ids[prompt.prefix_tokens :]
-            answer = assembler.answer_ids(request.answer or "")
-            histories[conv] = [*turns[dropped:], segment + answer]
-        orders.append(plan.keys)
+        t0 = time.perf_counter_ns()
+        try:
+            flight = turns.start(rag_request, sampling)
+        except ValueError as exc:
+            raise ValueError(f"request {request.id!r}: {exc}") from None
+        turn = flight.turn
+        assert isinstance(turn, RagTurn)
+        answer = assembler.answer_ids(request.answer or "")
+        result = turns.commit(flight, turn, stored_reply=answer)
+        turn_us.append((time.perf_counter_ns() - t0) / 1000)
+        report = result.report
+        prompt = turn.rendered.prompt
+        orders.append(report.chunk_order)
         prompt_tokens += prompt.num_tokens
-        cached_total += cached
-        rendered += len(plan.ordered)
-        reused_total += reused
+        cached_total += report.cached_tokens
+        rendered += len(report.chunk_order)
+        reused_total += report.reused_chunks
         count += 1
         if on_served is not None:
             on_served(
-                ServedRequest(request.id, prompt, cached, reused, len(plan.removed_duplicates))
+                ServedRequest(
+                    request.id,
+                    prompt,
+                    report.cached_tokens,
+                    report.reused_chunks,
+                    len(report.removed_duplicates),
+                )
             )
 
     stats = planner.stats
@@ -205,8 +218,8 @@ def replay(
         chunks_rendered=rendered,
         chunks_reused=reused_total,
         chunks_removed_by_dedup=stats.chunks_removed_by_dedup,
-        planner_us_p50=percentile(planner_us, 50),
-        planner_us_p99=percentile(planner_us, 99),
+        planner_us_p50=percentile(turn_us, 50),
+        planner_us_p99=percentile(turn_us, 99),
         tokenizer=tokenizer.name,
         block_size=block_size,
         cache_tokens=cache_tokens,

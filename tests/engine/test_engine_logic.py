@@ -8,12 +8,12 @@ import threading
 from collections.abc import AsyncIterator, Callable, Sequence
 
 import pytest
-from craft_rag.testing import FakeBackend, make_chunks
 
 from craft_rag.chunk import Chunk
 from craft_rag.engine.engine import CraftEngine, EngineFailure, reused_chunk_count
 from craft_rag.engine.results import RagRequest, SamplingRequest, StreamChunk
 from craft_rag.planner import CraftPlanner, Plan
+from craft_rag.testing import FakeBackend, make_chunks
 from craft_rag.types import ConversationId
 
 Factory = Callable[..., tuple[CraftEngine, FakeBackend]]
@@ -635,7 +635,7 @@ def test_seeded_stress_with_salts_plans_and_failures_keeps_invariants(
             for planner in engine._namespaces.all():
                 assert isinstance(planner, CraftPlanner)
                 planner._check_invariants()
-            assert not engine._plans_in_flight
+                assert not planner._leases.claimed()  # no plan left being served
         ids = result.prompt_token_ids
         assert result.report.cached_tokens == expected_cached(ids, salt), step
         assert result.report.salted == (salt is not None)
@@ -662,7 +662,7 @@ def test_closing_an_async_stream_aborts_at_once(make_fake_engine: Factory) -> No
         await close_after_first(engine.astream_messages([("user", "Hi")], max_tokens=8))
 
     asyncio.run(run())
-    assert planner.stats.commits == 0 and not engine._plans_in_flight
+    assert planner.stats.commits == 0 and not planner._leases.claimed()
     assert engine.generate(plan.ordered, "Q?", plan=plan, max_tokens=1).report.turn == 1
 
 

@@ -134,21 +134,11 @@ def test_check_plan_refuses_a_stale_conversation_turn() -> None:
         check_plan(early, planner, early.ordered, "c")
 
 
-def test_check_plan_trusts_the_commit_of_planners_it_cannot_inspect() -> None:
-    class Wrapper:
-        """A wrapper planner (as llama-index-craft's HandoffPlanner): no pending-plan query."""
-
-        def __init__(self, inner: CraftPlanner) -> None:
-            self.inner = inner
-
-        def __getattr__(self, name: str) -> object:
-            if name in ("_pending", "conversations", "is_pending"):
-                raise AttributeError(name)
-            return getattr(self.inner, name)
-
-    inner = CraftPlanner()
-    plan = inner.plan(make_chunks(2))
-    inner.commit(plan)
-    wrapper = Wrapper(inner)
-    assert check_plan(plan, wrapper, plan.ordered, None) is plan  # commit() will refuse it
-
+def test_check_plan_resolves_a_plan_ref_or_refuses_it_clearly() -> None:
+    planner = CraftPlanner(PlannerConfig(policy="tree"))
+    plan = planner.plan(make_chunks(2), "c")
+    assert check_plan(plan.ref, planner, plan.ordered, None) is plan
+    with pytest.raises(ValueError, match=r"^plan:"):
+        check_plan("not-a-ref", planner, plan.ordered, None)
+    with pytest.raises(RuntimeError, match="made by another planner"):
+        check_plan(plan.ref, CraftPlanner(), plan.ordered, None)

@@ -34,7 +34,7 @@ class CraftDocuments(list[Document]):
     turn of a conversation whose prompt keeps them), ``repeated_in_request`` (exact duplicates:
     same id and same text, the first one is kept), ``passthrough`` (documents without text:
     returned after the planned ones, in input order, never planned), ``committed`` (whether the
-    planner already recorded this request) and ``planner`` (the planner that made the plan).
+    planner already recorded this request; the plan's ``ref`` names the planner).
     Invariant: every input document is in exactly one of the list, ``removed_duplicates`` and
     ``repeated_in_request``; ``passthrough`` documents are in the list.
     """
@@ -43,7 +43,6 @@ class CraftDocuments(list[Document]):
         "committed",
         "passthrough",
         "plan",
-        "planner",
         "removed_duplicates",
         "repeated_in_request",
     )
@@ -57,11 +56,9 @@ class CraftDocuments(list[Document]):
         repeated_in_request: Sequence[Document] = (),
         passthrough: Sequence[Document] = (),
         committed: bool = False,
-        planner: object | None = None,
     ) -> None:
         super().__init__(documents)
         self.plan = plan
-        self.planner = planner
         self.removed_duplicates: tuple[Document, ...] = tuple(removed_duplicates)
         self.repeated_in_request: tuple[Document, ...] = tuple(repeated_in_request)
         self.passthrough: tuple[Document, ...] = tuple(passthrough)
@@ -174,7 +171,6 @@ def apply_plan(
     plan: Plan,
     *,
     committed: bool,
-    planner: object | None = None,
 ) -> CraftDocuments:
     """Map a plan over ``split.chunks`` back to the documents; pass-through documents follow
     the planned ones in input order.
@@ -190,7 +186,6 @@ def apply_plan(
         repeated_in_request=[by_chunk[id(c)] for c in plan.repeated_in_request],
         passthrough=split.passthrough,
         committed=committed,
-        planner=planner,
     )
     lost = len(split.documents) - len(out) - len(out.removed_duplicates)
     assert lost == len(out.repeated_in_request), "a document was lost"

@@ -120,7 +120,7 @@ class ChatCraftVLLM(CraftEngineParams, BaseChatModel):
             params["ls_stop"] = stop or self.stop
         return params  # type: ignore[no-any-return]
 
-    def _planner(self, cache_salt: str | None) -> object:
+    def _planner(self, cache_salt: str | None) -> CraftPlanner:
         return self.get_engine().planner_for(cache_salt)
 
     def reorder_step(self, **kwargs: Any) -> CraftReorder:
@@ -137,11 +137,7 @@ class ChatCraftVLLM(CraftEngineParams, BaseChatModel):
         this model`` (the engine's append-only conversation): the preview then drops what
         earlier turns sent and is served as is; a conversation plan that is never served
         blocks the conversation's next plan (the planner allows one pending plan each)."""
-        planner = self.get_engine().planner_for(self.cache_salt)
-        if not isinstance(planner, CraftPlanner):
-            msg = f"the engine's planner is a {type(planner).__name__}, not a CraftPlanner"
-            raise TypeError(msg)
-        return CraftReorder(planner=planner, commit=False, **kwargs)
+        return CraftReorder(planner=self._planner(self.cache_salt), commit=False, **kwargs)
 
     # ---- messages -> one engine request --------------------------------------------------------
 
@@ -176,7 +172,7 @@ class ChatCraftVLLM(CraftEngineParams, BaseChatModel):
         kwargs: dict[str, Any],
     ) -> EngineRequest:
         planner = self._planner(kwargs.get("cache_salt", self.cache_salt))
-        if context.committed_by is not None and context.committed_by is planner:
+        if context.committed_by is not None and planner.made(context.committed_by):
             msg = (
                 "these documents were already committed to the engine's planner by "
                 "CraftReorder(commit=True); in front of ChatCraftVLLM use "
@@ -188,13 +184,15 @@ class ChatCraftVLLM(CraftEngineParams, BaseChatModel):
         if conversation_id is None:
             conversation_id = context.conversation_id
         conversation_id = validate_conversation_id(conversation_id)
-        # A pending plan of this request's planner and conversation is served as is (the
-        # previewed order) and committed by the engine; any other plan is only an order hint.
-        plan = context.plan if context.planned_by is planner else None
-        if plan is not None and plan.conversation_id != conversation_id:
-            plan = None
+        # A pending plan of this request's planner and conversation is handed to the engine
+        # by its ref: the engine claims it, serves it as is (the previewed order) and commits
+        # it; any other plan is only an order hint.
+        plan = context.plan
+        ref = None
+        if plan is not None and planner.made(plan) and plan.conversation_id == conversation_id:
+            ref = plan.ref
         return self._engine_request(
-            context.chunks, context.question, conversation_id, stop, kwargs, plan=plan
+            context.chunks, context.question, conversation_id, stop, kwargs, plan=ref
         )
 
     # ---- streaming is the one path -------------------------------------------------------------

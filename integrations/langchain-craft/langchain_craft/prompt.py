@@ -40,20 +40,19 @@ class CraftContext:
     """The structured RAG request behind a prompt message (in-process only).
 
     ``chunks`` are in render order. ``plan`` is the pending plan of a ``CraftReorder(commit=
-    False)`` step (its ``ordered`` chunks are ``chunks``).
-    ``planned_by`` is the planner that made ``plan``: when it is the engine's planner for the
-    request's salt, ``ChatCraftVLLM`` serves that very plan (``plan=``) and the engine commits
-    it; a plan of another planner is only an order. ``committed_by`` is the planner that
-    already recorded these documents (``CraftReorder(commit=True)``): the engine refuses to
-    record them again in that planner.
+    False)`` step (its ``ordered`` chunks are ``chunks``): when the engine's planner for the
+    request's salt made it (``planner.made(plan)``: the plan's ``ref`` names its maker),
+    ``ChatCraftVLLM`` hands the engine its ``ref`` and the engine claims, serves and commits
+    that very plan; a plan of another planner is only an order. ``committed_by`` is the
+    ``ref`` of the plan that already recorded these documents (``CraftReorder(commit=True)``):
+    the engine refuses to record them again in the planner that made it.
     """
 
     chunks: tuple[Chunk, ...]
     question: str
     conversation_id: str | None = None
     plan: Plan | None = None
-    committed_by: object | None = None
-    planned_by: object | None = None
+    committed_by: str | None = None
 
 
 def craft_context(message: BaseMessage) -> CraftContext | None:
@@ -72,7 +71,7 @@ def build_context(
     """A :class:`CraftContext` for ``documents`` in their given order.
 
     A :class:`CraftDocuments` hands on its order, its conversation id, and either its pending
-    plan or the planner that committed it (see :class:`CraftContext`).
+    plan or the ref of the plan it committed (see :class:`CraftContext`).
     ``ValueError`` for a blank question or bad documents.
     """
     if not isinstance(question, str) or not question.strip():
@@ -85,10 +84,8 @@ def build_context(
         if conversation_id is None:
             conversation_id = plan.conversation_id
         if documents.committed:
-            return CraftContext(plan.ordered, question, conversation_id, None, documents.planner)
-        return CraftContext(
-            plan.ordered, question, conversation_id, plan, planned_by=documents.planner
-        )
+            return CraftContext(plan.ordered, question, conversation_id, None, plan.ref)
+        return CraftContext(plan.ordered, question, conversation_id, plan)
     # Exact duplicates stay in: the engine's planner keeps the first and reports the rest.
     # Documents without text have no chunk (nothing to render).
     chunks = tuple(documents_to_chunks(documents, id_key))

@@ -144,7 +144,7 @@ class CraftReorder(
         )
         if self.commit:
             self.planner.commit(plan)
-        return apply_plan(split, plan, committed=self.commit, planner=self.planner)
+        return apply_plan(split, plan, committed=self.commit)
 
     def _conversation(self, config: RunnableConfig | None) -> str | None:
         return conversation_id_from_config(config, self.conversation_keys)

@@ -103,7 +103,7 @@ def test_query_engine_sends_the_planned_order_token_exactly(
     assert [c.source for c in commits] == ["engine"] * 3
     assert [c.plan for c in commits] == plans and [c.reuse for c in commits] == reports
     assert llm.planner.stats.plans == 3 and llm.planner.stats.commits == 3
-    assert len(llm.handoff) == 0  # every parked plan was claimed
+    assert llm.planner.waiting() == 0  # every parked plan was claimed
     # Asking q1 again: its whole chunk prefix is reused.
     assert reports[2].reused_chunks == TOP_K
     assert reports[2].cached_tokens > reports[0].cached_tokens

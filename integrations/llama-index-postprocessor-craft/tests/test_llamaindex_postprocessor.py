@@ -200,11 +200,11 @@ def test_engine_mode_parks_the_plan_for_the_engine_path() -> None:
     pp = CraftReorderPostprocessor(commit_mode="engine")
     result = pp.reorder(make_nodes([1, 2]))
     assert not result.committed and pp.planner.stats.commits == 0
-    assert len(pp.handoff) == 1
+    assert pp.planner.waiting() == 1
     assert pp.claim_plan(list(reversed(result.nodes))) is None  # another order: not this plan
     plan = pp.claim_plan(result.nodes)
     assert plan is not None and plan is result.plan
-    assert pp.claim_plan(result.nodes) is None and len(pp.handoff) == 0
+    assert pp.claim_plan(result.nodes) is None and pp.planner.waiting() == 0
     pp.planner.commit(plan)
     assert pp.planner.stats.commits == 1
 
@@ -213,5 +213,5 @@ def test_engine_mode_without_parking_hands_the_plan_to_the_caller() -> None:
     pp = CraftReorderPostprocessor(commit_mode="engine", conversation_id="c")
     result = pp.reorder(make_nodes([1, 2]), park=False)
     assert result.plan is not None and not result.committed
-    assert len(pp.handoff) == 0 and pp.planner.stats.commits == 0
+    assert pp.planner.waiting() == 0 and pp.planner.stats.commits == 0
     assert pp.planner.is_pending(result.plan)  # the caller serves and commits it

@@ -21,7 +21,6 @@ def test_public_api_is_pinned() -> None:
         "CraftReorderResult",
         "CraftReorderStartEvent",
         "KeySource",
-        "PlanHandoff",
         "SplitNodes",
         "chunk_for_node",
         "split_nodes",

@@ -197,7 +197,8 @@ class ConversationPrompts:
                     f"prompt needs {len(head) + len(segment)} tokens (head {len(head)}, "
                     f"{len(chunks)} chunks {chunk_tokens}, question "
                     f"{len(segment) - chunk_tokens}) + max_tokens {max_tokens} > max_model_len "
-                    f"{self.max_model_len}; pass fewer or shorter chunks, lower max_tokens, or "
+                    f"{self.max_model_len} even without earlier turns; pass fewer or shorter "
+                    "chunks, lower max_tokens, or "
                     "start the engine with a larger max_model_len"
                 )
                 raise ValueError(msg)
@@ -251,15 +252,20 @@ class ConversationPrompts:
         rendered: RenderedTurn,
         reply_ids: Sequence[int],
         stop_token_ids: frozenset[int] = frozenset(),
+        *,
+        stored_reply: Sequence[int] | None = None,
     ) -> None:
         """Record a served turn: forget the turns it dropped, append its segment, the reply
-        (trailing stop tokens removed) and the answer close. No-op without a conversation."""
+        (trailing stop tokens removed) and the answer close (or ``stored_reply``, reply and
+        close as given: replay stores a trace's answer). No-op without a conversation."""
         if rendered.conversation_id is None:
             return
-        reply = list(reply_ids)
-        while reply and reply[-1] in stop_token_ids:
-            reply.pop()
-        stored = (*rendered.turn_ids, *reply, *self._close_ids)
+        if stored_reply is None:
+            reply = list(reply_ids)
+            while reply and reply[-1] in stop_token_ids:
+                reply.pop()
+            stored_reply = (*reply, *self._close_ids)
+        stored = (*rendered.turn_ids, *stored_reply)
         cid = rendered.conversation_id
         with self._lock:
             history = self._histories.get(cid)

@@ -25,9 +25,11 @@ from __future__ import annotations
 import threading
 from collections import OrderedDict
 from collections.abc import Callable, Iterable, Sequence
-from typing import Any, NewType, Protocol
+from typing import NewType
 
 from craft_rag.chunk import Chunk
+from craft_rag.planner import CraftPlanner, Plan, PlannerConfig
+from craft_rag.stores import DEFAULT_NAMESPACE, StateStore, as_store, namespace_for_salt
 from craft_rag.types import BlockHash, ChunkKey
 
 CacheSalt = NewType("CacheSalt", str)
@@ -40,49 +42,6 @@ DEFAULT_MAX_SALT_NAMESPACES = 64
 # the in-process engine does not check them, cache backends keyed by the salt rely on them.
 _MAX_SALT_LENGTH = 128
 _FORBIDDEN_SALT_CHARS = frozenset("@/\\\x00")
-
-
-class PlanLike(Protocol):
-    """The parts of :class:`craft_rag.planner.Plan` the engine reads."""
-
-    @property
-    def plan_id(self) -> int: ...
-    @property
-    def ordered(self) -> tuple[Chunk, ...]: ...
-    @property
-    def removed_duplicates(self) -> tuple[Chunk, ...]: ...
-    @property
-    def repeated_in_request(self) -> tuple[Chunk, ...]: ...
-    @property
-    def matched_chunks(self) -> int: ...
-    @property
-    def matched_tokens(self) -> int | None: ...
-    @property
-    def conversation_id(self) -> str | None: ...
-    @property
-    def turn(self) -> int: ...
-
-
-class PlannerLike(Protocol):
-    """What the engine needs from a planner (:class:`craft_rag.planner.CraftPlanner`)."""
-
-    def plan(self, chunks: Sequence[Chunk], conversation_id: str | None = None) -> Any: ...
-
-    def commit(
-        self,
-        plan: Any,
-        *,
-        prefix_tokens: int | None = None,
-        chunk_token_counts: Sequence[int] | None = None,
-        reused_chunks: int | None = None,
-        block_hashes: Sequence[Sequence[BlockHash]] | None = None,
-    ) -> Any: ...
-
-    def on_blocks_removed(self, hashes: Iterable[BlockHash]) -> int: ...
-
-    def on_all_blocks_cleared(self) -> None: ...
-
-    def end_conversation(self, conversation_id: str) -> bool: ...
 
 
 def validate_cache_salt(cache_salt: object) -> CacheSalt | None:
@@ -103,17 +62,38 @@ def validate_cache_salt(cache_salt: object) -> CacheSalt | None:
     return CacheSalt(cache_salt)
 
 
-def planner_factory_like(default: PlannerLike) -> Callable[[], PlannerLike]:
-    """A factory of fresh planners configured like ``default``: a ``CraftPlanner`` with
-    ``default.config`` when that is a ``PlannerConfig`` (also for wrappers exposing their
-    planner's ``config``), else the engine's default (tree policy)."""
-    from craft_rag.planner import CraftPlanner, PlannerConfig
+def planner_factory_like(default: CraftPlanner) -> Callable[[], CraftPlanner]:
+    """A factory of fresh planners configured like ``default`` (its ``config``)."""
+    config = default.config
+    return lambda: CraftPlanner(config)
 
-    config = getattr(default, "config", None)
-    if not isinstance(config, PlannerConfig):
-        config = PlannerConfig(policy="tree")
-    frozen: PlannerConfig = config
-    return lambda: CraftPlanner(frozen)
+
+def default_planner() -> CraftPlanner:
+    """The engine's planner when none is given: the ``tree`` policy."""
+    return CraftPlanner(PlannerConfig(policy="tree"))
+
+
+def store_planners(
+    store: StateStore | str,
+    planner: CraftPlanner | None,
+    salt_planner_factory: Callable[[], CraftPlanner] | None,
+) -> tuple[CraftPlanner, Callable[[CacheSalt], CraftPlanner]]:
+    """The default planner and the per-salt factory of an engine with ``store=``: one store
+    namespace per salt, every planner configured like the default one."""
+    if planner is not None or salt_planner_factory is not None:
+        msg = (
+            "store: pass either store= (the engine makes its planners) or planner=/"
+            "salt_planner_factory= with CraftPlanner(config, store=..., namespace=...)"
+        )
+        raise ValueError(msg)
+    shared = as_store(store)
+    config = PlannerConfig(policy="tree")
+    default = CraftPlanner(config, store=shared, namespace=DEFAULT_NAMESPACE)
+
+    def for_salt(salt: CacheSalt) -> CraftPlanner:
+        return CraftPlanner(config, store=shared, namespace=namespace_for_salt(salt))
+
+    return default, for_salt
 
 
 class PlannerNamespaces:
@@ -128,11 +108,11 @@ class PlannerNamespaces:
 
     def __init__(
         self,
-        default: PlannerLike,
-        factory: Callable[[], PlannerLike] | None = None,
+        default: CraftPlanner,
+        factory: Callable[[], CraftPlanner] | None = None,
         *,
         max_salted: int = DEFAULT_MAX_SALT_NAMESPACES,
-        salted_factory: Callable[[CacheSalt], PlannerLike] | None = None,
+        salted_factory: Callable[[CacheSalt], CraftPlanner] | None = None,
     ) -> None:
         """``salted_factory(salt)``, when given, makes each salt's planner instead of
         ``factory`` (the engine's ``store=`` uses it: each salt gets its own store namespace)."""
@@ -145,13 +125,13 @@ class PlannerNamespaces:
         self._custom_factory = factory
         self._factory = factory or planner_factory_like(default)
         self._salted_factory = salted_factory
-        self._salted: OrderedDict[CacheSalt, PlannerLike] = OrderedDict()  # owner: _lock
+        self._salted: OrderedDict[CacheSalt, CraftPlanner] = OrderedDict()  # owner: _lock
 
     @property
-    def default(self) -> PlannerLike:
+    def default(self) -> CraftPlanner:
         return self._default
 
-    def reset(self, default: PlannerLike) -> None:
+    def reset(self, default: CraftPlanner) -> None:
         """Serve with ``default`` from now on and drop every salted planner (they were made
         like the old default). A custom factory stays."""
         with self._lock:
@@ -159,7 +139,7 @@ class PlannerNamespaces:
             self._factory = self._custom_factory or planner_factory_like(default)
             self._salted.clear()
 
-    def get(self, salt: CacheSalt | None) -> PlannerLike:
+    def get(self, salt: CacheSalt | None) -> CraftPlanner:
         """The planner for ``salt`` (the default for ``None``), created on first use and marked
         most recently used; may drop the least recently used salted planner."""
         if salt is None:
@@ -178,7 +158,7 @@ class PlannerNamespaces:
                 self._salted.move_to_end(salt)
             return planner
 
-    def peek(self, salt: CacheSalt | None) -> PlannerLike | None:
+    def peek(self, salt: CacheSalt | None) -> CraftPlanner | None:
         """The planner for ``salt`` if one exists; creates nothing, touches no LRU order."""
         if salt is None:
             return self._default
@@ -190,7 +170,7 @@ class PlannerNamespaces:
         with self._lock:
             return list(self._salted)
 
-    def all(self) -> list[PlannerLike]:
+    def all(self) -> list[CraftPlanner]:
         with self._lock:
             return [self._default, *self._salted.values()]
 
@@ -216,84 +196,50 @@ class PlannerNamespaces:
             assert all(p is not self._default for p in self._salted.values())
 
 
-def _plan_pending(planner: PlannerLike, plan: PlanLike) -> bool | None:
-    """Whether ``planner`` still waits for ``plan``'s commit; ``None`` when it cannot tell
-    (e.g. a wrapper planner; its commit then decides)."""
-    is_pending = getattr(planner, "is_pending", None)
-    if callable(is_pending):
-        return bool(is_pending(plan))
-    return None
-
-
-def _committed_turns(planner: PlannerLike, conversation_id: str) -> int | None:
-    """Turns of ``conversation_id`` committed in ``planner`` (``None`` when it cannot tell)."""
-    registry = getattr(planner, "conversations", None)
-    turn_count = getattr(registry, "turn_count", None)
-    if not callable(turn_count):
-        return None
-    count = turn_count(conversation_id)
-    return count if isinstance(count, int) else None
-
-
 def check_plan(
     plan: object,
-    planner: PlannerLike,
+    planner: CraftPlanner,
     chunks: Sequence[Chunk],
     conversation_id: str | None,
     *,
     salt: CacheSalt | None = None,
-) -> PlanLike:
-    """``plan`` as a :class:`PlanLike` the engine may serve with ``planner`` and commit.
+) -> Plan:
+    """The :class:`~craft_rag.planner.Plan` that ``plan`` (the plan, its ``ref`` or its
+    ``plan_id``) names, if the engine may serve it with ``planner`` and commit it. Read-only:
+    the caller then claims it (:meth:`CraftPlanner.claim`).
 
     ``chunks`` must hold the keys the plan orders (in any order), or all the keys it was made
     from (the ordered ones plus earlier turns' duplicates); ``conversation_id`` must be ``None``
-    or the plan's. ``ValueError`` when the plan is not a plan or does not fit the request;
+    or the plan's. ``ValueError`` when ``plan`` names no plan or does not fit the request;
     ``RuntimeError`` when ``planner`` no longer waits for it (already committed, too old, or
     made by another planner: e.g. another salt's) or the conversation moved on since it was
     made. O(k).
-
-    A plan made by another planner whose id happens to be pending here too cannot be told
-    apart (plan ids count from 1 in every planner); the commit then records it here.
     """
-    required = ("plan_id", "ordered", "removed_duplicates", "repeated_in_request", "turn")
-    if not all(hasattr(plan, name) for name in required) or not isinstance(
-        getattr(plan, "plan_id", None), int
-    ):
+    where = "the default planner" if salt is None else "the planner of this cache_salt"
+    checked: Plan | None
+    if isinstance(plan, Plan):
+        _check_fit(plan, chunks, conversation_id)
+        checked, name = (plan if planner.is_pending(plan) else None), str(plan.plan_id)
+    elif isinstance(plan, int | str) and not isinstance(plan, bool):
+        checked, name = planner.pending_plan(plan), repr(plan)
+    else:
         msg = (
             f"plan must be a craft_rag.planner.Plan made by the engine's planner "
-            f"(engine.planner_for(cache_salt).plan(chunks, conversation_id)), got "
-            f"{type(plan).__name__}"
+            f"(engine.planner_for(cache_salt).plan(chunks, conversation_id)) or its plan.ref, "
+            f"got {type(plan).__name__}"
         )
         raise ValueError(msg)
-    checked: PlanLike = plan  # type: ignore[assignment]  # structurally checked above
-    where = "the default planner" if salt is None else "the planner of this cache_salt"
-    if conversation_id is not None and conversation_id != checked.conversation_id:
+    if checked is None:
         msg = (
-            f"plan {checked.plan_id} was made for conversation {checked.conversation_id!r}, "
-            f"not {conversation_id!r}; plan with the request's conversation id"
-        )
-        raise ValueError(msg)
-    given = {c.key for c in chunks}
-    ordered: set[ChunkKey] = {c.key for c in checked.ordered}
-    made_from = ordered | {c.key for c in checked.removed_duplicates}
-    if given != ordered and given != made_from:
-        missing = sorted(ordered - given)[:3]
-        extra = sorted(given - made_from)[:3]
-        msg = (
-            f"chunks do not match plan {checked.plan_id} (missing {missing}, not in the plan "
-            f"{extra}); pass plan.ordered (or the chunks the plan was made from)"
-        )
-        raise ValueError(msg)
-    if _plan_pending(planner, checked) is False:
-        msg = (
-            f"plan {checked.plan_id} is not waiting for a commit in {where}: it was already "
+            f"plan {name} is not waiting for a commit in {where}: it was already "
             "committed, is too old, or was made by another planner; make a new plan with "
             "engine.planner_for(cache_salt).plan(...)"
         )
         raise RuntimeError(msg)
+    _check_fit(checked, chunks, conversation_id)
     if checked.conversation_id is not None:
-        turns = _committed_turns(planner, checked.conversation_id)
-        if turns is not None and checked.turn != turns + 1:
+        turns = planner.committed_turns(checked.conversation_id)
+        if checked.turn != turns + 1:
             msg = (
                 f"plan {checked.plan_id} is for turn {checked.turn} of conversation "
                 f"{checked.conversation_id!r}, which has {turns} committed turns now; plan the "
@@ -301,3 +247,24 @@ def check_plan(
             )
             raise RuntimeError(msg)
     return checked
+
+
+def _check_fit(plan: Plan, chunks: Sequence[Chunk], conversation_id: str | None) -> None:
+    """``ValueError`` unless the request's chunks and conversation fit ``plan``. O(k)."""
+    if conversation_id is not None and conversation_id != plan.conversation_id:
+        msg = (
+            f"plan {plan.plan_id} was made for conversation {plan.conversation_id!r}, "
+            f"not {conversation_id!r}; plan with the request's conversation id"
+        )
+        raise ValueError(msg)
+    given = {c.key for c in chunks}
+    ordered: set[ChunkKey] = {c.key for c in plan.ordered}
+    made_from = ordered | {c.key for c in plan.removed_duplicates}
+    if given != ordered and given != made_from:
+        missing = sorted(ordered - given)[:3]
+        extra = sorted(given - made_from)[:3]
+        msg = (
+            f"chunks do not match plan {plan.plan_id} (missing {missing}, not in the plan "
+            f"{extra}); pass plan.ordered (or the chunks the plan was made from)"
+        )
+        raise ValueError(msg)

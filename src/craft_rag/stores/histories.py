@@ -27,6 +27,7 @@ from craft_rag.types import ChunkKey
 
 if TYPE_CHECKING:
     from craft_rag.engine.conversation_prompts import ConversationPrompts
+    from craft_rag.planner import CraftPlanner
 
 logger = logging.getLogger(__name__)
 
@@ -108,16 +109,14 @@ def encode_history(
     ).to_json()
 
 
-def shared_position(planner: object) -> SharedPosition | None:
-    """The planner's :class:`SharedPosition` (None for a local planner or one without the
-    method)."""
-    position = getattr(planner, "shared_position", None)
-    return position() if callable(position) else None
+def shared_position(planner: CraftPlanner) -> SharedPosition | None:
+    """The planner's :class:`SharedPosition` (None for a local planner)."""
+    return planner.shared_position()
 
 
 def load_history(
     prompts: ConversationPrompts,
-    planner: object,
+    planner: CraftPlanner,
     conversation_id: str | None,
     cache_salt: str | None,
 ) -> bool:
@@ -140,7 +139,7 @@ def load_history(
 
 
 def save_history(
-    prompts: ConversationPrompts, planner: object, conversation_id: str | None
+    prompts: ConversationPrompts, planner: CraftPlanner, conversation_id: str | None
 ) -> bool:
     """After a turn was committed and completed: store the conversation's history at the
     planner's applied seq (at least the turn's own and its budget drops' seqs), so the next

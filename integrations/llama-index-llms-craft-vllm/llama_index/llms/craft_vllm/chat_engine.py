@@ -136,7 +136,7 @@ class CraftChatEngine(BaseChatEngine):
         self._postprocessors = list(node_postprocessors)
         self._key_source: KeySource = key_source
         # Plans with the engine's planner for this salt; the plan is handed to the engine
-        # directly (park=False), so nothing waits in a handoff.
+        # directly (park=False: reserved at once, so no complete_chunks call finds it).
         self._reorderer = CraftReorderPostprocessor(
             planner=llm.planner_for(self.cache_salt), commit_mode="engine", key_source=key_source
         )

@@ -20,7 +20,6 @@ from llama_index.postprocessor.craft.events import (
     CraftReorderEndEvent,
     CraftReorderStartEvent,
 )
-from llama_index.postprocessor.craft.handoff import PlanHandoff
 from llama_index.postprocessor.craft.nodes import (
     KEY_SOURCES,
     KeySource,
@@ -39,7 +38,6 @@ __all__ = [
     "CraftReorderResult",
     "CraftReorderStartEvent",
     "KeySource",
-    "PlanHandoff",
     "SplitNodes",
     "chunk_for_node",
     "split_nodes",

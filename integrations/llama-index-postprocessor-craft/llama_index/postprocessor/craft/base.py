@@ -7,13 +7,15 @@ When does the planner commit?
     * ``commit_mode="postprocess"`` (default): commit right after planning, with no reuse
       information. Any pipeline, with any LLM, keeps CA-Table and CP-Tree up to date; the
       CP-Tree then trusts its own prediction (it never learns of evictions).
-    * ``commit_mode="engine"``: park the plan in :attr:`CraftReorderPostprocessor.handoff`;
-      ``CraftVLLM.complete_chunks`` (behind :class:`~llama_index.llms.craft_vllm.CraftSynthesizer`)
-      claims it and serves it with ``CraftEngine.generate(..., plan=plan)``, which renders
-      exactly that order and commits that plan with the engine's truth (cached tokens, chunk
-      token spans, block hashes). A plan the engine never serves is never committed, so a
-      failed request changes nothing. Use this mode only with a consumer that claims plans;
-      otherwise nothing is learned. The planner must be the engine's
+    * ``commit_mode="engine"``: leave the plan pending in the planner (its lease, see
+      :mod:`craft_rag.plan_lease`); ``CraftVLLM.complete_chunks`` (behind
+      :class:`~llama_index.llms.craft_vllm.CraftSynthesizer`) finds it by the nodes' chunk keys
+      and conversation (:meth:`CraftReorderPostprocessor.claim_plan`, which reserves it) and
+      hands its id to ``CraftEngine.generate(..., plan=plan.ref)``; the engine claims it from
+      the planner, renders exactly that order and commits that plan with the engine's truth
+      (cached tokens, chunk token spans, block hashes). A plan the engine never serves is never
+      committed, so a failed request changes nothing. Use this mode only with a consumer that
+      claims plans; otherwise nothing is learned. The planner must be the engine's
       (``engine.planner_for(cache_salt)``): the engine refuses plans made by another planner.
 
 When are chunks dropped as "sent in an earlier turn"?
@@ -29,7 +31,7 @@ When are chunks dropped as "sent in an earlier turn"?
 from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from typing import Any, Literal
 
 from llama_index.core.bridge.pydantic import Field, PrivateAttr, ValidationInfo, field_validator
@@ -40,7 +42,6 @@ from llama_index.postprocessor.craft.events import (
     CraftReorderEndEvent,
     CraftReorderStartEvent,
 )
-from llama_index.postprocessor.craft.handoff import PlanHandoff
 from llama_index.postprocessor.craft.nodes import (
     KEY_SOURCES,
     KeySource,
@@ -101,9 +102,8 @@ class CraftReorderPostprocessor(BaseNodePostprocessor):
 
     Pass ``planner=`` to share one planner (and its CA-Table/CP-Tree) between postprocessors,
     retrievers, the synthesizer and the chat engine; ``policy``/``window``/``threshold`` then
-    default to the planner's settings and must agree with them. ``handoff=`` is where
-    ``commit_mode="engine"`` parks plans (``CraftVLLM.reorderer()`` passes the LLM's, with the
-    engine's planner).
+    default to the planner's settings and must agree with them; ``commit_mode="engine"``
+    leaves plans pending in that planner (``CraftVLLM.reorderer()`` passes the engine's).
 
     Cost per call: O(total node text) to build chunks (text hashing only with
     ``key_source="content_hash"``) plus the planner's O(k log k).
@@ -149,20 +149,15 @@ class CraftReorderPostprocessor(BaseNodePostprocessor):
     )
 
     _planner: CraftPlanner = PrivateAttr()
-    _handoff: PlanHandoff = PrivateAttr()
 
-    def __init__(
-        self,
-        planner: CraftPlanner | None = None,
-        handoff: PlanHandoff | None = None,
-        **data: Any,
-    ) -> None:
+    def __init__(self, planner: CraftPlanner | None = None, **data: Any) -> None:
         if planner is not None:
             if not isinstance(planner, CraftPlanner):
                 msg = f"planner must be a craft_rag.CraftPlanner, got {type(planner).__name__}"
                 raise ValueError(msg)
+            config = asdict(planner.config)
             for name in _CONFIG_FIELDS:
-                mine = getattr(planner.config, name)
+                mine = config[name]
                 if name in data and data[name] != mine:
                     msg = (
                         f"{name}={data[name]!r} disagrees with the shared planner's {name}="
@@ -174,7 +169,6 @@ class CraftReorderPostprocessor(BaseNodePostprocessor):
         self._planner = planner or CraftPlanner(
             PlannerConfig(policy=self.policy, window=self.window, threshold=self.threshold)
         )
-        self._handoff = handoff if handoff is not None else PlanHandoff()
 
     @field_validator("policy", "key_source")
     @classmethod
@@ -230,11 +224,6 @@ class CraftReorderPostprocessor(BaseNodePostprocessor):
         """The (possibly shared) planner holding CA-Table, CP-Tree and conversations."""
         return self._planner
 
-    @property
-    def handoff(self) -> PlanHandoff:
-        """Plans parked for the engine path (``commit_mode="engine"``)."""
-        return self._handoff
-
     # ---- the one core call --------------------------------------------------------------------
 
     def reorder(
@@ -249,10 +238,10 @@ class CraftReorderPostprocessor(BaseNodePostprocessor):
 
         ``conversation_id`` overrides the field for this call. Side effects: emits
         ``CraftReorderStartEvent``/``CraftReorderEndEvent``; commits the plan
-        (``commit_mode="postprocess"``, plus a ``CraftCommitEvent``) or parks it in
-        :attr:`handoff` (``"engine"``). ``park=False`` (engine mode only) leaves the plan
-        uncommitted and unparked on the result, for a caller that serves it itself with
-        ``plan=`` (the chat engine does). Raises ``ValueError`` for items that are not
+        (``commit_mode="postprocess"``, plus a ``CraftCommitEvent``) or leaves it pending in the
+        planner for :meth:`claim_plan` (``"engine"``). ``park=False`` (engine mode only)
+        reserves it at once (no :meth:`claim_plan` finds it), for a caller that serves it
+        itself with ``plan=`` (the chat engine does). Raises ``ValueError`` for items that are not
         ``NodeWithScore`` and for two nodes with one id but different text.
         """
         conv = self._conversation(conversation_id)
@@ -282,8 +271,8 @@ class CraftReorderPostprocessor(BaseNodePostprocessor):
                 result = self._planner.commit(plan)
                 committed = True
                 dispatcher.event(CraftCommitEvent(plan=plan, result=result, source="postprocess"))
-            elif park:
-                self._handoff.put(plan)
+            elif not park:
+                self._planner.reserve(plan.conversation_id, plan.keys)
         out = ordered + list(split.passthrough)
         assert len(out) + len(removed) + len(repeated) == len(nodes), "a node was lost"
         dispatcher.event(
@@ -308,14 +297,15 @@ class CraftReorderPostprocessor(BaseNodePostprocessor):
     def claim_plan(
         self, nodes: Sequence[NodeWithScore], conversation_id: object = None
     ) -> Plan | None:
-        """Take the parked plan whose planned nodes are the plannable prefix of ``nodes``.
+        """Reserve the pending plan whose planned nodes are the plannable prefix of ``nodes``
+        (:meth:`craft_rag.CraftPlanner.reserve`); serve it by its ``ref``.
 
         For the engine path with ``commit_mode="engine"``: returns ``None`` when no such plan
-        is parked (postprocess mode, or a later postprocessor changed the nodes). O(k).
+        waits (postprocess mode, or a later postprocessor changed the nodes). O(k).
         """
         conv = self._conversation(conversation_id)
         split = split_nodes(list(nodes), self.key_source)
-        return self._handoff.claim(conv, [c.key for c in split.chunks])
+        return self._planner.reserve(conv, [c.key for c in split.chunks])
 
     # ---- LlamaIndex hooks: sync and async share reorder() --------------------------------------
 

@@ -1,0 +1,314 @@
+"""One RAG turn: plan -> render -> (serve) -> commit, the code the engine AND replay run.
+
+:class:`RagTurns` owns the turn logic: it validates the request, makes room in the
+conversation's prompt before planning (dedup may only count chunks still in the prompt), plans
+(or claims a caller's plan by its lease, :meth:`craft_rag.planner.CraftPlanner.claim`), renders
+the token-exact append-only prompt, hands it to a ``submit`` function (the engine's driver, or
+replay's simulated prefix cache), and on completion commits what the cache actually reused
+(:func:`reused_chunk_count`) and records the turn. A turn that is not served is given up: the
+conversation is left as it was, an engine-made plan aborted, a caller's plan released (its
+holder may serve it again).
+
+Dropped turns (history budget, context length) reach the salt's planner through
+:meth:`forget_dropped_turns`, an ended or evicted history through :meth:`forget_planned`.
+
+Cost per turn: the plan and commit (O(k) plus the tree policy's match) and the render
+(O(prompt tokens), tokenizing uncached chunks); nothing else.
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, replace
+from typing import TYPE_CHECKING, Protocol
+
+from craft_rag.chunk import Chunk
+from craft_rag.engine.conversation_prompts import ConversationPrompts, RenderedTurn
+from craft_rag.engine.driver import RequestState
+from craft_rag.engine.planners import CacheSalt, PlannerNamespaces, check_plan
+from craft_rag.engine.requests import InFlight, OnDelta, OnDone, plain_report, result_of
+from craft_rag.engine.results import GenerationResult, RagRequest, SamplingRequest
+from craft_rag.metrics import chunks_inside_cache, chunks_with_cached_blocks
+from craft_rag.planner import CraftPlanner, Plan
+from craft_rag.prompt import AssembledPrompt
+from craft_rag.stores.histories import load_history, save_history
+from craft_rag.types import ChunkKey
+
+if TYPE_CHECKING:
+    from craft_rag.engine.kv_events import BlockHasher
+
+__all__ = ["RagTurn", "RagTurns", "reused_chunk_count"]
+
+Submit = Callable[[tuple[int, ...], SamplingRequest, RequestState, CacheSalt | None], None]
+"""Starts serving a rendered prompt; fills the :class:`RequestState` (cached tokens, reply)."""
+
+
+class CacheFacts(Protocol):
+    """What a RAG turn needs to know of the cache it is served from."""
+
+    @property
+    def block_size(self) -> int: ...
+
+    @property
+    def eos_token_ids(self) -> frozenset[int]: ...
+
+
+def reused_chunk_count(
+    chunks: AssembledPrompt | Sequence[tuple[int, int]],
+    cached_tokens: int,
+    block_size: int | None = None,
+) -> int:
+    """Leading chunks lying entirely inside the cached prefix (``ReuseReport.reused_chunks``):
+    :func:`craft_rag.metrics.chunks_inside_cache` over the prompt's (or the given) chunk spans;
+    0 on a cold request. The one definition the engine and replay report. ``block_size`` is
+    accepted for compatibility and no longer changes the count (the planner's block-granular
+    evidence is :func:`craft_rag.metrics.chunks_with_cached_blocks`). O(chunks)."""
+    del block_size
+    spans = chunks.chunk_spans if isinstance(chunks, AssembledPrompt) else chunks
+    return chunks_inside_cache(spans, cached_tokens)
+
+
+@dataclass(slots=True)
+class RagTurn:
+    """A RAG turn in flight (the lifecycle's :class:`~craft_rag.engine.requests.TurnHooks`):
+    exactly one of :meth:`commit` / :meth:`give_up` ends it. ``caller_plan``: the plan came in
+    through ``plan=`` (claimed from its planner; released, not aborted, if not served)."""
+
+    owner: RagTurns
+    plan: Plan
+    rendered: RenderedTurn
+    planner: CraftPlanner
+    caller_plan: bool
+
+    def commit(self, flight: InFlight) -> GenerationResult:
+        return self.owner.commit(flight, self)
+
+    def give_up(self) -> None:
+        self.owner.conversations.cancel(self.rendered)
+        self.owner.give_up_plan(self.planner, self.plan, self.caller_plan)
+
+
+class RagTurns:
+    """The RAG-turn half of an engine (see the module docstring). Holds no state of its own:
+    the planners (per salt) own plans and conversations' chunk records, ``conversations`` the
+    prompt histories."""
+
+    def __init__(
+        self,
+        namespaces: PlannerNamespaces,
+        conversations: ConversationPrompts,
+        submit: Submit,
+        cache: CacheFacts,
+        *,
+        check_salt: Callable[[str | None], CacheSalt | None],
+        block_hasher: BlockHasher | None = None,
+        barrier: Callable[[], None] = lambda: None,
+        request_ids: Callable[[], str] | None = None,
+    ) -> None:
+        self.namespaces = namespaces
+        self.conversations = conversations
+        self.block_hasher = block_hasher
+        self._submit = submit
+        self._cache = cache
+        self._check_salt = check_salt
+        self._barrier = barrier
+        counter = itertools.count(1)
+        self._request_ids = request_ids or (lambda: f"craft-{next(counter)}")
+
+    # ---- start: fit -> plan (or claim) -> render -> submit ------------------------------------
+
+    def start(
+        self,
+        request: RagRequest,
+        sampling: SamplingRequest,
+        on_delta: OnDelta | None = None,
+        on_done: OnDone | None = None,
+    ) -> InFlight:
+        """Plan and render ``request`` and submit it; raises (nothing changed, no plan left in
+        flight) on bad input or a plan that cannot be served."""
+        question = request.question
+        if not isinstance(question, str) or not question.strip():
+            msg = "question must be a non-empty string"
+            raise ValueError(msg)
+        salt = self._check_salt(request.cache_salt)
+        conversation_id = request.conversation_id
+        self.conversations.check_salt(conversation_id, salt)
+        planner = self.namespaces.get(salt)
+        self._barrier()
+        given = None
+        if request.plan is not None:
+            given = check_plan(request.plan, planner, request.chunks, conversation_id, salt=salt)
+        fit_id = conversation_id or (given.conversation_id if given is not None else None)
+        # Shared store: another worker may have served the last turn; render after it.
+        load_history(self.conversations, planner, fit_id, salt)
+        need = self.conversations.turn_token_count(request.chunks, question)
+        # Before planning: dedup may only count chunks of turns that stay in the prompt.
+        lost = self.conversations.fit(fit_id, need, sampling.max_tokens, salt)
+        if given is None:
+            plan = planner.claim(planner.plan(list(request.chunks), conversation_id))
+        else:
+            conversation_id = given.conversation_id
+            self.conversations.check_salt(conversation_id, salt)
+            gone = sorted(lost & {c.key for c in given.removed_duplicates})
+            if gone:
+                msg = (
+                    f"plan {given.plan_id} removed chunks {gone[:3]} as already sent, but the "
+                    "turns carrying them were dropped to fit the context; call "
+                    "engine.fit_turn(...) before planning, or plan the turn again"
+                )
+                raise RuntimeError(msg)
+            plan = planner.claim(given)
+        caller_plan = given is not None
+        try:
+            rendered = self.render(plan, question, sampling, conversation_id, salt)
+            if plan.turn > 1 and rendered.kept_turns + rendered.dropped_turns == 0:
+                # The history was dropped (LRU, end_conversation) after the plan was made, and
+                # with it the planner's record: the plan's removed duplicates are in no prompt.
+                self.conversations.cancel(rendered)
+                if caller_plan:
+                    msg = (
+                        f"conversation {conversation_id!r} was forgotten while plan "
+                        f"{plan.plan_id} waited to be served; plan the turn again"
+                    )
+                    raise RuntimeError(msg)
+                assert conversation_id is not None  # turn > 1
+                self.give_up_plan(planner, plan, caller_plan)
+                planner.end_conversation(conversation_id)
+                plan = planner.claim(planner.plan(list(request.chunks), conversation_id))
+                rendered = self.render(plan, question, sampling, conversation_id, salt)
+            state = RequestState(self._request_ids(), on_delta=on_delta, on_done=on_done)
+            try:
+                self._submit(rendered.prompt.token_ids, sampling, state, salt)
+            except BaseException:
+                self.conversations.cancel(rendered)
+                raise
+        except BaseException:
+            self.give_up_plan(planner, plan, caller_plan)
+            raise
+        turn = RagTurn(self, plan, rendered, planner, caller_plan)
+        return InFlight(state, sampling, rendered.prompt.token_ids, salt, turn)
+
+    def render(
+        self,
+        plan: Plan,
+        question: str,
+        sampling: SamplingRequest,
+        conversation_id: str | None,
+        salt: CacheSalt | None,
+    ) -> RenderedTurn:
+        """Render ``plan``'s turn; a first turn starts the conversation's history over."""
+        return self.conversations.render(
+            plan.ordered,
+            question,
+            max_tokens=sampling.max_tokens,
+            conversation_id=conversation_id,
+            fresh=plan.turn == 1,
+            cache_salt=salt,
+        )
+
+    def give_up_plan(self, planner: CraftPlanner, plan: Plan, caller_plan: bool) -> None:
+        """A turn that will not be committed: a caller's plan is released (its holder may
+        serve it again); a plan the engine made is aborted, so its conversation is not left
+        with a plan in flight (issue 11 item 11)."""
+        if caller_plan:
+            planner.release(plan)
+        else:
+            planner.abort(plan)
+
+    # ---- commit ---------------------------------------------------------------------------
+
+    def commit(
+        self,
+        flight: InFlight,
+        turn: RagTurn,
+        *,
+        stored_reply: Sequence[int] | None = None,
+    ) -> GenerationResult:
+        """Commit a finished turn with what the cache reused and record it in the history.
+        ``stored_reply``: the reply and close to store instead of the generated ids (replay
+        stores the trace's answer)."""
+        state, prompt, plan = flight.state, turn.rendered.prompt, turn.plan
+        cached = state.num_cached_tokens or 0
+        reused = reused_chunk_count(prompt, cached)
+        # The planner prunes CP-Tree nodes past this: block-granular evidence, not `reused`.
+        kv_chunks = chunks_with_cached_blocks(prompt.chunk_spans, cached, self._cache.block_size)
+        block_hashes = None
+        if self.block_hasher is not None:
+            hashes = self.block_hasher.block_hashes(prompt.token_ids, flight.cache_salt)
+            block_hashes = self.block_hasher.per_chunk(hashes, prompt.chunk_spans)
+        # Evictions published up to now reach the CP-Tree before this commit, not after it.
+        self._barrier()
+        turn.planner.commit(
+            plan,
+            prefix_tokens=prompt.prefix_tokens,
+            chunk_token_counts=[end - start for start, end in prompt.chunk_spans],
+            # Without reading the cache, cached=0 says nothing about what the cache holds.
+            reused_chunks=kv_chunks if flight.sampling.read_prefix_cache else None,
+            block_hashes=block_hashes,
+        )
+        self.conversations.complete(
+            turn.rendered, state.token_ids, self._cache.eos_token_ids, stored_reply=stored_reply
+        )
+        save_history(self.conversations, turn.planner, turn.rendered.conversation_id)
+        report = replace(
+            plain_report(flight),
+            predicted_tokens=plan.matched_tokens,
+            predicted_chunks=plan.matched_chunks,
+            reused_chunks=reused,
+            prefix_tokens=prompt.prefix_tokens,
+            chunk_order=plan.keys,
+            removed_duplicates=tuple(c.key for c in plan.removed_duplicates),
+            repeated_in_request=tuple(c.key for c in plan.repeated_in_request),
+            dropped_turns=turn.rendered.left_out,
+            conversation_id=turn.rendered.conversation_id,
+            turn=plan.turn,
+            plan_id=plan.plan_id,
+        )
+        return result_of(flight, report)
+
+    # ---- conversations --------------------------------------------------------------------
+
+    def forget_planned(self, conversation_id: str, cache_salt: str | None) -> None:
+        """The prompt history of a conversation was dropped (LRU bound or ended): its salt's
+        planner must forget it too, so its next turn is planned as a fresh first turn with
+        nothing removed as "already sent". A salt whose planner was dropped has nothing to
+        forget."""
+        planner = self.namespaces.peek(CacheSalt(cache_salt) if cache_salt is not None else None)
+        if planner is not None:
+            planner.end_conversation(conversation_id)
+
+    def forget_dropped_turns(self, conversation_id: str, cache_salt: str | None, n: int) -> None:
+        """The prompt history dropped its ``n`` oldest turns: the salt's planner forgets their
+        chunks, so one retrieved again is sent again."""
+        planner = self.namespaces.peek(CacheSalt(cache_salt) if cache_salt is not None else None)
+        if planner is not None:
+            planner.forget_turns(conversation_id, n)
+
+    def end_conversation(self, conversation_id: str) -> bool:
+        """Forget a conversation in the planners and the prompt history (its salt too)."""
+        known = self.namespaces.end_conversation(conversation_id)
+        return self.conversations.end(conversation_id) or known
+
+    def fit_turn(
+        self,
+        chunks: Sequence[Chunk],
+        question: str,
+        *,
+        conversation_id: str | None,
+        max_tokens: int,
+        cache_salt: str | None = None,
+    ) -> frozenset[ChunkKey]:
+        """See :meth:`craft_rag.engine.CraftEngine.fit_turn`."""
+        need = self.conversations.turn_token_count(chunks, question)
+        salt = self._check_salt(cache_salt)
+        load_history(self.conversations, self.namespaces.get(salt), conversation_id, salt)
+        return self.conversations.fit(conversation_id, need, max_tokens, salt)
+
+    def side_prompt_ids(
+        self, conversation_id: str | None, text: str, *, cache_salt: str | None = None
+    ) -> tuple[int, ...]:
+        """See :meth:`craft_rag.engine.CraftEngine.side_prompt_ids`."""
+        salt = self._check_salt(cache_salt)
+        load_history(self.conversations, self.namespaces.get(salt), conversation_id, salt)
+        return self.conversations.side_prompt(conversation_id, text, salt)
