@@ -23,10 +23,12 @@ os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
 os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
 
-# src layout without an editable install: make `import craft_rag` work from a bare checkout.
-_SRC = Path(__file__).resolve().parent / "src"
-if _SRC.is_dir() and str(_SRC) not in sys.path:
-    sys.path.insert(0, str(_SRC))
+# src layout without an editable install: make `import craft_rag` (and the harness,
+# `import craft_rag_bench`) work from a bare checkout.
+_ROOT = Path(__file__).resolve().parent
+for _SRC in (_ROOT / "src", _ROOT / "benchmarks" / "craft-rag-bench" / "src"):
+    if _SRC.is_dir() and str(_SRC) not in sys.path:
+        sys.path.insert(0, str(_SRC))
 
 if TYPE_CHECKING:
     from craft_rag.engine.engine import CraftEngine

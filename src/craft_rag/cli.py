@@ -1,7 +1,10 @@
-"""``craft-rag`` command line: replay, trace, model, demo, bench.
+"""``craft-rag`` command line: replay, model, serve, plus the harness's demo, bench, trace.
 
 Each feature module owns its subcommand through an ``add_*_parser(subparsers)`` function that
-sets ``func``; this file only wires them together.
+sets ``func``; this file only wires them together. Other distributions add subcommands through
+the ``craft_rag.commands`` entry-point group (name = subcommand, value = ``module:add_function``);
+the evaluation harness (``craft-rag-bench``) registers ``demo``, ``bench`` and ``trace`` there.
+Without it those names still parse and fail with one line saying what to install.
 
 User errors (see :mod:`craft_rag.cli_args`): exit status 2, one line on stderr naming the thing
 and the fix, no traceback, nothing written. Interrupted (Ctrl-C): 130. A closed stdout pipe
@@ -15,6 +18,8 @@ import importlib
 import os
 import sys
 from collections.abc import Sequence
+from importlib.metadata import entry_points
+from typing import Any
 
 from craft_rag.cli_args import OneLineArgumentParser, describe_error, fail
 from craft_rag.replay_cli import add_replay_parser
@@ -26,11 +31,19 @@ keeps its traceback."""
 # (module, function) pairs of optional subcommands; a module whose dependencies are missing
 # still gets a clear error when its subcommand runs, not at start-up.
 _SUBCOMMANDS: tuple[tuple[str, str], ...] = (
-    ("craft_rag.workloads_cli", "add_trace_parser"),
     ("craft_rag.engine.cli_commands", "add_model_parser"),
     ("craft_rag.engine.serve", "add_serve_parser"),
-    ("craft_rag.demo", "add_demo_parser"),
-    ("craft_rag.bench.cli", "add_bench_parser"),
+)
+
+COMMANDS_GROUP = "craft_rag.commands"
+"""Entry-point group other distributions use to add ``craft-rag`` subcommands."""
+
+HARNESS_COMMANDS: tuple[str, ...] = ("demo", "bench", "trace")
+"""Subcommands the evaluation harness provides; without it each fails with an install hint."""
+
+HARNESS_MISSING = (
+    "this command is part of the evaluation harness: install craft-rag-bench "
+    "(pip install -e benchmarks/craft-rag-bench from a checkout, or run scripts/bootstrap.sh)"
 )
 
 
@@ -51,13 +64,49 @@ def build_parser() -> argparse.ArgumentParser:
         add = getattr(module, function_name, None)
         if add is not None:
             add(subparsers)
+    added = _add_plugin_commands(subparsers)
+    for name in HARNESS_COMMANDS:
+        if name not in added:
+            _add_missing_command(subparsers, name)
     return parser
+
+
+def _add_plugin_commands(subparsers: argparse._SubParsersAction[Any]) -> set[str]:
+    """Register every ``craft_rag.commands`` entry point; returns the names added. A plugin
+    whose import fails for a missing third-party module is skipped (its name then gets the
+    install hint), so one broken extra never breaks the core commands."""
+    added: set[str] = set()
+    for point in sorted(entry_points(group=COMMANDS_GROUP), key=lambda p: p.name):
+        if point.name in added or point.name in subparsers.choices:
+            continue
+        try:
+            add = point.load()
+        except ModuleNotFoundError:
+            continue
+        add(subparsers)
+        added.add(point.name)
+    return added
+
+
+def _add_missing_command(subparsers: argparse._SubParsersAction[Any], name: str) -> None:
+    """``name`` parses any arguments and exits 2 with :data:`HARNESS_MISSING`."""
+    sub = subparsers.add_parser(
+        name, add_help=False, help="(needs craft-rag-bench) " + name + " from the harness"
+    )
+
+    def missing(args: argparse.Namespace) -> int:
+        return fail(name, HARNESS_MISSING)
+
+    sub.set_defaults(func=missing, accepts_any_arguments=True)
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Run ``craft-rag`` with ``argv`` (default ``sys.argv[1:]``); returns the exit status.
     Usage errors (argparse) print one line and raise ``SystemExit(2)`` as argparse does."""
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    args, unknown = parser.parse_known_args(argv)
+    if unknown and not getattr(args, "accepts_any_arguments", False):
+        parser.error("unrecognized arguments: " + " ".join(unknown))
     command = str(getattr(args, "command", "") or "")
     try:
         result: int = args.func(args)

@@ -174,7 +174,7 @@ def test_packaged_minilm_embeddings() -> None:
     pytest.importorskip("langchain_huggingface", reason="pip install langchain-huggingface")
     from langchain_craft.embeddings import craft_minilm_embeddings
 
-    from craft_rag.retrieval import Embedder
+    from craft_rag_bench.retrieval import Embedder
 
     try:
         embeddings = craft_minilm_embeddings()

@@ -1,0 +1,254 @@
+"""``craft-rag demo``: real questions through retrieval -> CRAFT -> the in-process vLLM engine.
+
+Four systems run the same requests, one after another, on ONE engine, each from an empty prefix
+cache and with the same sampling settings:
+
+- ``no_cache``: prefix caching off for reading (vLLM's ``skip_reading_prefix_cache``);
+- ``prefix_cache``: vLLM prefix caching with the retriever's chunk order;
+- ``craft_frequency``: CRAFT with the paper's frequency order;
+- ``craft_tree``: CRAFT with the CP-Tree set-match order (the library default).
+
+Each system is preceded by an unmeasured warm-up request on an unrelated prompt (then the cache
+is reset), so no system pays for the engine's first-call costs.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import secrets
+import sys
+import time
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass
+from typing import TYPE_CHECKING, Any
+
+from tqdm import tqdm
+
+from craft_rag.chunk import make_chunk
+from craft_rag.cli_args import check_input_file, int_range, non_negative_int, seed_int
+from craft_rag.planner import CraftPlanner, PlannerConfig
+from craft_rag.replay import percentile
+from craft_rag.trace import TraceRequest, read_trace
+
+if TYPE_CHECKING:
+    from craft_rag.engine import CraftEngine, GenerationResult
+
+
+@dataclass(frozen=True, slots=True)
+class DemoSystem:
+    """One configuration of the side-by-side run."""
+
+    name: str
+    policy: str
+    read_prefix_cache: bool
+
+
+SYSTEMS: tuple[DemoSystem, ...] = (
+    DemoSystem("no_cache", "retriever", read_prefix_cache=False),
+    DemoSystem("prefix_cache", "retriever", read_prefix_cache=True),
+    DemoSystem("craft_frequency", "frequency", read_prefix_cache=True),
+    DemoSystem("craft_tree", "tree", read_prefix_cache=True),
+)
+
+
+@dataclass(frozen=True, slots=True)
+class SystemResult:
+    """Aggregates of one system over the run."""
+
+    requests: int
+    mean_ttft_ms: float
+    p50_ttft_ms: float
+    p99_ttft_ms: float
+    cached_token_fraction: float
+    prompt_tokens: int
+    cached_tokens: int
+    dedup_removed_chunks: int
+    dropped_turns: int
+
+
+def summarise(results: Sequence[GenerationResult]) -> SystemResult:
+    """Aggregate the reports of one system's requests."""
+    ttfts = [r.report.ttft_ms for r in results]
+    prompt = sum(r.report.prompt_tokens for r in results)
+    cached = sum(r.report.cached_tokens for r in results)
+    return SystemResult(
+        requests=len(results),
+        mean_ttft_ms=sum(ttfts) / len(ttfts) if ttfts else 0.0,
+        p50_ttft_ms=percentile(ttfts, 50),
+        p99_ttft_ms=percentile(ttfts, 99),
+        cached_token_fraction=cached / prompt if prompt else 0.0,
+        prompt_tokens=prompt,
+        cached_tokens=cached,
+        dedup_removed_chunks=sum(len(r.report.removed_duplicates) for r in results),
+        dropped_turns=sum(r.report.dropped_turns for r in results),
+    )
+
+
+def default_trace(requests: int, top_k: int, seed: int) -> list[TraceRequest]:
+    """SQuAD questions (dataset order, with Zipf re-asks and reworded near-duplicates) with
+    faiss retrieval over SQuAD's own 2,067 paragraphs (embedded once, cached on disk)."""
+    from craft_rag_bench.workloads import TraceConfig, build_trace
+
+    config = TraceConfig(
+        dataset="squad", requests=requests, top_k=top_k, seed=seed, corpus="dataset", index="flat"
+    )
+    return build_trace(config)
+
+
+def _warm_up(engine: CraftEngine, max_tokens: int, cache_salt: str | None = None) -> None:
+    chunk = make_chunk("The warm-up passage is not part of the measured run.", id="warmup:0")
+    engine.generate([chunk], "Is this a warm-up?", max_tokens=max_tokens, cache_salt=cache_salt)
+
+
+def run_system(
+    engine: CraftEngine,
+    system: DemoSystem,
+    trace: Sequence[TraceRequest],
+    *,
+    max_tokens: int,
+    progress: bool,
+    cache_salt: str | None = None,
+) -> list[GenerationResult]:
+    """Serve ``trace`` under ``system`` from an empty prefix cache and a fresh planner.
+    ``cache_salt`` (over a server): the system's own fresh salt, a cold cache namespace
+    without resetting the server's cache (which needs its dev mode)."""
+    engine.set_planner(CraftPlanner(PlannerConfig(policy=system.policy)))
+    _warm_up(engine, max_tokens, cache_salt)
+    if cache_salt is None and not engine.reset_prefix_cache():
+        msg = "could not reset the prefix cache (requests still running)"
+        raise RuntimeError(msg)
+    out: list[GenerationResult] = []
+    for request in tqdm(trace, desc=f"{system.name:>15}", disable=not progress, file=sys.stderr):
+        out.append(
+            engine.generate(
+                request.chunks,
+                request.query,
+                conversation_id=request.conversation_id,
+                max_tokens=max_tokens,
+                read_prefix_cache=system.read_prefix_cache,
+                cache_salt=cache_salt,
+            )
+        )
+    return out
+
+
+def format_table(results: dict[str, SystemResult]) -> str:
+    """Side-by-side table, TTFT speed-ups relative to ``no_cache``."""
+    base = results.get("no_cache")
+    header = ("system", "mean TTFT ms", "p50 ms", "p99 ms", "speed-up", "cached tokens")
+    rows = [header]
+    for name, r in results.items():
+        speedup = base.mean_ttft_ms / r.mean_ttft_ms if base and r.mean_ttft_ms else 0.0
+        rows.append(
+            (
+                name,
+                f"{r.mean_ttft_ms:.1f}",
+                f"{r.p50_ttft_ms:.1f}",
+                f"{r.p99_ttft_ms:.1f}",
+                f"{speedup:.2f}x",
+                f"{100 * r.cached_token_fraction:.1f}%",
+            )
+        )
+    widths = [max(len(row[i]) for row in rows) for i in range(len(header))]
+    return "\n".join(
+        "  ".join(cell.rjust(w) for cell, w in zip(row, widths, strict=True)) for row in rows
+    )
+
+
+def add_demo_parser(subparsers: Any) -> None:
+    p = subparsers.add_parser(
+        "demo",
+        help="side-by-side TTFT and cached tokens: no cache / prefix cache / CRAFT",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    p.add_argument("--trace", help="replay-format trace to serve (default: built from SQuAD)")
+    p.add_argument(
+        "--requests", type=int_range(1, 100_000), default=40, help="requests (default 40)"
+    )
+    p.add_argument("--top-k", type=int_range(1, 1000), default=5)
+    p.add_argument("--seed", type=seed_int, default=0)
+    p.add_argument(
+        "--max-tokens", type=int_range(1, 1 << 20), default=16,
+        help="tokens generated per request",
+    )
+    p.add_argument("--block-size", type=int_range(1, 1 << 16), default=32)
+    p.add_argument("--max-model-len", type=int_range(1, 1 << 24), default=4096)
+    p.add_argument(
+        "--answers", type=non_negative_int, default=3, help="answers to print (default 3)"
+    )
+    p.add_argument(
+        "--systems",
+        default=",".join(s.name for s in SYSTEMS),
+        help="comma-separated subset of " + ",".join(s.name for s in SYSTEMS),
+    )
+    p.add_argument(
+        "--server",
+        default=None,
+        help="serve through a vLLM server at this URL (`craft-rag serve`); each system gets "
+        "its own fresh cache_salt, no_cache a fresh salt per request",
+    )
+    p.add_argument("--json", action="store_true", help="print one JSON object")
+    p.add_argument("--no-progress", action="store_true")
+    p.set_defaults(func=run_demo)
+
+
+def run_demo(args: argparse.Namespace) -> int:
+    # vLLM logs every cache reset at INFO on stdout; the demo's table is the output that matters.
+    os.environ.setdefault("VLLM_LOGGING_LEVEL", "ERROR")
+    by_name = {s.name: s for s in SYSTEMS}
+    names = [n.strip() for n in args.systems.split(",") if n.strip()]
+    unknown = [n for n in names if n not in by_name]
+    if unknown or not names:
+        what = f"unknown system(s) {unknown}" if unknown else "no system given"
+        msg = f"--systems: {what}; choose from {','.join(sorted(by_name))}"
+        raise ValueError(msg)
+    progress = not args.no_progress
+    started = time.perf_counter()
+    if args.trace is not None:
+        trace = read_trace(check_input_file(args.trace, "--trace"), limit=args.requests)
+    else:
+        trace = default_trace(args.requests, args.top_k, args.seed)
+    if not trace:
+        msg = f"the trace {args.trace} has no requests; pass a trace with at least one JSON line"
+        raise ValueError(msg)
+    # Imported only now (vLLM takes seconds): every input above was checked first.
+    from craft_rag.engine import CraftEngine, EngineSettings
+
+    settings = EngineSettings(block_size=args.block_size, max_model_len=args.max_model_len)
+    results: dict[str, SystemResult] = {}
+    answers: list[tuple[str, str]] = []
+    server = getattr(args, "server", None)
+    with CraftEngine(settings, server=server) as engine:
+        for name in names:
+            salt = f"demo-{name}-{secrets.token_hex(8)}" if server else None
+            served = run_system(
+                engine,
+                by_name[name],
+                trace,
+                max_tokens=args.max_tokens,
+                progress=progress,
+                cache_salt=salt,
+            )
+            results[name] = summarise(served)
+            if name == names[-1]:
+                answers = [(t.query, r.text.strip()) for t, r in zip(trace, served, strict=True)]
+    payload: dict[str, Any] = {name: asdict(r) for name, r in results.items()}
+    payload["requests"] = len(trace)
+    payload["trace"] = args.trace or "squad (built)"
+    payload["max_tokens"] = args.max_tokens
+    payload["block_size"] = args.block_size
+    payload["seconds"] = round(time.perf_counter() - started, 1)
+    payload["server"] = server
+    if args.json:
+        json.dump(payload, sys.stdout, indent=2)
+        sys.stdout.write("\n")
+        return 0
+    print(format_table(results))
+    print(f"({len(trace)} requests, max_tokens {args.max_tokens}, block {args.block_size}, "
+          f"{payload['seconds']} s)")
+    for query, answer in answers[: args.answers]:
+        print(f"\nQ: {query}\nA: {answer}")
+    return 0
