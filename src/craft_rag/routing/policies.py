@@ -28,7 +28,8 @@ from dataclasses import dataclass
 from typing import Protocol
 
 from craft_rag.chunk import Chunk
-from craft_rag.prefix_tree import ChunkPrefixTree, PrefixMatch
+from craft_rag.prefix_tree import ChunkPrefixTree, PrefixMatch, PrefixNode
+from craft_rag.routing.matching import fixed_match_end, set_match_end
 from craft_rag.routing.queueing import TTFTModel
 from craft_rag.routing.replica import Replica
 from craft_rag.types import ChunkKey, ConversationId
@@ -44,6 +45,12 @@ class RouteRequest:
     prompt_tokens: int
     conversation_id: ConversationId | None = None
     salt: str | None = None
+    key_set: frozenset[ChunkKey] = frozenset()
+    """``frozenset(keys)``, built once per request for the set matches (filled when empty)."""
+
+    def __post_init__(self) -> None:
+        if not self.key_set and self.keys:
+            object.__setattr__(self, "key_set", frozenset(self.keys))
 
 
 @dataclass(frozen=True, slots=True)
@@ -80,11 +87,15 @@ class ClusterView:
         """Predicted cached tokens of a prompt whose first ``match.length`` chunks are cached:
         whole blocks only and never the last prompt token (as vLLM). Spans unknown -> the
         matched share of the prompt. O(1)."""
-        if not match.nodes:
+        return self.cached_tokens_at(match.nodes[-1] if match.nodes else None, request)
+
+    def cached_tokens_at(self, end: PrefixNode | None, request: RouteRequest) -> int:
+        """:meth:`cached_tokens` of the match ending at node ``end`` (None: empty). O(1)."""
+        if end is None:
             return 0
-        tokens = match.tokens
+        tokens = end.token_end
         if tokens is None:
-            tokens = request.prompt_tokens * match.length // max(1, len(request.keys))
+            tokens = request.prompt_tokens * end.depth // max(1, len(request.keys))
         tokens = min(tokens, request.prompt_tokens - 1)
         return max(0, tokens // self.block_size * self.block_size)
 
@@ -97,14 +108,16 @@ class ClusterView:
         """The admissible replica with the least in-flight work, then fewest assigned, then
         lowest index. O(N)."""
         best: Replica | None = None
+        best_work, best_assigned = float("inf"), 0
+        limit = float("inf") if bound is None else bound
         for r in self.healthy:
-            if bound is not None and r.load.assigned >= bound:
+            load = r.load
+            assigned = load.assigned
+            if assigned >= limit:
                 continue
-            if best is None or (r.load.work_s, r.load.assigned) < (
-                best.load.work_s,
-                best.load.assigned,
-            ):
-                best = r
+            work = load.work_s
+            if work < best_work or (work == best_work and assigned < best_assigned):
+                best, best_work, best_assigned = r, work, assigned
         assert best is not None, "the least-assigned replica is always admissible"
         return best
 
@@ -146,36 +159,73 @@ class LeastLoaded:
 
 def _with_tree_prediction(replica: Replica, request: RouteRequest, view: ClusterView) -> Candidate:
     tree = replica.tree(request.salt)
-    match = tree.match_subset(request.keys) if tree is not None else PrefixMatch(())
-    return view.candidate(replica, request, view.cached_tokens(match, request))
+    end = set_match_end(tree, request.key_set) if tree is not None else None
+    return view.candidate(replica, request, view.cached_tokens_at(end, request))
 
 
 class _KVAware:
-    """Shared cost-based choice; subclasses say how a replica's tree matches the request."""
+    """Shared cost-based choice; subclasses say how a replica's tree matches the request.
+
+    The choice is the least ``(cost, index)`` over the least-loaded admissible replica (with
+    nothing cached) and every admissible holder (with its match). Holders are visited by
+    increasing in-flight work, and the walk stops at the first whose cost *with the best
+    conceivable match* (all of the prompt but its last token cached) already loses: every later
+    one has at least as much work, so it loses too. Only trees that can still win are matched;
+    the result is the exhaustive minimum (tested against it on random trees and loads).
+    """
 
     name = ""
     ordering = ""
+
+    def match_end(self, tree: ChunkPrefixTree, request: RouteRequest) -> PrefixNode | None:
+        raise NotImplementedError
 
     def match(self, tree: ChunkPrefixTree, request: RouteRequest) -> PrefixMatch:
         raise NotImplementedError
 
     def choose(self, request: RouteRequest, view: ClusterView) -> Candidate:
         bound = view.assign_bound()
-        best = view.candidate(view.least_loaded(bound), request, 0)
-        for replica in view.holders(request):
-            if replica.load.assigned >= bound:
+        best = view.least_loaded(bound)
+        best_cached, best_index = 0, best.index
+        model, weight, prompt = view.ttft_model, view.load_weight, request.prompt_tokens
+        best_cost = model.predict(prompt, 0) + weight * best.load.work_s
+        holders = view.holders(request)
+        # The cheapest any holder can be with w in-flight work is floor + weight * w (cost
+        # falls as cached tokens rise, when b > c). Pruning needs that order; without it
+        # (b <= c: caching does not pay) every holder is matched.
+        top = (prompt - 1) // view.block_size * view.block_size
+        prune = model.b > model.c
+        if prune:
+            if top <= 0:
+                return Candidate(best, 0, best_cost)
+            floor = model.predict(prompt - top, top)
+            holders = sorted(holders, key=_by_work)
+        salt = request.salt
+        for replica in holders:
+            load = replica.load
+            if load.assigned >= bound:
                 continue
-            tree = replica.tree(request.salt)
+            extra = weight * load.work_s
+            if prune and floor + extra - best_cost > _MARGIN * (1.0 + abs(best_cost)):
+                break  # cannot win, nor can any later (more work) holder
+            tree = replica.tree(salt)
             assert tree is not None
-            cached = view.cached_tokens(self.match(tree, request), request)
+            cached = view.cached_tokens_at(self.match_end(tree, request), request)
             if cached == 0:
                 continue
-            option = view.candidate(replica, request, cached)
-            if option.cost_s < best.cost_s or (
-                option.cost_s == best.cost_s and replica.index < best.replica.index
-            ):
-                best = option
-        return best
+            cost = model.predict(prompt - cached, cached) + extra
+            if cost < best_cost or (cost == best_cost and replica.index < best_index):
+                best, best_cached, best_index, best_cost = replica, cached, replica.index, cost
+        return Candidate(best, best_cached, best_cost)
+
+
+_MARGIN = 1e-9
+"""Relative slack of the pruning test, far above float rounding (~1e-16): a holder is skipped
+only when it loses by more than this, so pruning never changes a choice."""
+
+
+def _by_work(replica: Replica) -> tuple[float, int]:
+    return (replica.load.work_s, replica.index)
 
 
 class PrefixFixedOrder(_KVAware):
@@ -184,6 +234,9 @@ class PrefixFixedOrder(_KVAware):
 
     name = "prefix_fixed_order"
     ordering = "retriever"
+
+    def match_end(self, tree: ChunkPrefixTree, request: RouteRequest) -> PrefixNode | None:
+        return fixed_match_end(tree, request.keys)
 
     def match(self, tree: ChunkPrefixTree, request: RouteRequest) -> PrefixMatch:
         return tree.match(request.keys)
@@ -197,8 +250,11 @@ class CraftJoint(_KVAware):
     name = "craft_joint"
     ordering = "tree"
 
+    def match_end(self, tree: ChunkPrefixTree, request: RouteRequest) -> PrefixNode | None:
+        return set_match_end(tree, request.key_set)
+
     def match(self, tree: ChunkPrefixTree, request: RouteRequest) -> PrefixMatch:
-        return tree.match_subset(request.keys)
+        return tree.match_subset(request.key_set)
 
 
 ROUTING_POLICIES: Mapping[str, Callable[[], RoutingPolicy]] = {

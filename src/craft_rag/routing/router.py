@@ -82,6 +82,9 @@ class RouteDecision:
     sticky: bool
     rehomed: bool
     epoch: int
+    plan_ns: int = 0
+    """Wall nanoseconds spent in the replica planner's ``plan()`` (the ordering every policy
+    pays, single replica included); the rest of ``route()`` is the placement decision."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -151,9 +154,12 @@ class Router:
         # Hint: (salt, chunk key) -> indexes of replicas whose tree may have that key at its
         # root. Added when a first turn is planned there, pruned on use against the trees, so
         # a stale entry costs one probe and a tree can never hold a root the hint lacks (its
-        # roots come only from plans this router made). Engine-owned planners can gain roots
+        # roots come only from plans this router made). An entry whose plan is still in
+        # flight (routed, not finished: its commit has not landed) is kept although the tree
+        # lacks the root yet: _planned counts those. Engine-owned planners can gain roots
         # behind our back, so with planner_sources every replica is scanned instead.
         self._roots: dict[tuple[str | None, ChunkKey], set[int]] = {}
+        self._planned: dict[tuple[str | None, ChunkKey, int], int] = {}
         self._scan_all = bool(sources)
         self._homes: dict[ConversationId, tuple[ReplicaId, str | None]] = {}
         self._restart: set[ConversationId] = set()
@@ -223,13 +229,14 @@ class Router:
         ):
             msg = f"conversation_id must be a non-empty string or None, got {conversation_id!r}"
             raise ValueError(msg)
-        for i, chunk in enumerate(chunks):
-            if not isinstance(chunk, Chunk):
-                msg = f"chunks[{i}] is a {type(chunk).__name__}, not a craft_rag.Chunk"
-                raise ValueError(msg)
+        chunks = tuple(chunks)
+        if not all(isinstance(c, Chunk) for c in chunks):
+            i, chunk = next((i, c) for i, c in enumerate(chunks) if not isinstance(c, Chunk))
+            msg = f"chunks[{i}] is a {type(chunk).__name__}, not a craft_rag.Chunk"
+            raise ValueError(msg)
         conv = ConversationId(conversation_id) if conversation_id is not None else None
-        keys = tuple(dict.fromkeys(c.key for c in chunks))
-        request = RouteRequest(tuple(chunks), keys, prompt_tokens, conv, salt)
+        keys = tuple(dict.fromkeys([c.key for c in chunks]))
+        request = RouteRequest(chunks, keys, prompt_tokens, conv, salt, frozenset(keys))
         with self._lock:
             view = self._view()
             if not view.healthy:
@@ -248,9 +255,15 @@ class Router:
             else:
                 choice = self.policy.choose(request, view)
                 replica, sticky = choice.replica, False
-            plan = replica.planner(salt).plan(chunks, conversation_id)
+            planner = replica.planner(salt)
+            plan_started = time.perf_counter_ns()
+            plan = planner.plan(chunks, conversation_id)
+            plan_ns = time.perf_counter_ns() - plan_started
             if plan.turn == 1 and plan.ordered:
-                self._roots.setdefault((salt, plan.ordered[0].key), set()).add(replica.index)
+                root = (salt, plan.ordered[0].key)
+                self._roots.setdefault(root, set()).add(replica.index)
+                planned = (salt, plan.ordered[0].key, replica.index)
+                self._planned[planned] = self._planned.get(planned, 0) + 1
             if sticky:
                 if plan.turn > 1:
                     cached = self._history_tokens(plan, prompt_tokens)
@@ -274,6 +287,7 @@ class Router:
                 sticky=sticky,
                 rehomed=rehomed,
                 epoch=replica.epoch,
+                plan_ns=plan_ns,
             )
             load = replica.load
             load.requests += 1
@@ -306,6 +320,7 @@ class Router:
         with self._lock:
             if self._inflight.pop(decision.decision_id, None) is None:
                 return False
+            self._unplanned(decision)
             replica = self._replicas[decision.replica]
             if replica.epoch != decision.epoch or not replica.healthy:
                 return False
@@ -367,7 +382,7 @@ class Router:
             self._healthy = tuple(r for r in self._order if r.healthy)
             self.stats.faults += 1
             for decision_id in [d for d, x in self._inflight.items() if x.replica == replica.id]:
-                del self._inflight[decision_id]
+                self._unplanned(self._inflight.pop(decision_id))
             view = self._view()
             moved: list[tuple[ConversationId, ReplicaId | None]] = []
             extra = {r.id: 0 for r in view.healthy}
@@ -400,34 +415,53 @@ class Router:
     # ---- internals -----------------------------------------------------------------------------
 
     def _holders(self, request: RouteRequest) -> list[Replica]:
+        salt = request.salt
         if self._scan_all:
-            return [r for r in self._healthy if r.holds_any(request.salt, request.keys)]
+            return [r for r in self._healthy if r.holds_any(salt, request.keys)]
         found: set[int] = set()
+        order = self._order
         for key in request.keys:
-            entry = self._roots.get((request.salt, key))
+            entry = self._roots.get((salt, key))
             if not entry:
                 continue
-            for index in list(entry):
-                tree = self._order[index].tree(request.salt)
-                if tree is None or key not in tree.root.children:
-                    entry.discard(index)  # evicted, or the replica went down
-                else:
+            stale: list[int] = []
+            for index in entry:
+                tree = order[index].tree(salt)
+                if tree is not None and key in tree.root.children:
                     found.add(index)
-            if not entry:
-                del self._roots[(request.salt, key)]
-        return [self._order[i] for i in sorted(found)]
+                elif (salt, key, index) not in self._planned:
+                    stale.append(index)  # evicted, or the replica went down
+            if stale:
+                entry.difference_update(stale)
+                if not entry:
+                    del self._roots[(salt, key)]
+        return [order[i] for i in sorted(found)]
+
+    def _unplanned(self, decision: RouteDecision) -> None:
+        """``decision`` left flight: its first chunk's hint entry no longer waits on it."""
+        plan = decision.plan
+        if plan.turn != 1 or not plan.ordered:
+            return
+        index = self._replicas[decision.replica].index
+        planned = (decision.salt, plan.ordered[0].key, index)
+        left = self._planned.get(planned, 0) - 1
+        if left > 0:
+            self._planned[planned] = left
+        else:
+            self._planned.pop(planned, None)
 
     def _view(self) -> ClusterView:
+        # Built per decision (assigned_total moves every request); positional: it is hot.
         c = self.config
         return ClusterView(
-            healthy=self._healthy,
-            holders=self._holders,
-            assigned_total=self._assigned_total,
-            ttft_model=c.ttft_model,
-            load_weight=c.load_weight,
-            balance_slack=c.balance_slack,
-            balance_headroom=c.balance_headroom,
-            block_size=c.block_size,
+            self._healthy,
+            self._holders,
+            self._assigned_total,
+            c.ttft_model,
+            c.load_weight,
+            c.balance_slack,
+            c.balance_headroom,
+            c.block_size,
         )
 
     def _check_invariants(self) -> None:
@@ -449,3 +483,10 @@ class Router:
         assert self._restart <= self._homes.keys()
         assert self._healthy == tuple(r for r in self._order if r.healthy)
         assert self._assigned_total == sum(r.load.assigned for r in self._healthy)
+        planned: dict[tuple[str | None, ChunkKey, int], int] = {}
+        for d in self._inflight.values():
+            if d.plan.turn == 1 and d.plan.ordered:
+                key = (d.salt, d.plan.ordered[0].key, self._replicas[d.replica].index)
+                planned[key] = planned.get(key, 0) + 1
+                assert key[2] in self._roots.get(key[:2], set()), key
+        assert planned == self._planned

@@ -97,8 +97,10 @@ class SimResult:
     """Aggregates of one run. ``load_imbalance``: max over replicas of requests served there,
     over the mean; ``predicted_cached_fraction``: the router's predicted cached tokens over
     prompt tokens (close to the real one when the trees are kept true); ``decision_us_*``:
-    wall time of :meth:`Router.route` per request,
-    ``decision_cpu_us_*`` its thread CPU time (free of preemption on a shared machine)."""
+    wall time of :meth:`Router.route` per request (placement plus the chosen replica's
+    ``plan()``), ``decision_cpu_us_*`` its thread CPU time (free of preemption on a shared
+    machine), ``placement_us_*`` the wall time of ``route()`` less its ``plan()`` (the routing
+    decision proper: what a single replica would not pay)."""
 
     replicas: int
     policy: str
@@ -114,6 +116,8 @@ class SimResult:
     decision_us_p99: float
     decision_cpu_us_p50: float
     decision_cpu_us_p99: float
+    placement_us_p50: float
+    placement_us_p99: float
     rate_per_s: float
     rehomed_turns: int
     faults: int
@@ -226,6 +230,7 @@ def simulate(
     ttfts: list[float] = []
     decision_ns: list[int] = []
     cpu_ns: list[int] = []
+    placement_ns: list[int] = []
     prompt_total = cached_total = predicted_total = 0
     head = trace.assembler.head_ids
     t = 0.0
@@ -278,6 +283,7 @@ def simulate(
         decision = router.route(request.chunks, prompt_tokens=estimate, conversation_id=conv)
         cpu_ns.append(time.thread_time_ns() - cpu_started)
         decision_ns.append(time.perf_counter_ns() - started)
+        placement_ns.append(decision_ns[-1] - decision.plan_ns)
         r = index_of[decision.replica]
         if decision.plan.turn == 1:
             history = head
@@ -317,6 +323,7 @@ def simulate(
     mean_served = sum(served) / n
     decision_us = [x / 1000 for x in decision_ns]
     cpu_us = [x / 1000 for x in cpu_ns]
+    placement_us = [x / 1000 for x in placement_ns]
     return SimResult(
         replicas=n,
         policy=config.policy,
@@ -332,6 +339,8 @@ def simulate(
         decision_us_p99=percentile(decision_us, 99),
         decision_cpu_us_p50=percentile(cpu_us, 50),
         decision_cpu_us_p99=percentile(cpu_us, 99),
+        placement_us_p50=percentile(placement_us, 50),
+        placement_us_p99=percentile(placement_us, 99),
         rate_per_s=rate,
         rehomed_turns=router.stats.rehomed_turns,
         faults=router.stats.faults,
