@@ -98,7 +98,7 @@ def percentile(values: Sequence[float], q: float) -> float:
     return ordered[rank]
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True)
 class _SimulatedCache:
     """A simulated prefix cache as the RAG-turn code sees an engine: ``submit`` looks the
     prompt up (and inserts it), the reply is the trace's answer (stored by the caller)."""
@@ -106,6 +106,8 @@ class _SimulatedCache:
     cache: SimulatedPrefixCache
     block_size: int
     eos_token_ids: frozenset[int] = frozenset()
+    serve_ns: int = 0
+    """Time the last lookup took (excluded from the turn's latency)."""
 
     def submit(
         self,
@@ -115,7 +117,9 @@ class _SimulatedCache:
         salt: CacheSalt | None,
     ) -> None:
         del sampling, salt
+        t0 = time.perf_counter_ns()
         state.num_cached_tokens = self.cache.serve(token_ids)
+        self.serve_ns = time.perf_counter_ns() - t0
         state.finished_at = state.submitted_at
         state.finish_reason = "stop"
         state.done.set()
@@ -137,9 +141,11 @@ def replay(
 ) -> ReplayResult:
     """Replay ``requests`` in order under ``config``; all state starts empty. Conversations
     render append-only; a turn's history is the previous prompt plus its ``answer`` (empty if
-    the trace has none). With ``max_model_len``, whole oldest turns are dropped while
-    ``prompt + max_tokens`` would exceed it, as the engine does (paper §4.3); a turn that
-    cannot fit alone raises ``ValueError``. With ``store`` (a URL or
+    the trace has none). With ``max_model_len``, whole oldest turns are dropped (before
+    planning, their chunks forgotten by dedup) while ``prompt + max_tokens`` would exceed it:
+    the engine's own RAG-turn code (paper §4.3); a turn that cannot fit alone raises
+    ``ValueError`` naming the request. ``planner_us_*`` time each whole turn (plan, render,
+    commit), the simulated cache lookup excluded. With ``store`` (a URL or
     :class:`~craft_rag.stores.StateStore`) the planner's state lives in that store's
     ``namespace`` (shared with other replay workers; it starts with what the store holds),
     while the simulated prefix cache stays this process's own."""
@@ -183,7 +189,7 @@ def replay(
         assert isinstance(turn, RagTurn)
         answer = assembler.answer_ids(request.answer or "")
         result = turns.commit(flight, turn, stored_reply=answer)
-        turn_us.append((time.perf_counter_ns() - t0) / 1000)
+        turn_us.append((time.perf_counter_ns() - t0 - sim.serve_ns) / 1000)
         report = result.report
         prompt = turn.rendered.prompt
         orders.append(report.chunk_order)
