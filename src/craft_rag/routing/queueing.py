@@ -61,8 +61,13 @@ class TTFTPoint:
 def fit_ttft_model(points: Sequence[TTFTPoint], *, with_cached: bool = True) -> TTFTModel:
     """Least-squares fit of :class:`TTFTModel` to ``points``; negative coefficients are
     clamped to 0 and the rest refitted (the model must stay monotone). ``ValueError`` for fewer
-    than 3 points or points that cannot determine ``b``. O(n)."""
-    import numpy as np
+    than 3 points or points that cannot determine ``b``. O(n). Needs numpy (the ``routing``
+    extra, also brought by the engine extras); ``ImportError`` naming it otherwise."""
+    try:
+        import numpy as np
+    except ImportError as exc:
+        msg = "fit_ttft_model needs numpy: pip install 'craft-rag[routing]'"
+        raise ImportError(msg) from exc
 
     if len(points) < 3:
         msg = f"need at least 3 points to fit a TTFT model, got {len(points)}"
