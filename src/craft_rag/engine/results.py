@@ -1,14 +1,24 @@
-"""Typed values crossing the engine boundary: requests in, reports and results out."""
+"""Typed values crossing the engine boundary: requests in, reports and results out.
+
+The three request kinds :meth:`CraftEngine.submit` serves are :class:`RagRequest` (chunks and a
+question: planned, rendered, committed), :class:`MessagesRequest` (a plain chat) and
+:class:`TokensRequest` (a ready prompt); each is checked when it is made (``ValueError`` naming
+the field), so a request that exists is well-formed. Each carries its :class:`SamplingRequest`.
+"""
 
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, field
-from typing import Any
+from dataclasses import dataclass, field, fields, replace
+from typing import TYPE_CHECKING, Any, TypeAlias
 
 from craft_rag.chunk import Chunk
-from craft_rag.engine.planners import PlanLike
+from craft_rag.engine.planners import validate_cache_salt
 from craft_rag.types import ChunkKey
+from craft_rag.validation import materialise, validate_conversation_id
+
+if TYPE_CHECKING:
+    from craft_rag.planner import Plan
 
 
 @dataclass(frozen=True, slots=True)
@@ -26,26 +36,139 @@ class SamplingRequest:
     extra: Mapping[str, Any] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
-        if not isinstance(self.max_tokens, int) or self.max_tokens < 1:
+        if _not_int(self.max_tokens) or self.max_tokens < 1:
             msg = f"max_tokens must be an int >= 1, got {self.max_tokens!r}"
             raise ValueError(msg)
         if self.temperature < 0:
             msg = f"temperature must be >= 0, got {self.temperature!r}"
             raise ValueError(msg)
 
+    def with_overrides(self, **overrides: object) -> SamplingRequest:
+        """A copy with the named fields replaced: the one mapping from call keyword arguments
+        (``generate(max_tokens=...)``, an integration's ``invoke(..., temperature=...)``) to
+        sampling. ``None`` leaves a field as it is; ``stop`` may be one string. ``ValueError``
+        naming an unknown keyword (and the known ones), a bool given for a number, or a
+        non-bool ``read_prefix_cache``. O(fields)."""
+        unknown = sorted(set(overrides) - SAMPLING_KEYWORDS)
+        if unknown:
+            msg = (
+                f"unsupported call arguments {unknown} (unknown keyword for sampling); "
+                f"supported: {sorted(SAMPLING_KEYWORDS)}"
+            )
+            raise ValueError(msg)
+        changes: dict[str, Any] = {k: _checked(k, v) for k, v in overrides.items() if v is not None}
+        return replace(self, **changes) if changes else self
+
+
+def _not_int(value: object) -> bool:
+    return isinstance(value, bool) or not isinstance(value, int)
+
+
+def _checked(name: str, value: object) -> object:
+    """One override, type-checked (bools and numbers are never taken for each other)."""
+    if name in ("max_tokens", "seed"):
+        bad = _not_int(value)
+    elif name in ("temperature", "top_p"):
+        bad = isinstance(value, bool) or not isinstance(value, int | float)
+    elif name == "read_prefix_cache":
+        bad = not isinstance(value, bool)
+    elif name == "stop":
+        value = (value,) if isinstance(value, str) else value
+        bad = not isinstance(value, Sequence) or not all(isinstance(s, str) for s in value)
+        value = value if bad else tuple(value)  # type: ignore[arg-type]
+    else:  # extra
+        bad = not isinstance(value, Mapping)
+    if bad:
+        kind = {"read_prefix_cache": "a bool", "stop": "a string or a list of strings"}
+        msg = f"{name} must be {kind.get(name, 'a number (not a bool)')}, got {value!r}"
+        raise ValueError(msg)
+    return value
+
+
+SAMPLING_KEYWORDS = frozenset(f.name for f in fields(SamplingRequest))
+"""The keyword arguments :meth:`SamplingRequest.with_overrides` takes."""
+
 
 @dataclass(frozen=True, slots=True)
 class RagRequest:
-    """One request for :meth:`CraftEngine.generate_batch`. ``cache_salt`` isolates its
-    prefix-cache entries (and its planner) from other salts; ``plan`` is a plan made earlier by
-    ``engine.planner_for(cache_salt).plan(...)``, served and committed instead of planning
-    again (see :meth:`CraftEngine.generate`)."""
+    """A RAG turn: answer ``question`` over ``chunks`` (planned, rendered, committed; see
+    :meth:`CraftEngine.generate`). ``cache_salt`` isolates its prefix-cache entries (and its
+    planner) from other salts; ``plan`` is a plan made earlier by
+    ``engine.planner_for(cache_salt).plan(...)`` (or its ``plan.ref``: an adapter hands plans
+    over by name), claimed from that planner, served and committed instead of planning
+    again. ``chunks`` is read once into a tuple. ``ValueError`` for an empty question, a bad
+    conversation id or salt."""
 
     chunks: Sequence[Chunk]
     question: str
     conversation_id: str | None = None
     cache_salt: str | None = None
-    plan: PlanLike | None = None
+    plan: Plan | str | None = None
+    sampling: SamplingRequest = field(default_factory=SamplingRequest)
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.question, str) or not self.question.strip():
+            msg = "question must be a non-empty string"
+            raise ValueError(msg)
+        object.__setattr__(self, "chunks", materialise(self.chunks, "chunks"))
+        validate_conversation_id(self.conversation_id)
+        _check_common(self.cache_salt, self.sampling)
+
+
+@dataclass(frozen=True, slots=True)
+class MessagesRequest:
+    """A plain chat: ``(role, text)`` pairs rendered with the model's chat template (see
+    :meth:`CraftEngine.generate_messages`); stateless, nothing planned or committed.
+    ``messages`` is read once into a tuple of pairs. ``ValueError`` for an empty list or an
+    item that is not a pair of strings (the template checks roles and text later)."""
+
+    messages: Sequence[tuple[str, str]]
+    cache_salt: str | None = None
+    sampling: SamplingRequest = field(default_factory=SamplingRequest)
+
+    def __post_init__(self) -> None:
+        pairs = materialise(self.messages, "messages")
+        if not pairs:
+            msg = (
+                "messages must be a non-empty sequence of (role, text) pairs, e.g. [('user', 'Hi')]"
+            )
+            raise ValueError(msg)
+        for i, pair in enumerate(pairs):
+            if not isinstance(pair, tuple | list) or len(pair) != 2:
+                msg = f"messages[{i}] must be a (role, text) pair of strings, got {pair!r}"
+                raise ValueError(msg)
+        object.__setattr__(self, "messages", tuple(tuple(p) for p in pairs))
+        _check_common(self.cache_salt, self.sampling)
+
+
+@dataclass(frozen=True, slots=True)
+class TokensRequest:
+    """A ready prompt of token ids (no template, no planning, no commit; see
+    :meth:`CraftEngine.generate_tokens`). ``ValueError`` for an empty prompt or an id that is
+    not an int >= 0."""
+
+    token_ids: Sequence[int]
+    cache_salt: str | None = None
+    sampling: SamplingRequest = field(default_factory=SamplingRequest)
+
+    def __post_init__(self) -> None:
+        ids = materialise(self.token_ids, "token_ids")
+        if not ids or not all(not _not_int(t) and t >= 0 for t in ids):
+            msg = "token_ids must be a non-empty sequence of token ids (ints >= 0)"
+            raise ValueError(msg)
+        object.__setattr__(self, "token_ids", ids)
+        _check_common(self.cache_salt, self.sampling)
+
+
+EngineRequest: TypeAlias = RagRequest | MessagesRequest | TokensRequest
+"""What :meth:`CraftEngine.submit` serves."""
+
+
+def _check_common(cache_salt: object, sampling: object) -> None:
+    validate_cache_salt(cache_salt)
+    if not isinstance(sampling, SamplingRequest):
+        msg = f"sampling must be a SamplingRequest, got {type(sampling).__name__}"
+        raise ValueError(msg)
 
 
 @dataclass(frozen=True, slots=True)

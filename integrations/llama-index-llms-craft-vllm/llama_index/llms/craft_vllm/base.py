@@ -56,14 +56,17 @@ from llama_index.llms.craft_vllm.calls import (
 )
 from llama_index.llms.craft_vllm.prompts import chat_turns, completion_ids
 from llama_index.llms.craft_vllm.reuse import install_reuse_metadata
-from llama_index.postprocessor.craft import CraftReorderPostprocessor, PlanHandoff
+from llama_index.postprocessor.craft import CraftReorderPostprocessor
 
 from craft_rag import Chunk, CraftPlanner, Plan, check_text, validate_conversation_id
 from craft_rag.engine import (
     CraftEngine,
     EngineSettings,
+    MessagesRequest,
+    RagRequest,
     SamplingRequest,
     ServerSettings,
+    TokensRequest,
     validate_cache_salt,
 )
 
@@ -71,8 +74,8 @@ __all__ = ["EMBEDDED_MODEL_NAME", "REUSE_KEY", "CraftVLLM"]
 
 EMBEDDED_MODEL_NAME = "SmolLM2-135M-Instruct (embedded)"
 
-_SAMPLING_KWARGS = ("max_tokens", "temperature", "top_p", "seed", "stop", "read_prefix_cache")
-_CALL_KWARGS = (*_SAMPLING_KWARGS, "cache_salt")
+_CONTEXT_KWARGS = frozenset({"cache_salt", "formatted"})
+"""Per-call keyword arguments that are not sampling (the rest go to ``with_overrides``)."""
 
 
 class CraftVLLM(LLM):
@@ -88,9 +91,9 @@ class CraftVLLM(LLM):
     ``craft_rag.CraftPlanner``), conversation histories survive, and several ``CraftVLLM`` s
     may share one engine. To plan with another policy, call ``engine.set_planner(...)`` before
     building the LLM (that is the engine's decision: it forgets conversation histories).
-    Plans parked by :meth:`reorderer` postprocessors wait in this object's :attr:`handoff`
-    until :meth:`complete_chunks` serves them. Thread-safe as far as the engine is (one driver
-    thread serialises vLLM).
+    Plans made by :meth:`reorderer` postprocessors wait in the planner (pending leases) until
+    :meth:`complete_chunks` reserves one by its chunk keys and the engine claims it by id.
+    Thread-safe as far as the engine is (one driver thread serialises vLLM).
     """
 
     model: str = Field(default=EMBEDDED_MODEL_NAME, description="Model name for LLMMetadata.")
@@ -113,7 +116,6 @@ class CraftVLLM(LLM):
 
     _engine: CraftEngine = PrivateAttr()
     _owns_engine: bool = PrivateAttr(default=False)
-    _handoff: PlanHandoff = PrivateAttr()
 
     def __init__(
         self,
@@ -147,7 +149,6 @@ class CraftVLLM(LLM):
             self.model = str(engine.settings.model)
         self._engine = engine
         self._owns_engine = owns
-        self._handoff = PlanHandoff()
         self.planner_for(self.cache_salt)  # fail now if the engine plans with something else
         # Reports reach Response.metadata["craft_reuse"] on any synthesizer (see reuse.py).
         install_reuse_metadata()
@@ -185,32 +186,26 @@ class CraftVLLM(LLM):
             raise ValueError(msg)
         return planner
 
-    @property
-    def handoff(self) -> PlanHandoff:
-        """Plans parked by :meth:`reorderer` postprocessors, claimed by :meth:`complete_chunks`."""
-        return self._handoff
-
     def reorderer(self, **settings: Any) -> CraftReorderPostprocessor:
         """A :class:`CraftReorderPostprocessor` wired to this LLM: the engine's planner for
-        :attr:`cache_salt`, ``commit_mode="engine"``, plans parked in :attr:`handoff` where
-        :meth:`complete_chunks` claims them. ``settings`` are its other fields
-        (``key_source``, ``conversation_id``, ``keeps_earlier_chunks``). Build it after any
+        :attr:`cache_salt`, ``commit_mode="engine"``: its plans stay pending in that planner
+        until :meth:`complete_chunks` reserves them (by chunk keys) for the engine.
+        ``settings`` are its other fields (``key_source``, ``conversation_id``,
+        ``keeps_earlier_chunks``). Build it after any
         ``engine.set_planner``: it keeps the planner it was built with.
 
         A conversation id only reorders unless ``keeps_earlier_chunks=True``: a query engine
         with LlamaIndex's own synthesizer sends this turn's nodes only, so nothing may be
         dropped as "sent earlier" (``craft_query_engine`` sets it: its synthesizer serves the
         engine's append-only conversation)."""
-        for name in ("planner", "commit_mode", "handoff"):
+        for name in ("planner", "commit_mode"):
             if name in settings:
                 msg = (
                     f"{name} is set by CraftVLLM.reorderer(); pass only key_source/conversation_id"
                 )
                 raise ValueError(msg)
         settings.setdefault("keeps_earlier_chunks", False)
-        return CraftReorderPostprocessor(
-            planner=self.planner, handoff=self._handoff, commit_mode="engine", **settings
-        )
+        return CraftReorderPostprocessor(planner=self.planner, commit_mode="engine", **settings)
 
     def close(self) -> None:
         """Stop the engine if this object started it (a shared engine is left running)."""
@@ -229,31 +224,26 @@ class CraftVLLM(LLM):
 
     # ---- requests: arguments -> one EngineCall ----
 
-    def _options(self, kwargs: dict[str, Any]) -> dict[str, Any]:
-        """``sampling=`` and ``cache_salt=`` for the engine from a call's keyword arguments
-        (the fields fill in what is not given; ``cache_salt=None`` is the unsalted namespace).
-        ``ValueError`` for unknown names or a bad salt."""
-        unknown = set(kwargs) - set(_CALL_KWARGS) - {"formatted"}
-        if unknown:
-            msg = f"unknown keyword arguments {sorted(unknown)}; CraftVLLM takes {_CALL_KWARGS}"
-            raise ValueError(msg)
-        stop = kwargs.get("stop") or ()
-        sampling = SamplingRequest(
-            max_tokens=int(kwargs.get("max_tokens") or self.max_tokens),
-            temperature=float(kwargs.get("temperature", self.temperature)),
-            top_p=float(kwargs.get("top_p", self.top_p)),
-            seed=kwargs.get("seed", self.seed),
-            stop=(stop,) if isinstance(stop, str) else tuple(stop),
-            read_prefix_cache=bool(kwargs.get("read_prefix_cache", self.read_prefix_cache)),
+    def _options(self, kwargs: dict[str, Any]) -> tuple[SamplingRequest, str | None]:
+        """A call's sampling (this LLM's fields with the call's keyword arguments over them:
+        ``SamplingRequest.with_overrides``) and cache salt (``cache_salt=None``: the unsalted
+        namespace). ``ValueError`` naming an unknown keyword, or for a bad salt."""
+        base = SamplingRequest(
+            max_tokens=self.max_tokens,
+            temperature=self.temperature,
+            top_p=self.top_p,
+            seed=self.seed,
+            read_prefix_cache=self.read_prefix_cache,
         )
-        salt = kwargs.get("cache_salt", self.cache_salt)
-        return {"sampling": sampling, "cache_salt": validate_cache_salt(salt)}
+        sampling = base.with_overrides(
+            **{k: v for k, v in kwargs.items() if k not in _CONTEXT_KWARGS}
+        )
+        return sampling, validate_cache_salt(kwargs.get("cache_salt", self.cache_salt))
 
     def _messages_call(self, messages: Sequence[ChatMessage], kwargs: dict[str, Any]) -> EngineCall:
-        engine = self._engine
-        methods = (engine.generate_messages, engine.stream_messages, engine.astream_messages)
         turns = chat_turns(messages, self.system_prompt)
-        return EngineCall.bind(methods, turns, **self._options(kwargs))
+        sampling, salt = self._options(kwargs)
+        return EngineCall.of(self._engine, MessagesRequest(turns, salt, sampling))
 
     def _prompt_call(self, prompt: str, formatted: bool, kwargs: dict[str, Any]) -> EngineCall:
         if not isinstance(prompt, str) or not prompt:
@@ -266,13 +256,12 @@ class CraftVLLM(LLM):
         if not formatted and to_prompt is None:
             # An instruct model: a bare prompt is one user message in its chat template.
             return self._messages_call([ChatMessage(role=MessageRole.USER, content=prompt)], kwargs)
-        engine = self._engine
-        methods = (engine.generate_tokens, engine.stream_tokens, engine.astream_tokens)
         # The prompt (retrieved text included) is plain text; only completion_to_prompt's own
         # wrapping may hold control tokens.
         wrap = to_prompt if not formatted else None
-        ids = completion_ids(engine.tokenizer, prompt, wrap)
-        return EngineCall.bind(methods, ids, **self._options(kwargs))
+        ids = completion_ids(self._engine.tokenizer, prompt, wrap)
+        sampling, salt = self._options(kwargs)
+        return EngineCall.of(self._engine, TokensRequest(ids, salt, sampling))
 
     def _chunks_call(
         self,
@@ -291,21 +280,13 @@ class CraftVLLM(LLM):
         check_text(question, "question")
         chunks = _chunk_list(chunks)  # read once (a generator works), checked before planning
         conversation_id = validate_conversation_id(conversation_id)
-        options = self._options(kwargs)
-        salt = options["cache_salt"]
+        sampling, salt = self._options(kwargs)
         if plan is None and salt == self.cache_salt:
-            plan = self._handoff.claim(conversation_id, [c.key for c in chunks])
+            plan = self.planner.reserve(conversation_id, [c.key for c in chunks])
         if plan is None:
             plan = self.planner_for(salt).plan(list(chunks), conversation_id)
-        engine = self._engine
-        return EngineCall.bind(
-            (engine.generate, engine.stream, engine.astream),
-            plan.ordered,
-            question,
-            plan=plan,
-            conversation_id=conversation_id,
-            **options,
-        )
+        request = RagRequest(plan.ordered, question, conversation_id, salt, plan, sampling)
+        return EngineCall.of(self._engine, request, plan)
 
     # ---- LlamaIndex LLM interface: free-form prompts ----
 

@@ -2,20 +2,20 @@
 
 ``CraftVLLM`` has twelve entry points (``complete``, ``chat``, ``complete_chunks`` times
 blocking, streaming, async and async streaming). They differ in two things only: which engine
-request they make (an :class:`EngineCall`: the same arguments bound to one of the engine's
-``generate``/``stream``/``astream`` triples) and which LlamaIndex response they return (a
+request they make (an :class:`EngineCall`: one of the engine's request kinds, submitted with
+``engine.submit`` when the response is read) and which LlamaIndex response they return (a
 :data:`MakeResponse`). :func:`respond`, :func:`respond_stream`, :func:`arespond` and
-:func:`arespond_stream` combine the two; the per-piece work of both stream forms is one
-function (:class:`_Deltas`), so the sync and async paths cannot drift apart.
+:func:`arespond_stream` combine the two, reading the engine's ``RequestHandle`` one way each;
+the per-piece work of both stream forms is one function (:class:`_Deltas`), so the sync and
+async paths cannot drift apart.
 """
 
 from __future__ import annotations
 
-from collections.abc import AsyncGenerator, AsyncIterator, Callable, Generator, Iterator
+from collections.abc import AsyncGenerator, Callable, Generator
 from contextlib import aclosing
 from dataclasses import dataclass
-from functools import partial
-from typing import Any, TypeVar, cast
+from typing import Any, TypeVar
 
 from llama_index.core.base.llms.types import (
     ChatMessage,
@@ -28,7 +28,13 @@ from llama_index.postprocessor.craft import CraftCommitEvent
 from llama_index_instrumentation import get_dispatcher
 
 from craft_rag import Plan
-from craft_rag.engine import GenerationResult, StreamChunk
+from craft_rag.engine import (
+    CraftEngine,
+    EngineRequest,
+    GenerationResult,
+    RequestHandle,
+    StreamChunk,
+)
 
 dispatcher = get_dispatcher(__name__)
 
@@ -40,48 +46,32 @@ R = TypeVar("R", CompletionResponse, ChatResponse)
 MakeResponse = Callable[[str, str | None, GenerationResult | None], R]
 """``(text so far, delta, result)`` -> a LlamaIndex response; ``result`` only on the last."""
 
-EngineMethods = tuple[
-    Callable[..., GenerationResult],
-    Callable[..., Iterator[StreamChunk]],
-    Callable[..., AsyncIterator[StreamChunk]],
-]
-"""An engine's ``(generate, stream, astream)`` for one kind of prompt (chunks, tokens,
-messages)."""
-
 
 @dataclass(frozen=True, slots=True)
 class EngineCall:
-    """One engine request, bound to its arguments, waited for in any of three ways.
+    """One engine request, submitted when a response is read (exactly once).
 
-    ``plan`` is the caller-made plan the request serves with ``plan=`` (``None`` for prompts
-    without chunks); once the engine returns, :meth:`served` reports its commit. The three
-    callables make the same request: exactly one of them is called, once.
+    ``plan`` is the caller-made plan the request serves (``None`` for prompts without chunks);
+    once the engine returns, :meth:`served` reports its commit.
     """
 
-    generate: Callable[[], GenerationResult]
-    stream: Callable[[], Iterator[StreamChunk]]
-    astream: Callable[[], AsyncIterator[StreamChunk]]
+    engine: CraftEngine
+    request: EngineRequest
     plan: Plan | None = None
     collectors: tuple[ReuseCollector, ...] = ()
     """Reuse collectors open when the call was made (a synthesis in progress): each gets the
     report, also when a stream finishes after the synthesis returned."""
 
     @classmethod
-    def bind(
-        cls, methods: EngineMethods, *args: Any, plan: Plan | None = None, **kwargs: Any
+    def of(
+        cls, engine: CraftEngine, request: EngineRequest, plan: Plan | None = None
     ) -> EngineCall:
-        """The engine request ``methods(*args, **kwargs)``; a ``plan`` is passed on as the
-        engine's ``plan=`` (served as planned) and reported by :meth:`served`."""
-        if plan is not None:
-            kwargs["plan"] = plan
-        generate, stream, astream = methods
-        return cls(
-            partial(generate, *args, **kwargs),
-            partial(stream, *args, **kwargs),
-            partial(astream, *args, **kwargs),
-            plan,
-            open_collectors(),
-        )
+        """The call of ``request`` on ``engine``, with the reuse collectors open now."""
+        return cls(engine, request, plan, open_collectors())
+
+    def submit(self) -> RequestHandle:
+        """Start the request (``engine.submit``)."""
+        return self.engine.submit(self.request)
 
     def served(self, result: GenerationResult) -> GenerationResult:
         """Emit ``CraftCommitEvent(source="engine")`` for the plan the engine just committed
@@ -136,7 +126,7 @@ class _Deltas:
 
 def respond(call: EngineCall, make: MakeResponse[R]) -> R:
     """Run ``call`` to completion (blocks); one response with the result."""
-    result = call.served(call.generate())
+    result = call.served(call.submit().result())
     return make(result.text, None, result)
 
 
@@ -144,7 +134,7 @@ def respond_stream(call: EngineCall, make: MakeResponse[R]) -> Generator[R, None
     """Yield a response per delta as the engine's driver thread produces it. The request starts
     when the iterator is first advanced; closing it early aborts it (nothing committed)."""
     step = _Deltas(call, make)
-    for piece in call.stream():
+    for piece in call.submit():
         yield step(piece)
 
 
@@ -152,23 +142,17 @@ async def arespond_stream(call: EngineCall, make: MakeResponse[R]) -> AsyncGener
     """Async :func:`respond_stream`: deltas cross threads through an asyncio queue, so the
     event loop never waits on a forward pass; cancelling the consumer aborts the request."""
     step = _Deltas(call, make)
-    async with aclosing(_agen(call)) as pieces:
+    async with aclosing(call.submit().__aiter__()) as pieces:
         async for piece in pieces:
             yield step(piece)
 
 
 async def arespond(call: EngineCall, make: MakeResponse[R]) -> R:
     """Async :func:`respond` (waits on the async stream; never blocks the event loop)."""
-    async with aclosing(_agen(call)) as pieces:
+    async with aclosing(call.submit().__aiter__()) as pieces:
         async for piece in pieces:
             if piece.result is not None:
                 result = call.served(piece.result)
                 return make(result.text, None, result)
     msg = "the engine stream ended without a result"
     raise RuntimeError(msg)
-
-
-def _agen(call: EngineCall) -> AsyncGenerator[StreamChunk, None]:
-    # The engine's astream forms are async generators (typed as iterators): closing ours must
-    # close theirs at once, which aborts the request, not when it is garbage-collected.
-    return cast(AsyncGenerator[StreamChunk, None], call.astream())
