@@ -267,13 +267,14 @@ class CraftVLLM(LLM):
         self,
         chunks: Sequence[Chunk],
         question: str,
-        conversation_id: str | None,
-        plan: Plan | None,
         kwargs: dict[str, Any],
     ) -> EngineCall:
-        """The plan to serve: ``plan``, else the one parked for exactly these chunk keys (in
-        order) and conversation by a :meth:`reorderer` (only for this LLM's own salt, whose
-        planner made it), else a fresh plan from the salt's planner."""
+        """The call of :meth:`complete_chunks` (``kwargs``: ``conversation_id``, ``plan``,
+        sampling fields, ``cache_salt``). The plan to serve: ``plan``, else the one parked for
+        exactly these chunk keys (in order) and conversation by a :meth:`reorderer` (only for
+        this LLM's own salt, whose planner made it), else a fresh plan from the salt's
+        planner."""
+        conversation_id, plan = kwargs.pop("conversation_id", None), kwargs.pop("plan", None)
         if not isinstance(question, str) or not question.strip():
             msg = "question must be a non-empty string"
             raise ValueError(msg)
@@ -351,49 +352,29 @@ class CraftVLLM(LLM):
         fit or a plan that does not fit; ``RuntimeError`` for a plan already committed, stale
         or made by another salt's planner.
         """
-        call = self._chunks_call(chunks, question, conversation_id, plan, kwargs)
-        return respond(call, completion_response)
+        kwargs.update(conversation_id=conversation_id, plan=plan)
+        return respond(self._chunks_call(chunks, question, kwargs), completion_response)
 
     def stream_complete_chunks(
-        self,
-        chunks: Sequence[Chunk],
-        question: str,
-        *,
-        conversation_id: str | None = None,
-        plan: Plan | None = None,
-        **kwargs: Any,
+        self, chunks: Sequence[Chunk], question: str, **kwargs: Any
     ) -> CompletionResponseGen:
-        """Streaming :meth:`complete_chunks` (the plan is chosen now). The request starts when
-        the generator is first advanced; closing it early aborts the request (nothing
-        committed)."""
-        call = self._chunks_call(chunks, question, conversation_id, plan, kwargs)
-        return respond_stream(call, completion_response)
+        """Streaming :meth:`complete_chunks` (same arguments; the plan is chosen now). The
+        request starts when the generator is first advanced; closing it early aborts the
+        request (nothing committed)."""
+        return respond_stream(self._chunks_call(chunks, question, kwargs), completion_response)
 
     async def acomplete_chunks(
-        self,
-        chunks: Sequence[Chunk],
-        question: str,
-        *,
-        conversation_id: str | None = None,
-        plan: Plan | None = None,
-        **kwargs: Any,
+        self, chunks: Sequence[Chunk], question: str, **kwargs: Any
     ) -> CompletionResponse:
-        """Async :meth:`complete_chunks` (the event loop never blocks on the engine)."""
-        call = self._chunks_call(chunks, question, conversation_id, plan, kwargs)
-        return await arespond(call, completion_response)
+        """Async :meth:`complete_chunks` (same arguments; the event loop never blocks on the
+        engine)."""
+        return await arespond(self._chunks_call(chunks, question, kwargs), completion_response)
 
     def astream_complete_chunks(
-        self,
-        chunks: Sequence[Chunk],
-        question: str,
-        *,
-        conversation_id: str | None = None,
-        plan: Plan | None = None,
-        **kwargs: Any,
+        self, chunks: Sequence[Chunk], question: str, **kwargs: Any
     ) -> CompletionResponseAsyncGen:
-        """Async streaming :meth:`complete_chunks`."""
-        call = self._chunks_call(chunks, question, conversation_id, plan, kwargs)
-        return arespond_stream(call, completion_response)
+        """Async streaming :meth:`complete_chunks` (same arguments)."""
+        return arespond_stream(self._chunks_call(chunks, question, kwargs), completion_response)
 
 
 def _chunk_list(chunks: object) -> list[Chunk]:
