@@ -213,3 +213,25 @@ def test_generate_batch_sampling_replaces_each_requests_own(make_fake_engine: Fa
     assert [len(r.token_ids) for r in engine.generate_batch(requests)] == [1, 1]
     assert [len(r.token_ids) for r in engine.generate_batch(requests, max_tokens=2)] == [2, 2]
     assert {s.max_tokens for _, _, s in backend.added} == {1, 2}
+
+
+def test_aresult_waits_without_blocking_the_loop(make_fake_engine: Factory) -> None:
+    engine, _ = make_fake_engine(FakeBackend(step_delay=0.01))
+
+    async def run() -> tuple[int, int]:
+        ticks = 0
+
+        async def tick() -> None:
+            nonlocal ticks
+            while True:
+                ticks += 1
+                await asyncio.sleep(0.005)
+
+        ticker = asyncio.create_task(tick())
+        result = await engine.submit(make_request("rag", max_tokens=5)).aresult()
+        ticker.cancel()
+        return len(result.token_ids), ticks
+
+    produced, ticks = asyncio.run(run())
+    assert produced == 5 and ticks >= 3  # the loop ran while the engine decoded
+    assert commits(engine) == 1

@@ -23,9 +23,9 @@ text) and formatted into the instruction as a value, never as a template.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, TypedDict, Unpack
 
-from craft_rag.engine.results import ReuseReport
+from craft_rag.engine.results import GenerationResult, ReuseReport, SamplingRequest, TokensRequest
 
 if TYPE_CHECKING:
     from craft_rag.engine.engine import CraftEngine
@@ -97,8 +97,8 @@ def clean_condensed(text: str, original: str) -> str:
     return original
 
 
-def _condensed(reply: str, question: str, previous: str | None, report: ReuseReport) -> Condensed:
-    text = clean_condensed(reply, question)
+def _condensed(result: GenerationResult, question: str, previous: str | None) -> Condensed:
+    text, report = clean_condensed(result.text, question), result.report
     if _same(text, question):
         if previous and previous.strip() and not _same(previous, question):
             return Condensed(f"{previous.strip()} {question}", question, report, "history")
@@ -110,49 +110,60 @@ def _same(a: str, b: str) -> bool:
     return a.strip().strip("?.!").casefold() == b.strip().strip("?.!").casefold()
 
 
+class CondenseOptions(TypedDict, total=False):
+    """The keyword arguments of :func:`condense` and :func:`acondense`: ``cache_salt`` (the
+    conversation's), ``max_tokens`` (default :data:`DEFAULT_CONDENSE_MAX_TOKENS`),
+    ``instruction`` (default :data:`CONDENSE_INSTRUCTION`), ``previous`` (the previous user
+    message: the fallback when the model only echoes the follow-up)."""
+
+    cache_salt: str | None
+    max_tokens: int
+    instruction: str
+    previous: str | None
+
+
 def condense(
     engine: CraftEngine,
     conversation_id: str | None,
     question: str,
-    *,
-    cache_salt: str | None = None,
-    max_tokens: int = DEFAULT_CONDENSE_MAX_TOKENS,
-    instruction: str = CONDENSE_INSTRUCTION,
-    previous: str | None = None,
+    **options: Unpack[CondenseOptions],
 ) -> Condensed:
     """Rewrite ``question`` into a standalone question with the conversation's prefix (greedy,
-    at most ``max_tokens``); ``previous`` (the previous user message) is the fallback when
-    the model only echoes the follow-up. Blocks. Cost: the instruction and follow-up (~40-60
-    uncached tokens) plus up to ``max_tokens`` decode steps; nothing without an earlier
-    turn."""
-    ids = condense_ids(
-        engine, conversation_id, question, cache_salt=cache_salt, instruction=instruction
-    )
-    if ids is None:
+    at most ``max_tokens``); ``previous`` is the fallback when the model only echoes the
+    follow-up. Blocks. Cost: the instruction and follow-up (~40-60 uncached tokens) plus up to
+    ``max_tokens`` decode steps; nothing without an earlier turn. ``TypeError`` for an unknown
+    keyword."""
+    request = _condense_request(engine, conversation_id, question, options)
+    if request is None:
         return Condensed(question, question)
-    result = engine.generate_tokens(ids, max_tokens=max_tokens, cache_salt=cache_salt)
-    return _condensed(result.text, question, previous, result.report)
+    return _condensed(engine.submit(request).result(), question, options.get("previous"))
 
 
 async def acondense(
     engine: CraftEngine,
     conversation_id: str | None,
     question: str,
-    *,
-    cache_salt: str | None = None,
-    max_tokens: int = DEFAULT_CONDENSE_MAX_TOKENS,
-    instruction: str = CONDENSE_INSTRUCTION,
-    previous: str | None = None,
+    **options: Unpack[CondenseOptions],
 ) -> Condensed:
-    """Async :func:`condense` (waits on the engine's async stream)."""
-    ids = condense_ids(
-        engine, conversation_id, question, cache_salt=cache_salt, instruction=instruction
-    )
-    if ids is None:
+    """Async :func:`condense` (same arguments; waits on the engine's async stream)."""
+    request = _condense_request(engine, conversation_id, question, options)
+    if request is None:
         return Condensed(question, question)
-    pieces = engine.astream_tokens(ids, max_tokens=max_tokens, cache_salt=cache_salt)
-    async for piece in pieces:
-        if piece.result is not None:
-            return _condensed(piece.result.text, question, previous, piece.result.report)
-    msg = "the engine stream ended without a result"
-    raise RuntimeError(msg)
+    return _condensed(await engine.submit(request).aresult(), question, options.get("previous"))
+
+
+def _condense_request(
+    engine: CraftEngine, conversation_id: str | None, question: str, options: CondenseOptions
+) -> TokensRequest | None:
+    """The condense request (``None``: nothing to ask, see :func:`condense_ids`)."""
+    known = CondenseOptions.__annotations__
+    if unknown := sorted(set(options) - set(known)):
+        msg = f"unexpected keyword arguments {unknown}; condense takes {sorted(known)}"
+        raise TypeError(msg)
+    salt = options.get("cache_salt")
+    instruction = options.get("instruction", CONDENSE_INSTRUCTION)
+    ids = condense_ids(engine, conversation_id, question, cache_salt=salt, instruction=instruction)
+    if ids is None:
+        return None
+    sampling = SamplingRequest(max_tokens=options.get("max_tokens", DEFAULT_CONDENSE_MAX_TOKENS))
+    return TokensRequest(ids, salt, sampling)

@@ -58,8 +58,6 @@ from craft_rag.engine.requests import (
     OnDone,
     RequestHandle,
     finish_request,
-    plain_report,
-    result_of,
 )
 from craft_rag.engine.results import (
     EngineRequest,
@@ -275,13 +273,8 @@ class CraftEngine(RequestForms):
         oldest whole turns until ``chunks`` (all retrieved, before dedup) and ``question`` fit
         with ``max_tokens``; the planner forgets the dropped turns' chunks. Engine-made plans
         do this themselves. Returns the chunk keys no longer in the prompt. O(turns)."""
-        return self._rag.fit_turn(
-            chunks,
-            question,
-            conversation_id=conversation_id,
-            max_tokens=max_tokens,
-            cache_salt=cache_salt,
-        )
+        where = (conversation_id, max_tokens, cache_salt)
+        return self._rag.fit_turn(chunks, question, where)
 
     def side_prompt_ids(
         self, conversation_id: str | None, text: str, *, cache_salt: str | None = None
@@ -321,17 +314,7 @@ class CraftEngine(RequestForms):
             raise NotImplementedError(msg)
         return salt
 
-    # ---- the request path ----------------------------------------------------------------------
-
-    def _start_rag(
-        self,
-        request: RagRequest,
-        sampling: SamplingRequest,
-        on_delta: OnDelta | None = None,
-        on_done: OnDone | None = None,
-    ) -> InFlight:
-        """Start a RAG turn (:meth:`craft_rag.engine.rag_turn.RagTurns.start`)."""
-        return self._rag.start(request, sampling, on_delta, on_done)
+    # ---- the request path: submit -> _start (RAG turn or prompt) -> handle -> _finish -----------
 
     def _start_tokens(
         self,
@@ -353,9 +336,6 @@ class CraftEngine(RequestForms):
         state = RequestState(f"craft-{next(self._ids)}", on_delta=on_delta, on_done=on_done)
         self._driver.submit(ids, sampling, state, cache_salt=salt)
         return InFlight(state, sampling, ids, salt)
-
-    _report = staticmethod(plain_report)
-    _result = staticmethod(result_of)
 
     def _finish(self, flight: InFlight) -> GenerationResult:
         """Where every request ends (commit or give up); the bench harness wraps it."""
@@ -384,7 +364,7 @@ class CraftEngine(RequestForms):
 
     def _start(self, request: EngineRequest, on_delta: OnDelta, on_done: OnDone) -> InFlight:
         if isinstance(request, RagRequest):
-            return self._start_rag(request, request.sampling, on_delta, on_done)
+            return self._rag.start(request, request.sampling, on_delta, on_done)
         if isinstance(request, MessagesRequest):
             ids = self.message_token_ids(request.messages)
         elif isinstance(request, TokensRequest):

@@ -291,15 +291,11 @@ class RagTurns:
         return self.conversations.end(conversation_id) or known
 
     def fit_turn(
-        self,
-        chunks: Sequence[Chunk],
-        question: str,
-        *,
-        conversation_id: str | None,
-        max_tokens: int,
-        cache_salt: str | None = None,
+        self, chunks: Sequence[Chunk], question: str, where: tuple[str | None, int, str | None]
     ) -> frozenset[ChunkKey]:
-        """See :meth:`craft_rag.engine.CraftEngine.fit_turn`."""
+        """See :meth:`craft_rag.engine.CraftEngine.fit_turn`; ``where``: ``(conversation_id,
+        max_tokens, cache_salt)``."""
+        conversation_id, max_tokens, cache_salt = where
         need = self.conversations.turn_token_count(chunks, question)
         salt = self._check_salt(cache_salt)
         load_history(self.conversations, self.namespaces.get(salt), conversation_id, salt)

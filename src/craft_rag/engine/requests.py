@@ -164,6 +164,16 @@ class RequestHandle:
             raise
         return self._end()
 
+    async def aresult(self) -> GenerationResult:
+        """Async :meth:`result`: waits on the async iteration, so the event loop never blocks
+        on the engine; cancelling the waiter aborts the request."""
+        async with aclosing(self.__aiter__()) as pieces:
+            async for piece in pieces:
+                if piece.result is not None:
+                    return piece.result
+        msg = f"request {self.request_id} ended without a result"  # iteration raises instead
+        raise RuntimeError(msg)
+
     def abort(self) -> bool:
         """Stop the request if it has not ended: the driver aborts it and the turn is given up
         (nothing committed); a later ``result()`` raises ``RequestCancelled``. Returns whether
