@@ -14,9 +14,13 @@ which is served and committed instead of planning again. Chat message lists and 
 without chunks (``generate_messages``/``generate_tokens``) use the same driver, streaming and
 prefix cache, and plan and commit nothing.
 
-Sync ``generate``/``generate_batch``, the sync ``stream`` iterator and async ``astream`` (and
-their ``_messages``/``_tokens`` forms) share ``_start_*`` and ``_finish``; they differ only in
-how they wait (see :mod:`craft_rag.engine.driver`).
+This module is the facade. Every request goes through :meth:`CraftEngine.submit` (the public
+``generate``/``stream``/``astream`` forms are one statement each over it,
+:mod:`craft_rag.engine.forms`): a RAG turn starts in :mod:`craft_rag.engine.rag_turn`, a prompt
+without chunks here; the returned :class:`~craft_rag.engine.requests.RequestHandle` (the request
+lifecycle, :mod:`craft_rag.engine.requests`) is read by waiting, iterating or async iterating,
+and ends the turn exactly once (commit or give up). The backend and its driver are set up by
+:mod:`craft_rag.engine.wiring`.
 """
 
 from __future__ import annotations

@@ -148,11 +148,6 @@ async def arespond_stream(call: EngineCall, make: MakeResponse[R]) -> AsyncGener
 
 
 async def arespond(call: EngineCall, make: MakeResponse[R]) -> R:
-    """Async :func:`respond` (waits on the async stream; never blocks the event loop)."""
-    async with aclosing(call.submit().__aiter__()) as pieces:
-        async for piece in pieces:
-            if piece.result is not None:
-                result = call.served(piece.result)
-                return make(result.text, None, result)
-    msg = "the engine stream ended without a result"
-    raise RuntimeError(msg)
+    """Async :func:`respond` (``RequestHandle.aresult``: never blocks the event loop)."""
+    result = call.served(await call.submit().aresult())
+    return make(result.text, None, result)
