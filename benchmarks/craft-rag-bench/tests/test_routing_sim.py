@@ -32,7 +32,8 @@ from craft_rag_bench.bench.routing import (
 )
 
 FIXTURE = Path(__file__).resolve().parents[3] / "tests" / "fixtures" / "squad_30.jsonl"
-TIMING = {"decision_us_p50", "decision_us_p99", "decision_cpu_us_p50", "decision_cpu_us_p99"}
+TIMING = {"decision_us_p50", "decision_us_p99", "decision_cpu_us_p50", "decision_cpu_us_p99",
+          "placement_us_p50", "placement_us_p99"}
 
 
 def squad() -> list[TraceRequest]:
@@ -64,6 +65,17 @@ def test_same_seed_same_result_other_seed_other_arrivals() -> None:
     }
     c = simulate(prepared, replace(config, seed=4)).row()
     assert c["rate_per_s"] == a["rate_per_s"] and c["mean_ttft_ms"] != a["mean_ttft_ms"]
+
+
+def test_per_request_timings_split_placement_from_planning() -> None:
+    prepared = prepare_trace(squad(), HashingTokenizer())
+    timings: dict[str, list[int]] = {}
+    result = simulate(prepared, SimConfig(replicas=4, capacity_tokens=4096), timings=timings)
+    assert {k: len(v) for k, v in timings.items()} == {
+        "route_ns": result.requests, "cpu_ns": result.requests, "placement_ns": result.requests
+    }
+    assert all(0 < p < r for p, r in zip(timings["placement_ns"], timings["route_ns"],
+                                         strict=True))
 
 
 @pytest.mark.parametrize("policy", sorted(ROUTING_POLICIES))

@@ -426,8 +426,8 @@ class Router:
                 continue
             stale: list[int] = []
             for index in entry:
-                tree = order[index].tree(salt)
-                if tree is not None and key in tree.root.children:
+                planner = order[index]._planners.get(salt)  # inlined Replica.tree: hot loop
+                if planner is not None and key in planner.prefix_tree.root.children:
                     found.add(index)
                 elif (salt, key, index) not in self._planned:
                     stale.append(index)  # evicted, or the replica went down
