@@ -184,7 +184,12 @@ def test_quick_suite_on_the_fixture(tmp_path: Path) -> None:
         assert {"replicas", "policy", "cached_token_fraction", "mean_ttft_ms", "p99_ttft_ms",
                 "load_imbalance"} <= row.keys()
     assert {r["replicas"] for r in rows} == {2, 4}
-    assert result["decision_latency"]["replicas"] == 32
+    lat = result["decision_latency"]
+    assert lat["replicas"] == 32 and [r["replicas"] for r in lat["per_n"]] == [2, 4, 32]
+    for r in lat["per_n"]:
+        assert 0 < r["placement_p50_us"] <= r["placement_p99_us"]
+        assert r["placement_p50_us"] < r["route_p50_us"]
+    assert {"decision_p99_ok", "route_p99_ok"} <= result["targets"].keys()
     assert len(result["targets"]["per_group"]) == 4
     lines = section(result)
     assert any("craft_joint" in line for line in lines)
