@@ -177,7 +177,8 @@ def serve_on_replicas(
     real engines (``CraftEngine(server=URL)`` each), every engine starting from an empty
     prefix cache and a fresh planner configured as the policy's replicas. The router reads the
     engines' own planners (kept true by their KV events); each engine commits its plan.
-    Returns cached-token fraction, mean/p99 TTFT and requests per replica."""
+    Returns cached-token fraction, mean/p99 TTFT (and every TTFT, in trace order) and
+    requests per replica."""
     from typing import cast
 
     from craft_rag.planner import CraftPlanner
@@ -220,6 +221,7 @@ def serve_on_replicas(
         "cached_token_fraction": cached / prompt if prompt else 0.0,
         "mean_ttft_ms": sum(ttfts) / len(ttfts) if ttfts else 0.0,
         "p99_ttft_ms": percentile(ttfts, 99),
+        "ttft_ms": ttfts,
         "requests_per_replica": per_replica,
     }
 
