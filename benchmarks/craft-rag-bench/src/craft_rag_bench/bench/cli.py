@@ -4,8 +4,9 @@ Suites (one module each under ``craft_rag_bench.bench``): ``overlap``, ``sensiti
 ``overhead`` (no engine), then ``ttft``, ``kv``, ``quality``, ``topk``, ``load`` (the
 in-process vLLM engine; ONE engine serves them all within a process), ``routing``
 (simulated replicas; its full run fits the prefill model on the engine). ``all`` runs every suite
-in that order. Each suite writes ``<out>/<suite>.json`` and ``<out>/<suite>.png``; the report
-``<out>/report.md`` is regenerated from every JSON result in ``<out>`` after each suite.
+in that order (``cache-sizes`` aside: one engine per KV size, run it alone). Each suite writes
+``<out>/<suite>.json`` and ``<out>/<suite>.png``; the report ``<out>/report.md`` is regenerated
+from every JSON result in ``<out>`` after each suite.
 ``--quick`` shrinks every size (CI smoke test) and writes under ``benchmarks/results/quick``
 unless ``--out`` is given. ``--trace FILE`` serves the whole file in every suite (``--requests
 N``: its first N); the count used is printed and recorded in each result. Every file is written
@@ -81,10 +82,15 @@ SUITES: dict[str, Suite] = {
     "load": _lazy("load"),
     "routing": _lazy("routing"),
     "chat": _lazy("chat"),
+    "cache-sizes": _lazy("cache_sizes"),
 }
-"""Suite name -> function; ``all`` runs them in this order (engine suites last)."""
+"""Suite name -> function; ``all`` runs them in this order (engine suites last), except
+:data:`NOT_IN_ALL`."""
 
-ENGINE_SUITES = frozenset({"ttft", "kv", "quality", "topk", "load", "chat"})
+NOT_IN_ALL = frozenset({"cache-sizes"})
+"""Suites ``all`` skips: ``cache-sizes`` starts one engine per KV size (minutes); run it alone."""
+
+ENGINE_SUITES = frozenset({"ttft", "kv", "quality", "topk", "load", "chat", "cache-sizes"})
 
 
 def add_bench_parser(subparsers: Any) -> None:
@@ -103,6 +109,10 @@ def add_bench_parser(subparsers: Any) -> None:
     p.add_argument("--replicas", default=None,
                    help="routing: replica counts to simulate, e.g. 2,8,32,128 "
                    "(default 2,8,32,128; quick 2,8)")
+    p.add_argument("--cache-sizes", default=None,
+                   help="cache-sizes: KV cache sizes, names computed from the trace's working set "
+                   "(whole, medium, small) or block counts, e.g. whole,medium,small (default) "
+                   "or 64,256,4096")
     p.add_argument("--seed", type=seed_int, default=0)
     p.add_argument("--block-size", type=int_range(1, 1 << 16), default=32,
                    help="engine KV block size")
@@ -152,11 +162,18 @@ def run_bench(args: argparse.Namespace) -> int:
         replicas = parse_replicas(args.replicas)
     else:
         replicas = None
+    cache_sizes = None
+    if getattr(args, "cache_sizes", None) is not None:
+        from craft_rag_bench.bench.cache_sizes import parse_cache_sizes
+
+        cache_sizes = parse_cache_sizes(args.cache_sizes)
     if args.distinct is not None:
         ctx.with_sizes(overhead_distinct=args.distinct)
     if replicas is not None:
         ctx.with_sizes(routing_replicas=replicas)
-    names = list(SUITES) if args.suite == "all" else [args.suite]
+    if cache_sizes is not None:
+        ctx.with_sizes(cache_sizes=cache_sizes)
+    names = [n for n in SUITES if n not in NOT_IN_ALL] if args.suite == "all" else [args.suite]
     started = time.perf_counter()
     try:
         results = run_suites(ctx, names, out, plots=not args.no_plots)
@@ -194,8 +211,10 @@ def run_suites(
         if plots:
             from craft_rag_bench.bench.plots import PLOTTERS
 
-            PLOTTERS[name](result, out / f"{name}.png")  # written atomically (plots.save_figure)
-            result["png"] = f"{name}.png"
+            plotter = PLOTTERS.get(name)  # cache-sizes has no figure (its tables say it all)
+            if plotter is not None:
+                plotter(result, out / f"{name}.png")  # written atomically (plots.save_figure)
+                result["png"] = f"{name}.png"
         result = finite_json(result)
         write_atomic(out / f"{name}.json", json.dumps(result, indent=1, allow_nan=False) + "\n")
         results[name] = result

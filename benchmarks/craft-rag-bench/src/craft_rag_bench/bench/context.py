@@ -64,6 +64,8 @@ class BenchSizes:
     overhead_distinct: int = 1_000_000
     overhead_memory: bool = True
     routing_replicas: tuple[int, ...] = (2, 8, 32, 128)
+    cache_sizes: tuple[str, ...] = ("whole", "medium", "small")
+    """``cache-sizes`` suite: KV sizes (names or block counts; see bench/cache_sizes.py)."""
 
 
 FULL = BenchSizes()

@@ -207,6 +207,12 @@ def _routing(r: Mapping[str, Any]) -> list[str]:
     return section(dict(r))
 
 
+def _cache_sizes(r: Mapping[str, Any]) -> list[str]:
+    from craft_rag_bench.bench.cache_sizes import report_lines
+
+    return report_lines(dict(r))
+
+
 SECTIONS: dict[str, tuple[str, Section]] = {
     "overhead": ("Planner overhead", _overhead),
     "overlap": ("Overlap: Prefix vs Total (Fig. 3) and replay under the three policies",
@@ -219,6 +225,8 @@ SECTIONS: dict[str, tuple[str, Section]] = {
     "sensitivity": ("CA-Table window and promotion threshold (Figs. 14, 15)", _sensitivity),
     "quality": ("Answer quality: chunk order (Fig. 5) and dedup (Fig. 7)", _quality),
     "routing": ("KV-aware routing across replicas (simulated cluster)", _routing),
+    "cache-sizes": ("KV cache sizes: every system from a whole-working-set cache down to "
+                    "~10 requests (issue 16)", _cache_sizes),
 }
 
 
