@@ -47,11 +47,9 @@ class SpyEngine:
                 self.prompts.append(piece.result.prompt_token_ids)
             yield piece
 
-    def stream(self, *args: Any, **kwargs: Any) -> Iterator[Any]:
-        return self._record(self._engine.stream(*args, **kwargs))
-
-    def stream_messages(self, *args: Any, **kwargs: Any) -> Iterator[Any]:
-        return self._record(self._engine.stream_messages(*args, **kwargs))
+    def submit(self, request: Any) -> Iterator[Any]:
+        """The models' one engine call (``engine.submit``); they iterate the handle."""
+        return self._record(iter(self._engine.submit(request)))
 
     def decode(self, ids: tuple[int, ...]) -> str:
         tok = self._engine.assembler.tokenizer
