@@ -4,7 +4,7 @@
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, field, fields
 
 from craft_rag.access_table import DEFAULT_WINDOW
 from craft_rag.chunk import Chunk
@@ -99,10 +99,17 @@ class Plan:
     turn: int
     policy: str
     planner_token: int = 0
+    # ``ordered``'s keys, computed once (commit reads them several times; issue 16's planner
+    # cost). A plan altered after planning is refused by its fingerprint, which reads
+    # ``ordered`` itself, so this copy is never trusted over it.
+    _keys: tuple[ChunkKey, ...] = field(init=False, repr=False, compare=False)
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "_keys", tuple([c.key for c in self.ordered]))
 
     @property
     def keys(self) -> tuple[ChunkKey, ...]:
-        return tuple(c.key for c in self.ordered)
+        return self._keys
 
     @property
     def retrieved_count(self) -> int:
@@ -197,24 +204,32 @@ def _node_metadata(
     plan: Plan,
     prefix_tokens: int | None,
     counts: Sequence[int] | None,
-    block_hashes: Sequence[Sequence[BlockHash]] | None,
+    block_hashes: Sequence[tuple[BlockHash, ...]] | None,
 ) -> list[NodeMetadata] | None:
-    if counts is None and all(c.num_tokens is not None for c in plan.ordered):
-        counts = [c.num_tokens or 0 for c in plan.ordered]
+    """Each chunk's metadata from arguments :func:`commit_metadata` already checked (and
+    ``num_tokens`` a :class:`Chunk` checked at construction), so the nodes are built without
+    re-running :class:`NodeMetadata`'s checks. A chunk's span starts on the very int object
+    its predecessor's ends on (one int per boundary kept in the tree, not two). O(k)."""
+    ordered = plan.ordered
+    if counts is None:
+        tokens = [c.num_tokens for c in ordered]
+        if None not in tokens:
+            counts = tokens  # type: ignore[assignment]  # no None left
     if counts is None and block_hashes is None:
         return None
-    out: list[NodeMetadata] = []
     pos = prefix_tokens or 0
     if counts is not None and pos + sum(counts) > MAX_INT:
         msg = f"chunk_token_counts: spans past token {MAX_INT}; pass real token counts"
         raise ValueError(msg)
-    for i in range(len(plan.ordered)):
+    trusted = NodeMetadata.trusted
+    out: list[NodeMetadata] = []
+    for i in range(len(ordered)):
         span = None
         if counts is not None:
-            span = (pos, pos + counts[i])
-            pos += counts[i]
-        hashes = tuple(block_hashes[i]) if block_hashes is not None else None
-        out.append(NodeMetadata(token_span=span, block_hashes=hashes))
+            end = pos + counts[i]
+            span = (pos, end)
+            pos = end
+        out.append(trusted(span, block_hashes[i] if block_hashes is not None else None))
     return out
 
 
@@ -246,3 +261,15 @@ def config_from_json(value: object) -> PlannerConfig:
         return PlannerConfig(**data)
     except ValueError as exc:
         raise ValueError(f"config.{exc}") from None
+
+
+def check_tokens(tokens: Sequence[int] | None) -> tuple[int, ...] | None:
+    """A turn's token ids as a tuple (None stays None); ``ValueError`` naming ``turn_tokens``
+    unless they are ints >= 0. O(tokens)."""
+    if tokens is None:
+        return None
+    ids = tuple(tokens)
+    if not all(type(t) is int and t >= 0 for t in ids):
+        msg = f"turn_tokens: must be token ids (ints >= 0), got {list(ids)[:5]!r}"
+        raise ValueError(msg)
+    return ids

@@ -6,13 +6,23 @@ name here; import them from either.
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
+from types import MappingProxyType
+from typing import cast
 
 from craft_rag.types import BlockHash, ChunkKey, as_block_hash
 from craft_rag.validation import check_int, check_text, materialise
 
-__all__ = ["KVLocation", "NodeMetadata", "PrefixMatch", "PrefixNode", "block_hash_tuple"]
+__all__ = [
+    "NO_CHILDREN",
+    "KVLocation",
+    "NodeMetadata",
+    "PrefixMatch",
+    "PrefixNode",
+    "add_child",
+    "block_hash_tuple",
+]
 
 
 @dataclass(frozen=True, slots=True)
@@ -27,19 +37,40 @@ class KVLocation:
         check_text(self.tier, "KVLocation.tier", nonempty=True)
 
 
+NO_CHILDREN = cast("dict[ChunkKey, PrefixNode]", MappingProxyType({}))
+"""The ``children`` of every node that has none: one shared read-only empty mapping instead of
+an empty dict per leaf (most nodes are leaves; issue 16's state size and GC cost). Writing into
+it raises ``TypeError``; add children with :func:`add_child`."""
+
+
+def _no_children() -> dict[ChunkKey, PrefixNode]:
+    return NO_CHILDREN
+
+
+def add_child(parent: PrefixNode, key: ChunkKey, child: PrefixNode) -> None:
+    """Link ``child`` under ``parent`` as ``key``, giving ``parent`` its own dict on its first
+    child. O(1)."""
+    children = parent.children
+    if children is NO_CHILDREN:
+        parent.children = {key: child}
+    else:
+        children[key] = child
+
+
 @dataclass(slots=True, eq=False)
 class PrefixNode:
     """One chunk at one position of a chunk-prefix. Owner: :class:`ChunkPrefixTree` only.
 
     ``token_start``/``token_end`` is the chunk's ``[start, end)`` span within the prompt (None when
     token counts were never supplied); ``block_hashes`` are the engine's hashes of the full KV
-    blocks whose last token falls inside that span.
+    blocks whose last token falls inside that span. ``children`` of a node without any is the
+    shared read-only :data:`NO_CHILDREN` (link children with :func:`add_child`).
     """
 
     key: ChunkKey | None
     parent: PrefixNode | None
     depth: int
-    children: dict[ChunkKey, PrefixNode] = field(default_factory=dict)
+    children: dict[ChunkKey, PrefixNode] = field(default_factory=_no_children)
     token_start: int | None = None
     token_end: int | None = None
     location: KVLocation | None = None
@@ -113,6 +144,23 @@ class NodeMetadata:
                 for i, h in enumerate(materialise(self.block_hashes, "block_hashes"))
             )
             object.__setattr__(self, "block_hashes", hashes)
+
+    @classmethod
+    def trusted(
+        cls, token_span: tuple[int, int] | None, block_hashes: tuple[BlockHash, ...] | None
+    ) -> NodeMetadata:
+        """Metadata from values already checked where they entered (the planner's commit
+        checks its arguments once per request): no re-check. Callers outside the core build
+        :class:`NodeMetadata` normally. O(1)."""
+        meta = object.__new__(cls)
+        _SET_SPAN(meta, token_span)
+        _SET_HASHES(meta, block_hashes)
+        return meta
+
+
+# Slot setters that bypass the frozen ``__setattr__`` (for :meth:`NodeMetadata.trusted`).
+_SET_SPAN: Callable[[NodeMetadata, object], None] = NodeMetadata.__dict__["token_span"].__set__
+_SET_HASHES: Callable[[NodeMetadata, object], None] = NodeMetadata.__dict__["block_hashes"].__set__
 
 
 def block_hash_tuple(hashes: Iterable[BlockHash | int]) -> tuple[BlockHash, ...]:

@@ -13,7 +13,14 @@ import time
 from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
-from craft_rag.prefix_nodes import KVLocation, NodeMetadata, PrefixMatch, PrefixNode
+from craft_rag.prefix_nodes import (
+    NO_CHILDREN,
+    KVLocation,
+    NodeMetadata,
+    PrefixMatch,
+    PrefixNode,
+    add_child,
+)
 from craft_rag.prefix_nodes import block_hash_tuple as _block_hashes
 from craft_rag.prefix_tree_io import tree_from_json, tree_to_json
 from craft_rag.types import BlockHash, ChunkKey
@@ -158,19 +165,21 @@ class ChunkPrefixTree:
         O(len(keys) + evictions * log(heap) + removed stale nodes).
         """
         keys = materialise(keys, "keys")
-        for i, key in enumerate(keys):
-            if not isinstance(key, str) or not key:
-                msg = f"keys[{i}]: must be a non-empty string (a chunk key), got {key!r}"
-                raise ValueError(msg)
+        if not all(type(key) is str and key for key in keys):  # one pass; str subclasses below
+            for i, key in enumerate(keys):
+                if not isinstance(key, str) or not key:
+                    msg = f"keys[{i}]: must be a non-empty string (a chunk key), got {key!r}"
+                    raise ValueError(msg)
         if metadata is not None:
             metadata = materialise(metadata, "metadata")
             if len(metadata) != len(keys):
                 msg = f"metadata has {len(metadata)} entries for {len(keys)} keys"
                 raise ValueError(msg)
-            for i, meta in enumerate(metadata):
-                if not isinstance(meta, NodeMetadata):
-                    msg = f"metadata[{i}]: must be a NodeMetadata, got {type(meta).__name__}"
-                    raise ValueError(msg)
+            if not all(type(meta) is NodeMetadata for meta in metadata):
+                for i, meta in enumerate(metadata):
+                    if not isinstance(meta, NodeMetadata):
+                        msg = f"metadata[{i}]: must be a NodeMetadata, got {type(meta).__name__}"
+                        raise ValueError(msg)
         if len(set(keys)) != len(keys):
             msg = "a chunk-prefix cannot repeat a chunk key"
             raise ValueError(msg)
@@ -186,7 +195,7 @@ class ChunkPrefixTree:
             child = node.children.get(key)
             if child is None:
                 child = PrefixNode(key=key, parent=node, depth=node.depth + 1, last_access=now)
-                node.children[key] = child
+                add_child(node, key, child)
                 self._size += 1
             else:
                 child.last_access = now
@@ -228,6 +237,8 @@ class ChunkPrefixTree:
         parent = node.parent
         assert parent is not None and node.key is not None
         del parent.children[node.key]
+        if not parent.children:
+            parent.children = NO_CHILDREN  # free the emptied dict
         removed = 0
         stack = [node]
         while stack:
@@ -238,7 +249,7 @@ class ChunkPrefixTree:
                 if self._by_block.get(h) is cur:
                     del self._by_block[h]
             stack.extend(cur.children.values())
-            cur.children = {}
+            cur.children = NO_CHILDREN
         self._size -= removed
         if parent is not self.root and not parent.children:
             self._push_leaf(parent)
@@ -277,8 +288,8 @@ class ChunkPrefixTree:
             cur = stack.pop()
             cur.alive = False
             stack.extend(cur.children.values())
-            cur.children = {}
-        self.root.children = {}
+            cur.children = NO_CHILDREN
+        self.root.children = NO_CHILDREN
         self._size = 0
         self._by_block.clear()
         self._leaf_heap.clear()
@@ -318,12 +329,9 @@ class ChunkPrefixTree:
             self.remove(child)
 
     def _set_metadata(self, node: PrefixNode, meta: NodeMetadata) -> None:
+        # A NodeMetadata checked its span (0 <= start <= end) when it was built; frozen.
         if meta.token_span is not None:
-            start, end = meta.token_span
-            if not 0 <= start <= end:
-                msg = f"token span must satisfy 0 <= start <= end, got {meta.token_span}"
-                raise ValueError(msg)
-            node.token_start, node.token_end = start, end
+            node.token_start, node.token_end = meta.token_span
         if meta.block_hashes is not None:
             for h in node.block_hashes:
                 if self._by_block.get(h) is node:

@@ -78,6 +78,7 @@ def tree_to_json(tree: ChunkPrefixTree) -> dict[str, Any]:
 def tree_from_json(data: object, *, clock: Callable[[], float], path: str = "") -> ChunkPrefixTree:
     """Build a :class:`ChunkPrefixTree` from ``to_json`` data, checking everything first.
     O(nodes + block hashes)."""
+    from craft_rag.prefix_nodes import add_child
     from craft_rag.prefix_tree import ChunkPrefixTree, KVLocation, PrefixNode
 
     state_format(data, path, FORMAT, "prefix tree")
@@ -161,7 +162,7 @@ def tree_from_json(data: object, *, clock: Callable[[], float], path: str = "") 
             last_access=state_number(item["last_access"], state_path(where, "last_access")),
             heap_stamp=stamp,
         )
-        parent.children[key] = node
+        add_child(parent, key, node)
         for h in hashes:
             tree._by_block[h] = node
         tree._size += 1
