@@ -211,6 +211,8 @@ class RequestHandle:
                     yield piece
             yield self._final()
         finally:
+            with self._lock:
+                self._async_wake = None  # this loop may close; wake nobody through it
             self.abort()  # closed or cancelled early; a no-op once the request ended
 
     async def _anext(self, event: asyncio.Event) -> tuple[StepOutput, float] | None:
