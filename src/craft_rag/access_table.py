@@ -46,10 +46,11 @@ class ChunkAccessTable:
         is full. O(k) for k keys (amortised; expiry touches the expired request's keys once).
         ``ValueError`` (nothing recorded) unless every key is a non-empty string."""
         request = tuple(dict.fromkeys(materialise(keys, "keys")))
-        for i, key in enumerate(request):
-            if not isinstance(key, str) or not key:
-                msg = f"keys[{i}]: must be a non-empty string (a chunk key), got {key!r}"
-                raise ValueError(msg)
+        if not all(type(key) is str and key for key in request):  # one pass; subclasses below
+            for i, key in enumerate(request):
+                if not isinstance(key, str) or not key:
+                    msg = f"keys[{i}]: must be a non-empty string (a chunk key), got {key!r}"
+                    raise ValueError(msg)
         counts = self._counts
         for key in request:
             counts[key] = counts.get(key, 0) + 1

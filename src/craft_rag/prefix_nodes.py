@@ -33,8 +33,15 @@ class KVLocation:
     tier: str = "device"
 
     def __post_init__(self) -> None:
-        check_text(self.engine_id, "KVLocation.engine_id", nonempty=True)
-        check_text(self.tier, "KVLocation.tier", nonempty=True)
+        engine_id, tier = self.engine_id, self.tier
+        # Fast path (one per commit): non-empty ASCII str is valid; anything else gets the
+        # full check and its error.
+        if type(engine_id) is str and type(tier) is str and engine_id.isascii() and (
+            tier.isascii() and engine_id and tier
+        ):
+            return
+        check_text(engine_id, "KVLocation.engine_id", nonempty=True)
+        check_text(tier, "KVLocation.tier", nonempty=True)
 
 
 NO_CHILDREN = cast("dict[ChunkKey, PrefixNode]", MappingProxyType({}))
