@@ -13,12 +13,15 @@ being descheduled on a shared machine) and this thread's CPU time (what the plan
 garbage collection included). ``replay_us_p50``/``replay_us_p99`` are plan+commit as
 :func:`craft_rag.replay.replay` sees them inside a long replay (prompt rendering and the cache
 simulator allocate between the calls, so collector pauses land where they would in serving),
-over the first ``replay_requests`` requests with the hashing tokenizer.
+over the first ``replay_requests`` requests with the hashing tokenizer. ``load_start`` /
+``load_end`` are the 1-minute load averages around the timing run (on a shared machine the
+wall-clock tail is descheduling; thread CPU time is the planner's own cost).
 """
 
 from __future__ import annotations
 
 import gc
+import os
 import random
 import time
 import tracemalloc
@@ -48,6 +51,8 @@ class OverheadResult:
     replay_us_p99: float | None = None
     replay_requests: int = 0
     gc_frozen: bool = False
+    load_start: float | None = None
+    load_end: float | None = None
 
     def to_json(self) -> dict[str, object]:
         return asdict(self)
@@ -138,11 +143,13 @@ def measure_overhead(
     if frozen:
         gc.collect()
         gc.freeze()
+    load_start = _load()
     try:
         times, cpu = _run(planner, requests[warm:], timed=True)
     finally:
         if frozen:
             gc.unfreeze()
+    load_end = _load()
     replay_p50 = replay_p99 = None
     replayed = min(replay_requests, len(requests))
     if replayed:
@@ -173,4 +180,14 @@ def measure_overhead(
         replay_us_p99=replay_p99,
         replay_requests=replayed,
         gc_frozen=frozen,
+        load_start=load_start,
+        load_end=load_end,
     )
+
+
+def _load() -> float | None:
+    """The 1-minute load average (None where the platform has none)."""
+    try:
+        return round(os.getloadavg()[0], 2)
+    except (AttributeError, OSError):
+        return None
