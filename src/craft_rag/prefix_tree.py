@@ -104,16 +104,16 @@ class ChunkPrefixTree:
         best_node = self.root
         best_depth, best_time = 0, float("-inf")
         # A path never repeats a key (insert() refuses that), so no visited-set is needed.
+        wanted_keys = wanted.keys() if isinstance(wanted, dict) else wanted
+        # The best node is the maximum of a total order (depth, last access, smaller path), so
+        # the order candidates are visited in does not change it.
         stack = [self.root]
         while stack:
             children = stack.pop().children
             if not children:
                 continue
-            if len(children) <= len(wanted):
-                candidates = [c for k, c in children.items() if k in wanted]
-            else:
-                candidates = [children[k] for k in wanted if k in children]
-            for child in candidates:
+            for key in children.keys() & wanted_keys:  # C-level, over the smaller side
+                child = children[key]
                 depth, seen = child.depth, child.last_access
                 if depth > best_depth or (
                     depth == best_depth
@@ -234,6 +234,12 @@ class ChunkPrefixTree:
         if top is not self.root:
             msg = "node: belongs to another ChunkPrefixTree; remove it from its own tree"
             raise ValueError(msg)
+        return self._unlink(node)
+
+    def _unlink(self, node: PrefixNode) -> int:
+        """:meth:`remove` for a live non-root node known to be this tree's (one the tree found
+        itself: the eviction heap, a node's children, the block index): no O(depth) ownership
+        walk. Returns the number of nodes removed."""
         parent = node.parent
         assert parent is not None and node.key is not None
         del parent.children[node.key]
@@ -264,7 +270,7 @@ class ChunkPrefixTree:
         for h in _block_hashes(hashes):
             node = self._by_block.get(h)
             if node is not None and node.alive:
-                removed += self.remove(node)
+                removed += self._unlink(node)
         return removed
 
     def relocate_blocks(self, hashes: Iterable[BlockHash | int], location: KVLocation) -> int:
@@ -326,7 +332,7 @@ class ChunkPrefixTree:
             c for c in node.children.values() if c.token_start is not None and c.token_start != end
         ]
         for child in stale:
-            self.remove(child)
+            self._unlink(child)
 
     def _set_metadata(self, node: PrefixNode, meta: NodeMetadata) -> None:
         # A NodeMetadata checked its span (0 <= start <= end) when it was built; frozen.
@@ -380,14 +386,14 @@ class ChunkPrefixTree:
             if node is protect:
                 skipped.append(entry)
                 continue
-            self.remove(node)
+            self._unlink(node)
             self.evictions += 1
         for entry in skipped:
             heapq.heappush(self._leaf_heap, entry)
         # Only the path just inserted is left above the bound: trim it from its leaf end.
         while self._size > self.max_nodes and protect is not None and protect.alive:
             parent = protect.parent
-            self.remove(protect)
+            self._unlink(protect)
             self.evictions += 1
             protect = parent if parent is not self.root else None
 
