@@ -299,7 +299,8 @@ def _engine(ctx: BenchContext, blocks: int, *, ws: WorkingSet) -> CraftEngine:
     """An in-process engine with exactly ``blocks`` KV blocks (and enough memory for them)."""
     from craft_rag.engine import CraftEngine, EngineSettings
 
-    max_len = min(ctx.max_model_len, blocks * ctx.block_size)  # vLLM: one max-length request fits
+    # vLLM refuses a max_model_len its KV blocks cannot hold whole (it keeps one block spare).
+    max_len = min(ctx.max_model_len, (blocks - 1) * ctx.block_size)
     if max_len < ws.max_request_blocks * ctx.block_size:
         msg = (f"--max-model-len {ctx.max_model_len} is below the longest request "
                f"({ws.max_request_blocks} blocks); raise it")
