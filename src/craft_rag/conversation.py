@@ -2,30 +2,26 @@
 
 A chunk already sent in an earlier turn of the same conversation is removed from the current
 turn (and reported); its KV is already part of the conversation's prompt prefix. Earlier turns'
-chunk orders are frozen here so the append-only prompt can be rebuilt.
+chunk orders and token ids are frozen here, so the append-only prompt is rendered from this one
+store (:class:`ConversationStore`, the seam :class:`ConversationStoreProtocol` names): the
+planner records a served turn's keys and tokens in one ``record_turn``, the engine's renderer
+(:mod:`craft_rag.engine.conversation_prompts`) only reads it.
 """
 
 from __future__ import annotations
 
+import threading
 import time
 from collections import OrderedDict
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Protocol
 
 from craft_rag.chunk import Chunk
 from craft_rag.types import ChunkKey, ConversationId
 from craft_rag.validation import (
     check_int,
     check_number,
-    state_dict,
-    state_error,
-    state_format,
-    state_int,
-    state_keys,
-    state_list,
-    state_number,
-    state_path,
     validate_conversation_id,
 )
 
@@ -36,25 +32,89 @@ _FORMAT = "craft-rag/conversations/v1"
 
 @dataclass(slots=True)
 class ConversationState:
-    """Chunks sent so far in one conversation. Owner: :class:`ConversationRegistry`.
+    """One conversation. Owner: :class:`ConversationStore` (under its lock).
 
     ``turns[:live_from]`` were dropped from the conversation's prompt (history budget, context
     length): their chunks are no longer "already sent" and are sent again if retrieved again.
-    They still count as turns (``turn_count``), so turn numbers stay stable."""
+    They still count as turns (``turn_count``), so turn numbers stay stable. ``tokens[i]`` is
+    turn ``i``'s stored segment (chunks, question, reply, close) as the engine rendered it;
+    None once dropped, or while not known here (a turn another worker served, until its
+    history is loaded, :mod:`craft_rag.stores.histories`)."""
 
     sent: set[ChunkKey] = field(default_factory=set)
     turns: list[tuple[ChunkKey, ...]] = field(default_factory=list)
     last_used: float = 0.0
     live_from: int = 0
+    tokens: list[tuple[int, ...] | None] = field(default_factory=list)
+    dropped_since: int = 0
+    """Turns dropped since the last recorded turn (the next turn reports them)."""
+    held_since: float | None = None
+    """When the turn in flight was planned (None: none in flight)."""
+    version: int = 0
+    """The shared-store seq the token history matches (0: never stored or loaded)."""
 
 
-class ConversationRegistry:
-    """Per-conversation chunk sets, bounded by LRU count and idle TTL.
+@dataclass(frozen=True, slots=True)
+class ConversationHistory:
+    """A read-only view of one conversation's live turns (what a prompt is rendered from)."""
 
-    Invariants: at most ``max_conversations`` entries, ordered least recently used first; each
-    ``sent`` set is exactly the union of that conversation's live frozen turns
-    (``turns[live_from:]``). Expired
-    conversations (idle longer than ``ttl_s``) are treated as new and purged on the next write.
+    turns: tuple[tuple[int, ...] | None, ...]
+    """Token ids of each live turn (None: not known here, see :class:`ConversationState`)."""
+    keys: tuple[tuple[ChunkKey, ...], ...]
+    """The chunk keys each live turn carries (parallel to ``turns``)."""
+    turn_count: int
+    """Every turn recorded, dropped ones included."""
+    dropped_since: int
+    in_flight: bool
+    version: int
+
+    @property
+    def tokens(self) -> int:
+        """Tokens of the live turns known here."""
+        return sum(len(t) for t in self.turns if t is not None)
+
+
+class ConversationStoreProtocol(Protocol):
+    """The seam where another conversation store plugs in (the planner and the engine's
+    renderer use only these). Every method is O(1) or O(chunks of one conversation)."""
+
+    def turn_count(self, conversation_id: ConversationId) -> int: ...
+
+    def split(
+        self, conversation_id: ConversationId, chunks: Iterable[Chunk]
+    ) -> tuple[list[Chunk], list[Chunk]]: ...
+
+    def history(self, conversation_id: ConversationId) -> ConversationHistory | None: ...
+
+    def hold(self, conversation_id: ConversationId) -> bool: ...
+
+    def release(self, conversation_id: ConversationId) -> None: ...
+
+    def record_turn(
+        self,
+        conversation_id: ConversationId,
+        ordered: Sequence[ChunkKey],
+        tokens: Sequence[int] | None = None,
+    ) -> int: ...
+
+    def forget_oldest_turns(self, conversation_id: ConversationId, n: int) -> int: ...
+
+    def end(self, conversation_id: ConversationId) -> bool: ...
+
+
+class ConversationStore:
+    """The one conversation store: per conversation the sent chunk keys, the frozen turns
+    (keys and token ids), the turn in flight; bounded by LRU count and idle TTL, with an
+    injected clock. The salt is structural: an engine keeps one store per cache salt (its
+    salt's planner's, :class:`craft_rag.engine.planners.PlannerNamespaces`).
+
+    Invariants: at most ``max_conversations`` entries, ordered least recently used first, but
+    a conversation with a turn in flight (held since less than ``ttl_s``) is never evicted or
+    expired, so the bound may be exceeded by the number of turns in flight; each ``sent``
+    set is exactly the union of that conversation's live turns (``turns[live_from:]``);
+    ``tokens`` is parallel to ``turns`` and None for every dropped turn. Expired conversations
+    (idle longer than ``ttl_s``) are treated as new and purged on the next write.
+    Thread-safe (one re-entrant lock; callers holding a planner's lock take it second).
     """
 
     def __init__(
@@ -76,6 +136,7 @@ class ConversationRegistry:
             raise ValueError(msg)
         self.ttl_s = ttl_s
         self._clock = clock
+        self._lock = threading.RLock()
         self._states: OrderedDict[ConversationId, ConversationState] = OrderedDict()
 
     def __len__(self) -> int:
@@ -84,23 +145,46 @@ class ConversationRegistry:
     def __contains__(self, conversation_id: object) -> bool:
         return conversation_id in self._states
 
+    def _held(self, state: ConversationState, now: float) -> bool:
+        since = state.held_since
+        return since is not None and (self.ttl_s is None or now - since <= self.ttl_s)
+
     def _live(self, conversation_id: ConversationId) -> ConversationState | None:
         state = self._states.get(conversation_id)
         if state is None:
             return None
-        if self.ttl_s is not None and self._clock() - state.last_used > self.ttl_s:
-            return None
+        now = self._clock()
+        if self.ttl_s is not None and now - state.last_used > self.ttl_s:
+            return state if self._held(state, now) else None
         return state
 
     def turn_count(self, conversation_id: ConversationId) -> int:
         """Turns recorded for a live conversation (0 if unknown or expired). O(1)."""
-        state = self._live(conversation_id)
-        return len(state.turns) if state else 0
+        with self._lock:
+            state = self._live(conversation_id)
+            return len(state.turns) if state else 0
 
     def turns(self, conversation_id: ConversationId) -> list[tuple[ChunkKey, ...]]:
         """Frozen chunk orders of the earlier turns (empty if unknown or expired)."""
-        state = self._live(conversation_id)
-        return list(state.turns) if state else []
+        with self._lock:
+            state = self._live(conversation_id)
+            return list(state.turns) if state else []
+
+    def history(self, conversation_id: ConversationId) -> ConversationHistory | None:
+        """The live turns of a known conversation (None if unknown or expired). Read-only.
+        O(turns)."""
+        with self._lock:
+            state = self._live(conversation_id)
+            if state is None:
+                return None
+            return ConversationHistory(
+                turns=tuple(state.tokens[state.live_from :]),
+                keys=tuple(state.turns[state.live_from :]),
+                turn_count=len(state.turns),
+                dropped_since=state.dropped_since,
+                in_flight=self._held(state, self._clock()),
+                version=state.version,
+            )
 
     def split(
         self, conversation_id: ConversationId, chunks: Iterable[Chunk]
@@ -108,85 +192,203 @@ class ConversationRegistry:
         """``(new, already_sent)`` for this turn's chunks, each list in input order. Read-only.
         O(k)."""
         chunks = list(chunks)  # read once: a generator would be empty for the second pass
-        state = self._live(conversation_id)
-        if state is None:
-            return chunks, []
-        new = [c for c in chunks if c.key not in state.sent]
-        seen = [c for c in chunks if c.key in state.sent]
-        return new, seen
+        with self._lock:
+            state = self._live(conversation_id)
+            if state is None:
+                return chunks, []
+            new = [c for c in chunks if c.key not in state.sent]
+            seen = [c for c in chunks if c.key in state.sent]
+            return new, seen
 
-    def record_turn(self, conversation_id: ConversationId, ordered: Sequence[ChunkKey]) -> int:
-        """Freeze a turn's chunk order; returns the turn's 1-based index. Refreshes the LRU
-        position, purges expired conversations and evicts beyond the bound. Amortised O(k).
-        ``ValueError`` (nothing changed) for a bad id or keys that are not distinct strings."""
-        cid = validate_conversation_id(conversation_id)
-        if cid is None:
-            msg = "conversation_id: must be a non-empty string, got None"
-            raise ValueError(msg)
+    def hold(self, conversation_id: ConversationId) -> bool:
+        """Mark a turn of the conversation in flight (planned, not yet recorded or released):
+        until then it is neither evicted nor expired. An unknown conversation is started
+        (with no turns). False when a turn was already in flight (it stays held). O(1)."""
+        cid = _checked_id(conversation_id)
+        with self._lock:
+            now = self._now()
+            state = self._live(cid)
+            if state is None:
+                state = ConversationState(last_used=now)
+                self._states[cid] = state
+            elif self._held(state, now):
+                return False
+            state.held_since = now
+            state.last_used = now
+            self._states.move_to_end(cid)
+            self._evict(now)
+            return True
+
+    def release(self, conversation_id: ConversationId) -> None:
+        """The turn in flight was not served: the conversation is as it was (one without
+        turns stays known, as an idle entry). O(1)."""
+        with self._lock:
+            state = self._states.get(conversation_id)
+            if state is None:
+                return
+            state.held_since = None
+            self._evict(self._clock(), expire=False)
+
+    def record_turn(
+        self,
+        conversation_id: ConversationId,
+        ordered: Sequence[ChunkKey],
+        tokens: Sequence[int] | None = None,
+    ) -> int:
+        """Freeze a turn: its chunk order and (when known) its token ids, in one record; ends
+        the turn in flight. Returns the turn's 1-based index. Refreshes the LRU position,
+        purges expired conversations and evicts beyond the bound. Amortised O(k + tokens).
+        ``ValueError`` (nothing changed) for a bad id, keys that are not distinct strings or
+        token ids that are not ints >= 0."""
+        cid = _checked_id(conversation_id)
         turn = tuple(ordered)
         if not all(isinstance(k, str) and k for k in turn) or len(set(turn)) != len(turn):
             msg = f"ordered: must be distinct non-empty chunk keys, got {list(turn)[:5]!r}"
             raise ValueError(msg)
+        ids = None if tokens is None else tuple(tokens)
+        if ids is not None and not all(type(t) is int and t >= 0 for t in ids):
+            msg = f"tokens: must be token ids (ints >= 0), got {list(ids)[:5]!r}"
+            raise ValueError(msg)
+        with self._lock:
+            now = self._now()
+            state = self._live(cid)
+            if state is None:
+                state = ConversationState()
+                self._states[cid] = state
+            state.turns.append(turn)
+            state.tokens.append(ids)
+            state.sent.update(turn)
+            state.last_used = now
+            state.held_since = None
+            state.dropped_since = 0
+            self._states.move_to_end(cid)
+            self._evict(now)
+            return len(state.turns)
+
+    def forget_oldest_turns(self, conversation_id: ConversationId, n: int) -> int:
+        """The prompt no longer holds the ``n`` oldest live turns (dropped to fit a history
+        budget or the context): their chunks stop counting as sent unless a later live turn
+        carries them too, their tokens are freed, and the next turn reports them. Returns how
+        many turns were dropped (0 for an unknown conversation). O(chunks of the live
+        turns)."""
+        check_int(n, "n", minimum=0)
+        with self._lock:
+            state = self._live(conversation_id)
+            if state is None or n == 0:
+                return 0
+            n = min(n, len(state.turns) - state.live_from)
+            for i in range(state.live_from, state.live_from + n):
+                state.tokens[i] = None
+            state.live_from += n
+            state.dropped_since += n
+            state.sent = {k for t in state.turns[state.live_from :] for k in t}
+            return n
+
+    def end(self, conversation_id: ConversationId) -> bool:
+        """Forget a conversation (end of session), a turn in flight included. True if it was
+        known. O(1)."""
+        with self._lock:
+            return self._states.pop(conversation_id, None) is not None
+
+    def clear(self) -> None:
+        with self._lock:
+            self._states.clear()
+
+    # ---- the shared-store copy of the token history (craft_rag.stores.histories) ----------
+
+    def export(
+        self, conversation_id: ConversationId, version: int
+    ) -> tuple[ConversationHistory, int] | None:
+        """The idle conversation's live turns (all known here) and its turn count, marking the
+        token history as matching store seq ``version``; None when unknown, in flight or not
+        fully known. O(turns)."""
+        with self._lock:
+            history = self.history(conversation_id)
+            if history is None or history.in_flight or None in history.turns:
+                return None
+            self._states[conversation_id].version = max(history.version, version)
+            return history, history.turn_count
+
+    def adopt(
+        self,
+        conversation_id: ConversationId,
+        stored: ConversationHistory,
+        version: int,
+    ) -> bool:
+        """Fill the token ids of live turns from another worker's copy (``stored``, whose
+        ``turn_count`` says which turns it holds), at store seq ``version``. Only turns whose
+        chunk keys agree are filled; the dropped-turn count is taken when both copies hold the
+        same turns. False (nothing changed) for an unknown conversation, one in flight here or
+        a copy not newer than the local one. O(tokens)."""
+        with self._lock:
+            state = self._live(conversation_id)
+            if state is None or self._held(state, self._clock()) or state.version >= version:
+                return False
+            first = stored.turn_count - len(stored.turns)
+            for j, (ids, keys) in enumerate(zip(stored.turns, stored.keys, strict=True)):
+                i = first + j
+                if state.live_from <= i < len(state.turns) and state.turns[i] == keys:
+                    state.tokens[i] = ids
+            if stored.turn_count == len(state.turns):
+                state.dropped_since = stored.dropped_since
+            state.version = version
+            return True
+
+    def _now(self) -> float:
         now = self._clock()
         if self._states:
             # Never behind the newest entry (a clock that stepped back, or state loaded from a
             # process whose clock ran ahead): the LRU order must follow last_used.
             now = max(now, next(reversed(self._states.values())).last_used)
-        state = self._live(conversation_id)
-        if state is None:
-            state = ConversationState()
-            self._states[conversation_id] = state
-        state.turns.append(turn)
-        state.sent.update(turn)
-        state.last_used = now
-        self._states.move_to_end(conversation_id)
-        self._expire(now)
+        return now
+
+    def _evict(self, now: float, *, expire: bool = True) -> None:
+        """Purge expired conversations (``expire``), then the least recently used beyond the
+        bound but the newest; one with a turn in flight stays. Caller holds the lock."""
+        if expire and self.ttl_s is not None:
+            for cid, state in list(self._states.items()):
+                if now - state.last_used <= self.ttl_s:
+                    break
+                if not self._held(state, now):
+                    del self._states[cid]
         while len(self._states) > self.max_conversations:
-            self._states.popitem(last=False)
-        return len(state.turns)
-
-    def forget_oldest_turns(self, conversation_id: ConversationId, n: int) -> int:
-        """The prompt no longer holds the ``n`` oldest live turns (dropped to fit a history
-        budget): their chunks stop counting as sent unless a later live turn carries them too.
-        Returns how many turns were dropped (0 for an unknown conversation). O(chunks of the
-        live turns)."""
-        check_int(n, "n", minimum=0)
-        state = self._live(conversation_id)
-        if state is None or n == 0:
-            return 0
-        n = min(n, len(state.turns) - state.live_from)
-        state.live_from += n
-        state.sent = {k for t in state.turns[state.live_from :] for k in t}
-        return n
-
-    def end(self, conversation_id: ConversationId) -> bool:
-        """Forget a conversation (end of session). True if it was known. O(1)."""
-        return self._states.pop(conversation_id, None) is not None
-
-    def _expire(self, now: float) -> None:
-        if self.ttl_s is None:
-            return
-        while self._states:
-            oldest_id, oldest = next(iter(self._states.items()))
-            if now - oldest.last_used <= self.ttl_s:
-                break
-            del self._states[oldest_id]
+            newest = next(reversed(self._states))  # the one just written stays
+            victim = next(
+                (c for c, s in self._states.items() if c != newest and not self._held(s, now)),
+                None,
+            )
+            if victim is None:
+                return
+            del self._states[victim]
 
     def to_json(self) -> dict[str, Any]:
-        return {
-            "format": _FORMAT,
-            "max_conversations": self.max_conversations,
-            "ttl_s": self.ttl_s,
-            "conversations": [
-                {
+        """Every conversation with at least one turn, least recently used first; token ids
+        and the dropped-turn count only where there are some. A turn in flight is not saved
+        (its plan cannot be committed after a load): past the bound (conversations held by
+        one), the newest ``max_conversations`` are saved, as releasing the holds leaves."""
+        with self._lock:
+            kept = [(c, s) for c, s in self._states.items() if s.turns]
+            items = []
+            for cid, s in kept[-self.max_conversations :]:
+                item: dict[str, Any] = {
                     "id": cid,
                     "turns": [list(t) for t in s.turns],
                     "last_used": s.last_used,
                     "live_from": s.live_from,
                 }
-                for cid, s in self._states.items()
-            ],
-        }
+                if any(t is not None for t in s.tokens):
+                    item["tokens"] = [None if t is None else list(t) for t in s.tokens]
+                if s.dropped_since:
+                    item["dropped"] = s.dropped_since
+                if s.version:
+                    item["version"] = s.version
+                items.append(item)
+            return {
+                "format": _FORMAT,
+                "max_conversations": self.max_conversations,
+                "ttl_s": self.ttl_s,
+                "conversations": items,
+            }
 
     @classmethod
     def from_json(
@@ -195,78 +397,47 @@ class ConversationRegistry:
         *,
         clock: Callable[[], float] = time.monotonic,
         path: str = "",
-    ) -> ConversationRegistry:
-        """Rebuild a registry saved by :meth:`to_json`, validating all of it first: one
+    ) -> ConversationStore:
+        """Rebuild a store saved by :meth:`to_json`, validating all of it first: one
         ``ValueError`` naming the JSON path (under ``path``) of the first bad field (more
         conversations than the bound, an empty, non-string or repeated id, a turn repeating a
-        key, ``live_from`` outside the turns, ``last_used`` out of LRU order). O(size)."""
-        state_format(data, path, _FORMAT, "conversation state")
-        state_dict(data, path, required=("format", "max_conversations", "ttl_s", "conversations"))
-        for name in ("max_conversations", "ttl_s"):
-            value = data[name]
-            if name == "ttl_s" and value is None:
-                continue
-            if name == "max_conversations":
-                state_int(value, state_path(path, name), minimum=1)
-            else:
-                state_number(value, state_path(path, name), positive=True)
-        reg = cls(data["max_conversations"], data["ttl_s"], clock=clock)
-        items_path = state_path(path, "conversations")
-        items = state_list(data["conversations"], items_path, max_len=reg.max_conversations)
-        states: OrderedDict[ConversationId, ConversationState] = OrderedDict()
-        last = float("-inf")
-        for i, raw in enumerate(items):
-            where = state_path(items_path, i)
-            item = state_dict(
-                raw, where, required=("id", "turns", "last_used"), optional=("live_from",)
-            )
-            id_path = state_path(where, "id")
-            try:
-                cid = validate_conversation_id(item["id"], id_path)
-            except ValueError as exc:
-                raise state_error(id_path, str(exc).removeprefix(f"{id_path}: ")) from None
-            if cid is None:
-                raise state_error(id_path, "must be a non-empty string, got None")
-            if cid in states:
-                raise state_error(id_path, f"repeats conversation id {cid!r}")
-            turns_path = state_path(where, "turns")
-            turns = [
-                tuple(ChunkKey(k) for k in state_keys(t, state_path(turns_path, j)))
-                for j, t in enumerate(state_list(item["turns"], turns_path))
-            ]
-            live_from = state_int(
-                item.get("live_from", 0),
-                state_path(where, "live_from"),
-                minimum=0,
-                maximum=len(turns),
-            )
-            last_used = state_number(item["last_used"], state_path(where, "last_used"))
-            if last_used < last:
-                raise state_error(
-                    state_path(where, "last_used"),
-                    f"{last_used} is earlier than the conversation before it ({last}); "
-                    "conversations are saved least recently used first",
-                )
-            last = last_used
-            states[cid] = ConversationState(
-                sent={k for t in turns[live_from:] for k in t},
-                turns=turns,
-                last_used=last_used,
-                live_from=live_from,
-            )
-        # Times past this process's clock (saved by a process whose clock ran ahead, e.g. a
-        # monotonic clock before a reboot) are brought back to now, keeping their order.
-        now = reg._clock()
-        for state in states.values():
-            state.last_used = min(state.last_used, now)
-        reg._states = states
-        return reg
+        key, ``live_from`` outside the turns, ``last_used`` out of LRU order, token ids that
+        are not one list of ints >= 0 (or null) per turn, tokens kept for a dropped turn).
+        O(size)."""
+        from craft_rag.conversation_io import states_from_json
+
+        max_conversations, ttl_s, states = states_from_json(data, clock, path)
+        store = cls(max_conversations, ttl_s, clock=clock)
+        store._states = states
+        return store
 
     def _check_invariants(self) -> None:
-        assert len(self._states) <= self.max_conversations
-        last = float("-inf")
-        for state in self._states.values():
-            assert 0 <= state.live_from <= len(state.turns)
-            assert state.sent == {k for t in state.turns[state.live_from :] for k in t}
-            assert state.last_used >= last, "LRU order must follow last_used"
-            last = state.last_used
+        with self._lock:
+            now = self._clock()
+            ttl = self.ttl_s
+            # Over the bound only by turns in flight (a stale hold has expired: purged next).
+            held = [
+                s for s in self._states.values()
+                if self._held(s, now) or (ttl is not None and now - s.last_used > ttl)
+            ]
+            assert len(self._states) - self.max_conversations <= len(held)
+            last = float("-inf")
+            for state in self._states.values():
+                assert 0 <= state.live_from <= len(state.turns)
+                assert len(state.tokens) == len(state.turns)
+                assert all(t is None for t in state.tokens[: state.live_from])
+                assert state.sent == {k for t in state.turns[state.live_from :] for k in t}
+                assert state.last_used >= last, "LRU order must follow last_used"
+                last = state.last_used
+
+
+ConversationRegistry = ConversationStore
+"""The former name (the planner's chunk registry is now the one conversation store)."""
+
+
+def _checked_id(conversation_id: object) -> ConversationId:
+    cid = validate_conversation_id(conversation_id)
+    if cid is None:
+        msg = "conversation_id: must be a non-empty string, got None"
+        raise ValueError(msg)
+    return cid

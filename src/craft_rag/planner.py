@@ -27,10 +27,11 @@ from typing import Any
 
 from craft_rag.access_table import ChunkAccessTable
 from craft_rag.chunk import Chunk
-from craft_rag.conversation import ConversationRegistry
+from craft_rag.conversation import ConversationStore
 from craft_rag.files import check_writable, write_atomic
 from craft_rag.ordering import OrderingContext, get_policy
 from craft_rag.plan_lease import PlanLease, PlanLeases, fingerprint
+from craft_rag.planner_events import KVFeedback
 from craft_rag.planner_io import PlannerState, read_state_file, state_from_json
 from craft_rag.planner_sync import SharedSync
 from craft_rag.plans import (
@@ -38,6 +39,7 @@ from craft_rag.plans import (
     Plan,
     PlannerConfig,
     PlannerStats,
+    check_tokens,
     commit_metadata,
     config_from_json,
     parse_plan_ref,
@@ -60,7 +62,7 @@ _MAX_PENDING = 65_536
 _config_from_json = config_from_json  # the name older code imported
 
 
-class CraftPlanner(SharedSync):
+class CraftPlanner(KVFeedback, SharedSync):
     """CA-Table + CP-Tree + conversation dedup behind ``plan``/``commit``.
 
     One planner serves one prompt head: CP-Tree nodes are keyed by chunk keys only, while their
@@ -109,7 +111,7 @@ class CraftPlanner(SharedSync):
         self._promotion = get_promotion_rule(self.config.promotion_rule)
         self.access_table = ChunkAccessTable(self.config.window)
         self.prefix_tree = ChunkPrefixTree(self.config.max_tree_nodes, clock=state_clock)
-        self.conversations = ConversationRegistry(
+        self.conversations = ConversationStore(
             self.config.max_conversations, self.config.conversation_ttl_s, clock=state_clock
         )
         self.stats = PlannerStats()
@@ -202,6 +204,8 @@ class CraftPlanner(SharedSync):
             seen = self._shared.applied if self._shared is not None else 0
             lease = PlanLease(plan, seen, fingerprint(plan), self._clock())
             self._leases.add(lease, _MAX_PENDING)
+            if conv is not None and turn > 1:  # never evicted until its commit or abort:
+                self.conversations.hold(conv)
             self.stats.plans += 1
         return plan
 
@@ -281,9 +285,11 @@ class CraftPlanner(SharedSync):
             msg = f"plan: must be a craft_rag.planner.Plan, got {type(plan).__name__}"
             raise ValueError(msg)
         with self._lock:
-            if plan.planner_token != self._token:
+            if plan.planner_token != self._token or self._leases.finish(plan.plan_id) is None:
                 return False
-            return self._leases.finish(plan.plan_id) is not None
+            if plan.conversation_id is not None:
+                self.conversations.release(plan.conversation_id)
+            return True
 
     def in_flight(self, conversation_id: str) -> bool:
         """True if the conversation has a plan made and not yet committed or aborted. O(1)."""
@@ -313,8 +319,10 @@ class CraftPlanner(SharedSync):
         reused_chunks: int | None = None,
         block_hashes: Sequence[Sequence[BlockHash | int]] | None = None,
         location: KVLocation | None = None,
+        turn_tokens: Sequence[int] | None = None,
     ) -> CommitResult:
-        """Record that ``plan`` was served.
+        """Record that ``plan`` was served; ``turn_tokens``: the ids the turn leaves in its
+        conversation's prompt (recorded with its keys in one ``record_turn``).
 
         ``prefix_tokens`` is the number of prompt tokens before the first chunk; with
         ``chunk_token_counts`` (default: the chunks' ``num_tokens``) it gives each CP-Tree node
@@ -328,15 +336,14 @@ class CraftPlanner(SharedSync):
         planning). Every argument is checked before anything changes: a refused commit changes
         nothing and leaves the plan committable.
 
-        Spans are contiguous by construction (each chunk starts where the one before ends). A
-        commit whose span for a cached chunk differs from the recorded one (another
-        ``prefix_tokens``, a re-tokenized chunk) replaces that node's KV record, and the nodes
-        recorded below it under the old span are dropped (see :meth:`ChunkPrefixTree.insert`).
-        O(k) plus the tree's insert.
+        Spans are contiguous by construction; a span differing from a cached chunk's recorded
+        one replaces that node's KV record and drops the nodes below it
+        (:meth:`ChunkPrefixTree.insert`). O(k) plus the tree's insert.
         """
         metadata = commit_metadata(
             plan, prefix_tokens, chunk_token_counts, reused_chunks, block_hashes, location
         )
+        tokens = check_tokens(turn_tokens)
         keys = plan.keys
 
         with self._lock:
@@ -369,11 +376,11 @@ class CraftPlanner(SharedSync):
                     tuple(metadata) if metadata is not None else None, location,
                     self._replay_clock.base(),
                 )
-                applied = self._push(entry, not_after=seen)
+                applied = self._push(entry, not_after=seen, tokens=tokens)
             if applied is None:
                 applied = self._record(
                     keys, removed_keys, plan.turn, plan.conversation_id, reused_chunks,
-                    metadata, location,
+                    metadata, location, tokens,
                 )
             reused, inserted, stale = applied
 
@@ -397,9 +404,11 @@ class CraftPlanner(SharedSync):
         reused_chunks: int | None,
         metadata: Sequence[NodeMetadata] | None,
         location: KVLocation | None,
+        tokens: Sequence[int] | None = None,
     ) -> tuple[int, int, int]:
-        """Apply one served plan to the table, tree and registry (the local commit, and the
-        replay of a shared log entry): ``(reused, inserted, stale)``. Caller holds the lock."""
+        """Apply one served plan to the table, tree and conversation store (the local commit,
+        and the replay of a shared log entry): ``(reused, inserted, stale)``. Caller holds the
+        lock."""
         self.access_table.record([*keys, *removed])
         inserted = stale = 0
         reused = 0
@@ -423,27 +432,8 @@ class CraftPlanner(SharedSync):
                 )
                 inserted = depth
         if conversation_id is not None:
-            self.conversations.record_turn(conversation_id, keys)
+            self.conversations.record_turn(conversation_id, keys, tokens)
         return reused, inserted, stale
-
-    # ---- engine feedback (KV events) ----------------------------------------------------------
-
-    def on_blocks_removed(self, hashes: Iterable[BlockHash | int]) -> int:
-        """The engine evicted these blocks: drop the CP-Tree nodes owning them (count).
-        Hashes are bytes or ints (normalised by :func:`craft_rag.types.as_block_hash`);
-        ``ValueError`` (nothing changed) for any other type."""
-        with self._lock:
-            return self.prefix_tree.remove_blocks(hashes)
-
-    def on_blocks_moved(self, hashes: Iterable[BlockHash | int], location: KVLocation) -> int:
-        """The engine moved these blocks to another tier/replica: update node locations."""
-        with self._lock:
-            return self.prefix_tree.relocate_blocks(hashes, location)
-
-    def on_all_blocks_cleared(self) -> None:
-        """The engine dropped its whole prefix cache: empty the CP-Tree."""
-        with self._lock:
-            self.prefix_tree.clear()
 
     # ---- persistence (codec: craft_rag.planner_io) -------------------------------------------
 

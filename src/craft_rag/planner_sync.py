@@ -5,7 +5,9 @@ worker's entries, snapshots, and the ``?fallback=memory`` switch to local state.
 Every method runs under the planner's lock (the caller holds it) except the public ``sync`` /
 ``shared_position``, which take it. Entries are applied with the planner's own ``_record``, so a
 replayed commit changes the CA-Table, CP-Tree and conversation store exactly as the local
-commit did on the worker that made it.
+commit did on the worker that made it, except for the turn's token ids: only the committing
+worker records them; others load them from the conversation's stored history
+(:mod:`craft_rag.stores.histories`).
 """
 
 from __future__ import annotations
@@ -16,7 +18,7 @@ import threading
 from collections.abc import Sequence
 
 from craft_rag.access_table import ChunkAccessTable
-from craft_rag.conversation import ConversationRegistry
+from craft_rag.conversation import ConversationStore
 from craft_rag.plan_lease import PlanLeases
 from craft_rag.plans import PlannerConfig
 from craft_rag.prefix_tree import ChunkPrefixTree, KVLocation, NodeMetadata
@@ -44,7 +46,7 @@ class SharedSync:
     config: PlannerConfig
     access_table: ChunkAccessTable
     prefix_tree: ChunkPrefixTree
-    conversations: ConversationRegistry
+    conversations: ConversationStore
     store_fallback: str | None
     _lock: threading.Lock
     _shared: SharedState | None
@@ -60,6 +62,7 @@ class SharedSync:
         reused_chunks: int | None,
         metadata: Sequence[NodeMetadata] | None,
         location: KVLocation | None,
+        tokens: Sequence[int] | None = None,
     ) -> tuple[int, int, int]:
         raise NotImplementedError
 
@@ -107,9 +110,12 @@ class SharedSync:
             return
         self._apply(shared, read, own_seq=None)
 
-    def _push(self, entry: Entry, not_after: int | None) -> tuple[int, int, int] | None:
-        """Append ``entry``, apply everything up to it; the entry's own ``_record`` result
-        (None when the planner fell back to local state instead)."""
+    def _push(
+        self, entry: Entry, not_after: int | None, tokens: Sequence[int] | None = None
+    ) -> tuple[int, int, int] | None:
+        """Append ``entry``, apply everything up to it (``tokens``: the turn's token ids,
+        recorded with the entry's own keys); the entry's own ``_record`` result (None when the
+        planner fell back to local state instead)."""
         shared = self._shared
         assert shared is not None
         try:
@@ -118,10 +124,14 @@ class SharedSync:
             if not self._fall_back(shared, e):
                 raise
             return None
-        return self._apply(shared, read, own_seq=read.head)
+        return self._apply(shared, read, own_seq=read.head, own_tokens=tokens)
 
     def _apply(
-        self, shared: SharedState, read: LogRead, own_seq: int | None
+        self,
+        shared: SharedState,
+        read: LogRead,
+        own_seq: int | None,
+        own_tokens: Sequence[int] | None = None,
     ) -> tuple[int, int, int] | None:
         if read.snapshot is not None:
             data = json.loads(read.snapshot.state)
@@ -129,7 +139,7 @@ class SharedSync:
             self.prefix_tree = ChunkPrefixTree.from_json(
                 data["prefix_tree"], clock=self._replay_clock
             )
-            self.conversations = ConversationRegistry.from_json(
+            self.conversations = ConversationStore.from_json(
                 data["conversations"], clock=self._replay_clock
             )
             shared.applied = read.snapshot.seq
@@ -144,6 +154,7 @@ class SharedSync:
                     result = self._record(
                         entry.keys, entry.removed, entry.turn, entry.conversation,
                         entry.reused_chunks, entry.metadata, entry.location,
+                        own_tokens if raw.seq == own_seq else None,
                     )
                 elif isinstance(entry, EndEntry):
                     result = (int(self.conversations.end(entry.conversation)), 0, 0)

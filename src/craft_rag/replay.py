@@ -156,16 +156,12 @@ def replay(
     # max_tokens (max_model_len grows by what max_tokens was raised).
     sampling = SamplingRequest(max_tokens=max(1, max_tokens))
     limit = MAX_INT if max_model_len is None else max_model_len + sampling.max_tokens - max_tokens
+    namespaces = PlannerNamespaces(planner)
     conversations = ConversationPrompts(
-        assembler,
-        max_model_len=limit,
-        max_conversations=config.max_conversations,
-        on_forget=lambda cid, salt: turns.forget_planned(cid, salt),
-        history_budget=None,
-        on_drop=lambda cid, salt, n: turns.forget_dropped_turns(cid, salt, n),
+        assembler, max_model_len=limit, history_budget=None, stores=namespaces
     )
     turns = RagTurns(
-        PlannerNamespaces(planner),
+        namespaces,
         conversations,
         sim.submit,
         sim,

@@ -112,18 +112,21 @@ def test_a_conversation_keeps_the_salt_of_its_first_turn() -> None:
     assert cp.cache_salt("c") == "b"
 
 
-def test_on_forget_hears_every_evicted_or_ended_history_with_its_salt() -> None:
-    forgotten: list[tuple[str, str | None]] = []
-    cp = ConversationPrompts(
-        PromptAssembler(HashingTokenizer(), FAKE_FORMAT),
-        max_model_len=400,
-        max_conversations=2,
-        on_forget=lambda cid, salt: forgotten.append((cid, salt)),
-    )
-    for cid, salt in (("a", "s"), ("b", None), ("c", None)):
-        cp.complete(cp.render([], "Q?", max_tokens=8, conversation_id=cid, cache_salt=salt), [5])
-    assert forgotten == [("a", "s")]  # the least recently used, with its salt
+def test_evicted_or_ended_conversations_are_forgotten_with_their_salt() -> None:
+    """One store per salt, LRU-bounded: the least recently used conversation of a salt is
+    forgotten (turns and salt), an ended one too; a turn in flight is never evicted."""
+    cp = make_prompts(max_conversations=2)
+    for cid in ("a", "b", "c"):
+        cp.complete(cp.render([], "Q?", max_tokens=8, conversation_id=cid, cache_salt="s"), [5])
+    assert cp.turn_count("a") == 0 and cp.cache_salt("a") is None  # the least recently used
+    assert cp.turn_count("b") == 1 and cp.cache_salt("b") == "s"
     assert cp.end("b") and not cp.end("b")
-    assert forgotten == [("a", "s"), ("b", None)]
-    cp.clear()  # a new planner: nothing to forget in the old one
-    assert len(forgotten) == 2
+    assert cp.turn_count("b") == 0
+    held = cp.render([], "Q?", max_tokens=8, conversation_id="d", cache_salt="s")
+    for cid in ("e", "f"):
+        cp.complete(cp.render([], "Q?", max_tokens=8, conversation_id=cid, cache_salt="s"), [5])
+    cp.complete(held, [5])  # "d" was in flight: kept past the bound, then recorded
+    assert cp.turn_count("d") == 1
+    cp._check_invariants()
+    cp.clear()
+    assert cp.turn_count("d") == 0

@@ -191,34 +191,38 @@ def test_a_conversation_whose_history_was_evicted_starts_over_in_the_planner_too
     engine.conversations._check_invariants()
 
 
-def test_a_history_evicted_between_planning_and_rendering_is_planned_again(
+def test_a_conversation_ended_between_planning_and_rendering_is_not_planned_again(
     make_fake_engine: Factory,
 ) -> None:
-    """Another request's render may evict a conversation's history after its next turn was
-    planned (as turn 2) and before it is rendered. The engine then plans the turn again, as a
-    fresh first turn."""
+    """A conversation ended (end_conversation) after its next turn was planned (as turn 2)
+    and before it is rendered: the turn is refused (nothing sent, no re-planning: the plan's
+    removed duplicates are in no prompt any more); sent again, it is a fresh first turn."""
     engine, backend = make_fake_engine()
     c0, c1, c2 = make_chunks(3)
 
-    class EvictingPlanner(CraftPlanner):
+    class EndingPlanner(CraftPlanner):
         evict = False
 
         def plan(self, chunks: Sequence[Chunk], conversation_id: str | None = None) -> Plan:
             made = super().plan(chunks, conversation_id)
             if self.evict and conversation_id is not None:
                 self.evict = False
-                engine.conversations.end(conversation_id)  # what an LRU eviction does
+                engine.conversations.end(conversation_id)
             return made
 
-    planner = EvictingPlanner()
+    planner = EndingPlanner()
     engine.set_planner(planner)
     engine.generate([c0, c1], "Q1?", conversation_id="a", max_tokens=2)
     planner.evict = True
+    sent = len(backend.added)
+    with pytest.raises(RuntimeError, match="send the turn again"):
+        engine.generate([c0, c2], "Q2?", conversation_id="a", max_tokens=2)
+    assert len(backend.added) == sent and not planner.in_flight("a")
     again = engine.generate([c0, c2], "Q2?", conversation_id="a", max_tokens=2)
     assert again.report.turn == 1 and again.report.removed_duplicates == ()
     assert set(again.report.chunk_order) == {c0.key, c2.key}
     assert planner.stats.commits == 2
-    # A caller-made plan whose history was dropped is stale: refused before anything is sent.
+    # A caller-made plan whose conversation was ended is stale: refused before anything is sent.
     made = planner.plan([c1], "a")
     assert made.turn == 2
     engine.conversations.end("a")
@@ -226,6 +230,43 @@ def test_a_history_evicted_between_planning_and_rendering_is_planned_again(
     with pytest.raises(RuntimeError, match="plan the turn again"):
         engine.generate(list(made.ordered), "Q3?", plan=made, max_tokens=2)
     assert len(backend.added) == sent
+    engine.conversations._check_invariants()
+
+
+def test_a_planned_conversation_is_not_evicted_before_it_is_rendered(
+    make_fake_engine: Factory,
+) -> None:
+    """One LRU bound (max_conversations=1) on the planner's store: other conversations
+    recorded while "a"'s turn 2 waits between planning and rendering do not evict "a" (the
+    planner holds it), so turn 2 is served as planned, its duplicate c0 kept in the prompt by
+    turn 1; no re-planning."""
+    engine, backend = make_fake_engine(max_conversations=1)
+    c0, c1, c2 = make_chunks(3)
+
+    class CrowdingPlanner(CraftPlanner):
+        crowd = False
+
+        def plan(self, chunks: Sequence[Chunk], conversation_id: str | None = None) -> Plan:
+            made = super().plan(chunks, conversation_id)
+            if self.crowd:
+                self.crowd = False
+                for other in ("x", "y"):
+                    self.conversations.record_turn(ConversationId(other), [c2.key], (1, 2))
+            return made
+
+    planner = CrowdingPlanner(engine.planner.config)
+    engine.set_planner(planner)
+    engine.generate([c0, c1], "Q1?", conversation_id="a", max_tokens=2)
+    planner.crowd = True
+    again = engine.generate([c0, c2], "Q2?", conversation_id="a", max_tokens=2)
+    assert again.report.turn == 2 and again.report.removed_duplicates == (c0.key,)
+    prompt = backend.added[-1][1]
+    c0_ids = engine.assembler.chunk_ids(c0)
+    assert any(prompt[i : i + len(c0_ids)] == c0_ids for i in range(len(prompt)))
+    assert planner.stats.commits == 2
+    assert engine.conversations.turn_count("a") == 2
+    assert engine.conversations.turn_count("x") == 0  # evicted by "y"; "a" (in flight) kept
+    planner._check_invariants()
     engine.conversations._check_invariants()
 
 

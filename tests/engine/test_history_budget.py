@@ -12,13 +12,25 @@ from collections.abc import Callable
 
 import pytest
 
-from craft_rag.engine.conversation_prompts import ConversationPrompts, HistoryBudget
+from craft_rag.engine.conversation_prompts import ConversationPrompts, HistoryBudget, LocalStores
 from craft_rag.engine.engine import CraftEngine
 from craft_rag.prompt import PromptAssembler
 from craft_rag.testing import FAKE_FORMAT, FakeBackend, make_chunks
 from craft_rag.tokenizer import HashingTokenizer
 
 Factory = Callable[..., tuple[CraftEngine, FakeBackend]]
+
+
+class RecordingStores(LocalStores):
+    """Local stores that note every drop of oldest turns as ``(conversation, salt, n)``."""
+
+    def __init__(self, drops: list[tuple[str, str | None, int]]) -> None:
+        super().__init__(8)
+        self.drops = drops
+
+    def forget_turns(self, cache_salt: str | None, conversation_id: str, n: int) -> int:
+        self.drops.append((conversation_id, cache_salt, n))
+        return super().forget_turns(cache_salt, conversation_id, n)
 
 
 def make_prompts(
@@ -28,7 +40,7 @@ def make_prompts(
         PromptAssembler(HashingTokenizer(), FAKE_FORMAT),
         max_model_len=4000,
         history_budget=budget,
-        on_drop=lambda cid, salt, n: drops.append((cid, salt, n)),
+        stores=RecordingStores(drops),
     )
 
 

@@ -13,40 +13,37 @@ cached. A :class:`HistoryBudget` bounds the stored history (head excluded): when
 turn takes it over ``max_tokens``, whole oldest turns are dropped until it is at most
 ``keep_tokens``. The first turn after a drop recomputes the shorter history once; the low-water
 mark then leaves room for several turns that only append (the prefix stays stable and reused)
-instead of sliding, and recomputing, every turn. Dropped turns are reported through
-``on_drop`` so the planner forgets their chunks: conversation dedup is only correct while the
-turn carrying a chunk is still in the prompt.
+instead of sliding, and recomputing, every turn. Dropped turns are forgotten in the conversation
+store (through the salt's planner, so a shared store logs them), which also forgets their
+chunks: conversation dedup is only correct while the turn carrying a chunk is still in the
+prompt.
 
 When ``history + new turn + max_tokens`` would exceed ``max_model_len``, :meth:`fit` drops whole
 oldest turns before the turn is planned (never part of a turn, never part of a chunk); the count
 is reported. A turn that cannot fit even alone raises ``ValueError``.
 
-**Several workers** (``CraftEngine(store=...)``): this object owns the worker's local copy of
-each history; the store owns the shared copy (:mod:`craft_rag.stores.histories`), written by
-the worker that served the last turn. :meth:`export` and :meth:`adopt` move a history between
-the two; ``version`` (a store seq) says how new the local copy is.
+**State.** This module keeps none: every turn (chunk keys and token ids), the turn in flight
+and the bounds live in the one conversation store (:class:`craft_rag.conversation.
+ConversationStore`), one per cache salt, found through :class:`ConversationStores` (in an
+engine: each salt's planner's store). :class:`ConversationPrompts` renders from it and applies
+the :class:`HistoryBudget` policy. With several workers (``CraftEngine(store=...)``) the token
+history also has a shared copy (:mod:`craft_rag.stores.histories`).
 """
 
 from __future__ import annotations
 
 import threading
-from collections import OrderedDict
-from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Protocol
 
 from craft_rag.chunk import Chunk
+from craft_rag.conversation import ConversationHistory, ConversationStore
 from craft_rag.prompt import AssembledPrompt, PromptAssembler
-from craft_rag.stores.histories import StoredHistory
-from craft_rag.types import ChunkKey
+from craft_rag.types import ChunkKey, ConversationId
 
 DEFAULT_MAX_CONVERSATIONS = 1024
-
-OnForget = Callable[[str, str | None], object]
-"""Called with ``(conversation_id, cache_salt)`` when a history is evicted or ended."""
-
-OnDrop = Callable[[str, str | None, int], object]
-"""Called with ``(conversation_id, cache_salt, n)`` when the ``n`` oldest turns of a history are
-dropped (budget or context length); the history itself lives on."""
+"""The engine's conversation bound (its default planner's ``max_conversations``)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -94,6 +91,7 @@ class RenderedTurn:
     earlier_dropped: int = 0
     """Turns dropped since the previous served turn (history budget, :meth:`fit`): also left
     out of this prompt, already forgotten. Reports add it to ``dropped_turns``."""
+    cache_salt: str | None = None
 
     @property
     def left_out(self) -> int:
@@ -101,38 +99,66 @@ class RenderedTurn:
         return self.dropped_turns + self.earlier_dropped
 
 
-@dataclass(slots=True)
-class _History:
-    """One conversation's stored turns. Owner: :class:`ConversationPrompts` (under its lock)."""
+class ConversationStores(Protocol):
+    """Where the renderer finds conversation stores: one per cache salt. An engine's
+    :class:`~craft_rag.engine.planners.PlannerNamespaces` is one (each salt's planner's
+    store); :class:`LocalStores` is the standalone one."""
 
-    turns: list[tuple[int, ...]] = field(default_factory=list)
-    keys: list[tuple[ChunkKey, ...]] = field(default_factory=list)
-    """The chunk keys each stored turn carries (parallel to ``turns``)."""
-    tokens: int = 0
-    in_flight: bool = False
-    dropped_since: int = 0
-    """Turns dropped since the last served turn (reported by the next one)."""
-    cache_salt: str | None = None
-    """The prefix-cache namespace of every turn; fixed for the history's lifetime."""
-    version: int = 0
-    """The store seq this copy matches (0: never saved to or loaded from a store)."""
+    def conversation_store(self, cache_salt: str | None) -> ConversationStore:
+        """The salt's store, made on first use."""
+        ...
+
+    def conversation_stores(self) -> list[tuple[str | None, ConversationStore]]:
+        """The stores held now, with their salts."""
+        ...
+
+    def forget_turns(self, cache_salt: str | None, conversation_id: str, n: int) -> int:
+        """Drop the conversation's ``n`` oldest live turns (through its planner)."""
+        ...
+
+    def end_conversation(self, conversation_id: str) -> bool:
+        """Forget the conversation everywhere."""
+        ...
+
+
+class LocalStores:
+    """One :class:`ConversationStore` per salt, owned here (``ConversationPrompts`` without a
+    planner: its unit tests and tools). Thread-safe."""
+
+    def __init__(self, max_conversations: int) -> None:
+        self.max_conversations = max_conversations
+        self._lock = threading.Lock()
+        self._stores: dict[str | None, ConversationStore] = {}
+
+    def conversation_store(self, cache_salt: str | None) -> ConversationStore:
+        with self._lock:
+            store = self._stores.get(cache_salt)
+            if store is None:
+                store = ConversationStore(self.max_conversations, None)
+                self._stores[cache_salt] = store
+            return store
+
+    def conversation_stores(self) -> list[tuple[str | None, ConversationStore]]:
+        with self._lock:
+            return list(self._stores.items())
+
+    def forget_turns(self, cache_salt: str | None, conversation_id: str, n: int) -> int:
+        store = self.conversation_store(cache_salt)
+        return store.forget_oldest_turns(ConversationId(conversation_id), n)
+
+    def end_conversation(self, conversation_id: str) -> bool:
+        ended = [s.end(ConversationId(conversation_id)) for _, s in self.conversation_stores()]
+        return any(ended)
 
 
 class ConversationPrompts:
-    """Renders single- and multi-turn prompts; keeps per-conversation token histories.
+    """Renders single- and multi-turn prompts from the conversation stores; applies the
+    history budget. Holds no conversation state (see the module docstring).
 
-    Invariants: each history's ``tokens`` is the sum of its turns' lengths; at most
-    ``max_conversations`` histories (least recently used dropped first, never one with a turn
-    in flight); at most one turn in flight per conversation. Thread-safe (one lock, which also
-    guards the assembler's chunk cache). Cost of ``render``: O(prompt tokens) to concatenate
-    plus tokenizing uncached segments.
-
-    ``on_forget(conversation_id, cache_salt)`` runs, under the lock, for every history dropped
-    by the LRU bound or :meth:`end`. The engine uses it to end the conversation in its salt's
-    planner: a planner that still knew the conversation would plan the next turn as a later
-    turn (earlier turns' chunks removed as already sent) for a prompt rendered without those
-    turns, and the removed chunks would silently vanish. Lock order: this lock, then the
-    planners' locks (never the reverse).
+    A conversation lives in one salt's store: a request with another ``cache_salt`` is refused
+    (``ValueError``). Thread-safe (one lock guards the assembler's chunk cache; the stores
+    lock themselves). Cost of ``render``: O(prompt tokens) to concatenate plus tokenizing
+    uncached segments; finding a conversation's salt is O(salts held).
     """
 
     def __init__(
@@ -141,10 +167,11 @@ class ConversationPrompts:
         *,
         max_model_len: int,
         max_conversations: int = DEFAULT_MAX_CONVERSATIONS,
-        on_forget: OnForget | None = None,
         history_budget: HistoryBudget | None = None,
-        on_drop: OnDrop | None = None,
+        stores: ConversationStores | None = None,
     ) -> None:
+        """``stores``: where conversations live (default: :class:`LocalStores` bounded by
+        ``max_conversations``; an engine passes its planners, whose config bounds them)."""
         if max_conversations < 1:
             msg = f"max_conversations must be >= 1, got {max_conversations}"
             raise ValueError(msg)
@@ -155,11 +182,67 @@ class ConversationPrompts:
         self.max_model_len = max_model_len
         self.max_conversations = max_conversations
         self.history_budget = history_budget
+        self.stores: ConversationStores = stores or LocalStores(max_conversations)
         self._lock = threading.Lock()
-        self._histories: OrderedDict[str, _History] = OrderedDict()
-        self._on_forget = on_forget
-        self._on_drop = on_drop
         self._close_ids = assembler.answer_ids("")
+
+    # ---- reading the store ---------------------------------------------------------------
+
+    def _owner(self, conversation_id: str) -> tuple[str | None, ConversationHistory] | None:
+        """The salt whose store knows the conversation, and its live history."""
+        for salt, store in self.stores.conversation_stores():
+            history = store.history(ConversationId(conversation_id))
+            if history is not None:
+                return salt, history
+        return None
+
+    def _history(
+        self, conversation_id: str | None, cache_salt: str | None
+    ) -> ConversationHistory | None:
+        """The conversation's history; ``ValueError`` when it lives under another salt."""
+        if conversation_id is None:
+            return None
+        owner = self._owner(conversation_id)
+        if owner is None:
+            return None
+        salt, history = owner
+        if salt != cache_salt:
+            known = "no cache_salt" if salt is None else "another cache_salt"
+            msg = (
+                f"conversation {conversation_id!r} was started with {known}; send every turn "
+                "with the salt of its first turn, or end_conversation() it before changing "
+                "the salt"
+            )
+            raise ValueError(msg)
+        return history
+
+    def check_salt(self, conversation_id: str | None, cache_salt: str | None) -> None:
+        """``ValueError`` when ``conversation_id`` is known with another ``cache_salt`` (its
+        turns live in that salt's cache namespace; a new salt would silently start over).
+        O(salts held)."""
+        self._history(conversation_id, cache_salt)
+
+    def cache_salt(self, conversation_id: str) -> str | None:
+        """The salt of a known conversation (``None``: unsalted or unknown)."""
+        owner = self._owner(conversation_id)
+        return owner[0] if owner is not None else None
+
+    def history_tokens(self, conversation_id: str) -> int:
+        """Tokens of the stored turns (0 for an unknown conversation); head excluded."""
+        owner = self._owner(conversation_id)
+        return owner[1].tokens if owner is not None else 0
+
+    def turn_count(self, conversation_id: str) -> int:
+        """Turns the prompt holds now (dropped ones excluded; 0 when unknown)."""
+        owner = self._owner(conversation_id)
+        return len(owner[1].turns) if owner is not None else 0
+
+    def version(self, conversation_id: str) -> int:
+        """The shared-store seq the token history matches (0: unknown, or never stored)."""
+        owner = self._owner(conversation_id)
+        return owner[1].version if owner is not None else 0
+
+    # ---- rendering ---------------------------------------------------------------------------
 
     def render(
         self,
@@ -170,15 +253,17 @@ class ConversationPrompts:
         conversation_id: str | None = None,
         fresh: bool = False,
         cache_salt: str | None = None,
+        held: bool = False,
     ) -> RenderedTurn:
         """The prompt for one turn; with a ``conversation_id`` it continues that conversation
-        (``fresh=True`` starts it over, e.g. when the planner no longer knows it) and marks a
-        turn in flight until :meth:`complete` or :meth:`cancel`. A new conversation takes
-        ``cache_salt`` for all its turns.
+        (``fresh=True`` drops its turns first) and marks the turn in flight until
+        :meth:`complete` or :meth:`cancel`; ``held``: the turn's plan already holds it (an
+        engine's planner: its commit or abort ends the hold).
 
         ``ValueError`` when the turn cannot fit in ``max_model_len`` with ``max_tokens`` even
         without earlier turns, or when a known conversation is sent with another
-        ``cache_salt``; ``RuntimeError`` when the conversation already has a turn in flight.
+        ``cache_salt``; ``RuntimeError`` when the conversation already has a turn in flight,
+        or a live turn's tokens are not known here (another worker's, not loaded).
         """
         with self._lock:
             a = self.assembler
@@ -189,63 +274,108 @@ class ConversationPrompts:
                 segment.extend(a.chunk_ids(chunk))
                 spans_rel.append((start, len(segment)))
             segment.extend(a.question_ids(question))
-            head = a.head_ids
-            budget = self.max_model_len - max_tokens
-            if len(head) + len(segment) > budget:
-                chunk_tokens = spans_rel[-1][1] if spans_rel else 0
+        head = a.head_ids
+        budget = self.max_model_len - max_tokens
+        if len(head) + len(segment) > budget:
+            chunk_tokens = spans_rel[-1][1] if spans_rel else 0
+            msg = (
+                f"prompt needs {len(head) + len(segment)} tokens (head {len(head)}, "
+                f"{len(chunks)} chunks {chunk_tokens}, question "
+                f"{len(segment) - chunk_tokens}) + max_tokens {max_tokens} > max_model_len "
+                f"{self.max_model_len} even without earlier turns; pass fewer or shorter "
+                "chunks, lower max_tokens, or "
+                "start the engine with a larger max_model_len"
+            )
+            raise ValueError(msg)
+
+        history = self._history(conversation_id, cache_salt)
+        if conversation_id is not None:
+            cid = ConversationId(conversation_id)
+            store = self.stores.conversation_store(cache_salt)
+            if fresh and history is not None:
+                store.forget_oldest_turns(cid, len(history.turns))
+            if not store.hold(cid) and not held:
                 msg = (
-                    f"prompt needs {len(head) + len(segment)} tokens (head {len(head)}, "
-                    f"{len(chunks)} chunks {chunk_tokens}, question "
-                    f"{len(segment) - chunk_tokens}) + max_tokens {max_tokens} > max_model_len "
-                    f"{self.max_model_len} even without earlier turns; pass fewer or shorter "
-                    "chunks, lower max_tokens, or "
-                    "start the engine with a larger max_model_len"
+                    f"conversation {conversation_id!r} already has a turn in flight; "
+                    "await it before sending the next turn"
                 )
-                raise ValueError(msg)
-
-            history: _History | None = None
-            if conversation_id is not None:
-                history = self._histories.get(conversation_id)
-                if history is not None:
-                    _check_salt(conversation_id, history, cache_salt)
-                if history is not None and history.in_flight:
-                    msg = (
-                        f"conversation {conversation_id!r} already has a turn in flight; "
-                        "await it before sending the next turn"
-                    )
-                    raise RuntimeError(msg)
-                if history is None or fresh:
-                    history = _History(cache_salt=cache_salt)
-                    self._histories[conversation_id] = history
-                self._histories.move_to_end(conversation_id)
-                history.in_flight = True
-                self._evict_over_bound()
-
-            turns = history.turns if history is not None else []
-            dropped = 0
-            kept_tokens = history.tokens if history is not None else 0
-            while len(head) + kept_tokens + len(segment) > budget:
-                kept_tokens -= len(turns[dropped])
-                dropped += 1
-            ids = list(head)
-            for turn in turns[dropped:]:
-                ids.extend(turn)
-            prefix = len(ids)
-            ids.extend(segment)
-            prompt = AssembledPrompt(
-                token_ids=tuple(ids),
-                chunk_keys=tuple(c.key for c in chunks),
-                chunk_spans=tuple((prefix + s, prefix + e) for s, e in spans_rel),
-                prefix_tokens=prefix,
+                raise RuntimeError(msg)
+            history = store.history(cid)
+        turns = history.turns if history is not None else ()
+        if None in turns:
+            if not held and conversation_id is not None:
+                self.stores.conversation_store(cache_salt).release(ConversationId(conversation_id))
+            msg = (
+                f"conversation {conversation_id!r}: a turn served by another worker is not in "
+                "this worker's history yet (its shared copy was not stored); send the turn again"
             )
-            return RenderedTurn(
-                prompt=prompt,
-                conversation_id=conversation_id,
-                dropped_turns=dropped,
-                kept_turns=len(turns) - dropped,
-                turn_ids=tuple(segment),
-                earlier_dropped=history.dropped_since if history is not None else 0,
-            )
+            raise RuntimeError(msg)
+        dropped = 0
+        kept_tokens = history.tokens if history is not None else 0
+        while len(head) + kept_tokens + len(segment) > budget:
+            kept_tokens -= len(turns[dropped] or ())
+            dropped += 1
+        ids = list(head)
+        for turn in turns[dropped:]:
+            ids.extend(turn or ())
+        prefix = len(ids)
+        ids.extend(segment)
+        prompt = AssembledPrompt(
+            token_ids=tuple(ids),
+            chunk_keys=tuple(c.key for c in chunks),
+            chunk_spans=tuple((prefix + s, prefix + e) for s, e in spans_rel),
+            prefix_tokens=prefix,
+        )
+        return RenderedTurn(
+            prompt=prompt,
+            conversation_id=conversation_id,
+            dropped_turns=dropped,
+            kept_turns=len(turns) - dropped,
+            turn_ids=tuple(segment),
+            earlier_dropped=history.dropped_since if history is not None else 0,
+            cache_salt=cache_salt,
+        )
+
+    def stored_turn(
+        self,
+        rendered: RenderedTurn,
+        reply_ids: Sequence[int],
+        stop_token_ids: frozenset[int] = frozenset(),
+        *,
+        stored_reply: Sequence[int] | None = None,
+    ) -> tuple[int, ...]:
+        """The token ids a served turn leaves in the conversation: its segment, the reply
+        (trailing stop tokens removed) and the answer close (or ``stored_reply``, reply and
+        close as given: replay stores a trace's answer). Pure."""
+        if stored_reply is None:
+            reply = list(reply_ids)
+            while reply and reply[-1] in stop_token_ids:
+                reply.pop()
+            stored_reply = (*reply, *self._close_ids)
+        return (*rendered.turn_ids, *stored_reply)
+
+    def settle(self, rendered: RenderedTurn) -> int:
+        """After the turn was recorded: drop the turns its prompt left out and, over the
+        history budget, the oldest whole turns down to ``keep_tokens`` (the newest turn is
+        always kept). Returns the turns dropped. O(turns)."""
+        cid = rendered.conversation_id
+        if cid is None:
+            return 0
+        store = self.stores.conversation_store(rendered.cache_salt)
+        history = store.history(ConversationId(cid))
+        if history is None:  # ended while in flight
+            return 0
+        lengths = [len(t or ()) for t in history.turns]
+        n = min(rendered.dropped_turns, len(lengths) - 1)
+        left = sum(lengths[n:])
+        budget = self.history_budget
+        if budget is not None and left > budget.max_tokens:
+            while n < len(lengths) - 1 and left > budget.keep_tokens:
+                left -= lengths[n]
+                n += 1
+        if n > 0:
+            self.stores.forget_turns(rendered.cache_salt, cid, n)
+        return n
 
     def complete(
         self,
@@ -255,37 +385,24 @@ class ConversationPrompts:
         *,
         stored_reply: Sequence[int] | None = None,
     ) -> None:
-        """Record a served turn: forget the turns it dropped, append its segment, the reply
-        (trailing stop tokens removed) and the answer close (or ``stored_reply``, reply and
-        close as given: replay stores a trace's answer). No-op without a conversation."""
+        """Record a served turn without a planner (an engine's planner records it in its
+        commit): the turn's keys and :meth:`stored_turn` in one ``record_turn``, then
+        :meth:`settle`. No-op without a conversation or for one ended while in flight."""
         if rendered.conversation_id is None:
             return
-        if stored_reply is None:
-            reply = list(reply_ids)
-            while reply and reply[-1] in stop_token_ids:
-                reply.pop()
-            stored_reply = (*reply, *self._close_ids)
-        stored = (*rendered.turn_ids, *stored_reply)
-        cid = rendered.conversation_id
-        with self._lock:
-            history = self._histories.get(cid)
-            if history is None:  # ended while in flight: nothing to continue
-                return
-            self._drop(cid, history, rendered.dropped_turns)
-            history.turns.append(stored)
-            history.keys.append(rendered.prompt.chunk_keys)
-            history.tokens += len(stored)
-            budget = self.history_budget
-            history.dropped_since = 0
-            if budget is not None and history.tokens > budget.max_tokens:
-                n, left = 0, history.tokens
-                while n < len(history.turns) - 1 and left > budget.keep_tokens:
-                    left -= len(history.turns[n])
-                    n += 1
-                self._drop(cid, history, n)
-                history.dropped_since = n
-            history.in_flight = False
-            self._evict_over_bound()
+        cid = ConversationId(rendered.conversation_id)
+        store = self.stores.conversation_store(rendered.cache_salt)
+        if store.history(cid) is None:
+            return
+        tokens = self.stored_turn(rendered, reply_ids, stop_token_ids, stored_reply=stored_reply)
+        store.record_turn(cid, rendered.prompt.chunk_keys, tokens)
+        self.settle(rendered)
+
+    def cancel(self, rendered: RenderedTurn) -> None:
+        """The turn was not served (engine failure, abort): keep the history as it was."""
+        if rendered.conversation_id is not None:
+            store = self.stores.conversation_store(rendered.cache_salt)
+            store.release(ConversationId(rendered.conversation_id))
 
     def fit(
         self,
@@ -293,31 +410,33 @@ class ConversationPrompts:
         turn_tokens: int,
         max_tokens: int,
         cache_salt: str | None = None,
+        *,
+        planned: bool = False,
     ) -> frozenset[ChunkKey]:
         """Drop the oldest whole turns of an idle conversation until a turn of ``turn_tokens``
         (chunks and question, an upper bound) plus ``max_tokens`` fits after the head and the
         history in ``max_model_len``; call before planning the turn, so the plan's dedup only
         counts chunks still in the prompt. Returns the keys no kept turn carries any more
-        (empty when nothing was dropped). Unknown, in-flight or other-salt conversations are
-        left alone (``render`` reports those). O(turns)."""
+        (empty when nothing was dropped). Unknown, in-flight (unless ``planned``: the turn in
+        flight is this one, a caller's plan) or other-salt conversations are left alone
+        (``render`` reports those). O(turns)."""
         if conversation_id is None:
             return frozenset()
-        with self._lock:
-            history = self._histories.get(conversation_id)
-            if history is None or history.in_flight or history.cache_salt != cache_salt:
-                return frozenset()
-            budget = self.max_model_len - max_tokens - len(self.assembler.head_ids) - turn_tokens
-            n, left = 0, history.tokens
-            while n < len(history.turns) and left > budget:
-                left -= len(history.turns[n])
-                n += 1
-            if n == 0:
-                return frozenset()
-            dropped = {k for keys in history.keys[:n] for k in keys}
-            kept = {k for keys in history.keys[n:] for k in keys}
-            self._drop(conversation_id, history, n)
-            history.dropped_since += n
-            return frozenset(dropped - kept)
+        owner = self._owner(conversation_id)
+        if owner is None or owner[0] != cache_salt or (owner[1].in_flight and not planned):
+            return frozenset()
+        history = owner[1]
+        budget = self.max_model_len - max_tokens - len(self.assembler.head_ids) - turn_tokens
+        n, left = 0, history.tokens
+        while n < len(history.turns) and left > budget:
+            left -= len(history.turns[n] or ())
+            n += 1
+        if n == 0:
+            return frozenset()
+        dropped = {k for keys in history.keys[:n] for k in keys}
+        kept = {k for keys in history.keys[n:] for k in keys}
+        self.stores.forget_turns(cache_salt, conversation_id, n)
+        return frozenset(dropped - kept)
 
     def turn_token_count(self, chunks: Sequence[Chunk], question: str) -> int:
         """Tokens of one turn's segment (chunks, question, tail) as :meth:`render` builds it."""
@@ -336,153 +455,23 @@ class ConversationPrompts:
         if not isinstance(text, str) or not text.strip():
             msg = "text must be a non-empty string"
             raise ValueError(msg)
+        history = self._history(conversation_id, cache_salt)
+        ids = list(self.assembler.head_ids)
+        for turn in history.turns if history is not None else ():
+            ids.extend(turn or ())
         with self._lock:
-            ids = list(self.assembler.head_ids)
-            history = self._histories.get(conversation_id) if conversation_id else None
-            if history is not None:
-                assert conversation_id is not None
-                _check_salt(conversation_id, history, cache_salt)
-                for turn in history.turns:
-                    ids.extend(turn)
             ids.extend(self.assembler.question_ids(text))
-            return tuple(ids)
-
-    def _drop(self, conversation_id: str, history: _History, n: int) -> None:
-        """Drop the ``n`` oldest turns and tell ``on_drop`` (caller holds the lock)."""
-        if n <= 0:
-            return
-        del history.turns[:n]
-        del history.keys[:n]
-        history.tokens = sum(len(t) for t in history.turns)
-        if self._on_drop is not None:
-            self._on_drop(conversation_id, history.cache_salt, n)
-
-    def version(self, conversation_id: str) -> int:
-        """The store seq the local history matches (0: unknown, or never stored). O(1)."""
-        with self._lock:
-            history = self._histories.get(conversation_id)
-            return history.version if history is not None else 0
-
-    def export(self, conversation_id: str, version: int) -> StoredHistory | None:
-        """The idle history's turns, marking the local copy as matching store seq ``version``
-        (the caller stores them at that version); None for an unknown or in-flight one.
-        O(tokens)."""
-        with self._lock:
-            history = self._histories.get(conversation_id)
-            if history is None or history.in_flight:
-                return None
-            history.version = max(history.version, version)
-            return StoredHistory(
-                tuple(history.turns), tuple(history.keys), history.dropped_since
-            )
-
-    def adopt(
-        self,
-        conversation_id: str,
-        stored: StoredHistory,
-        version: int,
-        cache_salt: str | None,
-    ) -> bool:
-        """Replace the local history by ``stored`` (another worker's newer copy, at store seq
-        ``version``). No hook runs: the planner already replayed the turns the other worker
-        served and dropped. False (nothing changed) while a turn is in flight here or when the
-        local copy is at least as new. O(tokens)."""
-        with self._lock:
-            history = self._histories.get(conversation_id)
-            if history is not None and (history.in_flight or history.version >= version):
-                return False
-            self._histories[conversation_id] = _History(
-                turns=list(stored.turns),
-                keys=list(stored.keys),
-                tokens=sum(len(t) for t in stored.turns),
-                dropped_since=stored.dropped_since,
-                cache_salt=cache_salt,
-                version=version,
-            )
-            self._histories.move_to_end(conversation_id)
-            self._evict_over_bound()
-            return True
-
-    def cancel(self, rendered: RenderedTurn) -> None:
-        """The turn was not served (engine failure, abort): keep the history as it was."""
-        if rendered.conversation_id is None:
-            return
-        with self._lock:
-            history = self._histories.get(rendered.conversation_id)
-            if history is not None:
-                history.in_flight = False
-                self._evict_over_bound()
-
-    def check_salt(self, conversation_id: str | None, cache_salt: str | None) -> None:
-        """``ValueError`` when ``conversation_id`` is known with another ``cache_salt`` (its
-        turns live in that salt's cache namespace; a new salt would silently start over).
-        O(1)."""
-        if conversation_id is None:
-            return
-        with self._lock:
-            history = self._histories.get(conversation_id)
-            if history is not None:
-                _check_salt(conversation_id, history, cache_salt)
-
-    def cache_salt(self, conversation_id: str) -> str | None:
-        """The salt of a known conversation (``None``: unsalted or unknown)."""
-        with self._lock:
-            history = self._histories.get(conversation_id)
-            return history.cache_salt if history is not None else None
+        return tuple(ids)
 
     def end(self, conversation_id: str) -> bool:
-        """Forget a conversation's history (``on_forget`` runs). True if it was known."""
-        with self._lock:
-            history = self._histories.pop(conversation_id, None)
-            if history is None:
-                return False
-            self._forgotten(conversation_id, history)
-            return True
+        """Forget a conversation (in its planner too). True if it was known."""
+        return self.stores.end_conversation(conversation_id)
 
     def clear(self) -> None:
-        with self._lock:
-            self._histories.clear()
-
-    def history_tokens(self, conversation_id: str) -> int:
-        """Tokens of the stored turns (0 for an unknown conversation); head excluded."""
-        with self._lock:
-            history = self._histories.get(conversation_id)
-            return history.tokens if history is not None else 0
-
-    def turn_count(self, conversation_id: str) -> int:
-        with self._lock:
-            history = self._histories.get(conversation_id)
-            return len(history.turns) if history is not None else 0
-
-    def _evict_over_bound(self) -> None:
-        """Drop least recently used idle histories past the bound (caller holds the lock);
-        histories with a turn in flight are never dropped, so the bound may be exceeded while
-        more than ``max_conversations`` turns are in flight."""
-        over = len(self._histories) - self.max_conversations
-        if over <= 0:
-            return
-        for cid in [c for c, h in self._histories.items() if not h.in_flight][:over]:
-            self._forgotten(cid, self._histories.pop(cid))
-
-    def _forgotten(self, conversation_id: str, history: _History) -> None:
-        if self._on_forget is not None:
-            self._on_forget(conversation_id, history.cache_salt)
+        """Forget every conversation of the stores held now."""
+        for _, store in self.stores.conversation_stores():
+            store.clear()
 
     def _check_invariants(self) -> None:
-        with self._lock:
-            assert len(self._histories) <= self.max_conversations or all(
-                h.in_flight for h in self._histories.values()
-            )
-            for history in self._histories.values():
-                assert history.tokens == sum(len(t) for t in history.turns)
-                assert len(history.keys) == len(history.turns)
-
-
-def _check_salt(conversation_id: str, history: _History, cache_salt: str | None) -> None:
-    if history.cache_salt != cache_salt:
-        known = "no cache_salt" if history.cache_salt is None else "another cache_salt"
-        msg = (
-            f"conversation {conversation_id!r} was started with {known}; send every turn with "
-            "the salt of its first turn, or end_conversation() it before changing the salt"
-        )
-        raise ValueError(msg)
+        for _, store in self.stores.conversation_stores():
+            store._check_invariants()

@@ -51,6 +51,7 @@ from craft_rag.engine.planners import (
     DEFAULT_MAX_SALT_NAMESPACES,
     CacheSalt,
     PlannerNamespaces,
+    bound_conversations,
     default_planner,
     store_planners,
     validate_cache_salt,
@@ -112,7 +113,7 @@ class CraftEngine(RequestForms):
         prompt_format: PromptFormat | None = None,
         system_prompt: str | None = None,
         instructions: str = DEFAULT_INSTRUCTIONS,
-        max_conversations: int = DEFAULT_MAX_CONVERSATIONS,
+        max_conversations: int | None = None,
         salt_planner_factory: Callable[[], CraftPlanner] | None = None,
         max_salt_namespaces: int = DEFAULT_MAX_SALT_NAMESPACES,
         backend: ManagedBackend | None = None,
@@ -131,6 +132,11 @@ class CraftEngine(RequestForms):
         ``planner`` serves unsalted requests; each cache salt gets its own planner from
         ``salt_planner_factory`` (default: a ``CraftPlanner`` with ``planner``'s config), at
         most ``max_salt_namespaces`` of them (least recently used dropped).
+
+        ``max_conversations`` bounds the conversations the planners keep (one LRU + TTL bound
+        on each planner's conversation store: chunk keys and prompt tokens together); ``None``
+        keeps a given planner's own bound, and gives the default planner
+        :data:`DEFAULT_MAX_CONVERSATIONS`.
 
         ``history_budget`` bounds each conversation's stored prompt history (oldest whole turns
         dropped, with hysteresis; see :class:`HistoryBudget`); ``None``: only ``max_model_len``
@@ -151,10 +157,17 @@ class CraftEngine(RequestForms):
         """
         self.settings = settings or EngineSettings()
         salted_factory = None
+        bound = max_conversations
         if store is not None:
-            planner, salted_factory = store_planners(store, planner, salt_planner_factory)
+            planner, salted_factory = store_planners(
+                store, planner, salt_planner_factory, bound or DEFAULT_MAX_CONVERSATIONS
+            )
+        elif planner is None:
+            planner = default_planner(bound or DEFAULT_MAX_CONVERSATIONS)
+        elif bound is not None:
+            planner = bound_conversations(planner, bound)
         self._namespaces = PlannerNamespaces(
-            planner if planner is not None else default_planner(),
+            planner,
             salt_planner_factory,
             max_salted=max_salt_namespaces,
             salted_factory=salted_factory,
@@ -192,10 +205,8 @@ class CraftEngine(RequestForms):
         self.conversations = ConversationPrompts(
             self.assembler,
             max_model_len=self._backend.max_model_len,
-            max_conversations=max_conversations,
-            on_forget=lambda cid, salt: self._rag.forget_planned(cid, salt),
             history_budget=history_budget,
-            on_drop=lambda cid, salt, n: self._rag.forget_dropped_turns(cid, salt, n),
+            stores=self._namespaces,  # each salt's planner's one conversation store
         )
         self._driver = wiring.driver(on_server_lost=self._namespaces.on_all_blocks_cleared)
         self._rag = RagTurns(
@@ -227,10 +238,10 @@ class CraftEngine(RequestForms):
     def set_planner(self, planner: CraftPlanner) -> None:
         """Serve later requests with ``planner`` (e.g. another policy for a side-by-side run):
         KV events go to it, the salted planners are dropped (new ones are made like it), and
-        conversation histories are forgotten (the new planner knows none of them). Call
-        :meth:`reset_prefix_cache` too for a cold start."""
+        with them their conversations (each planner's store holds its conversations: the new
+        planner's are served from now on). Call :meth:`reset_prefix_cache` too for a cold
+        start."""
         self._namespaces.reset(planner)
-        self.conversations.clear()
 
     @property
     def max_model_len(self) -> int:

@@ -10,9 +10,11 @@ planners themselves stay salt-agnostic. Every KV event goes to every planner: a 
 hash can only match nodes of the namespace whose prompts produced it, and a full clear empties
 them all.
 
-Dropping the least recently used salted planner loses only planning state (its CA-Table,
-CP-Tree and conversation registry); vLLM still holds that salt's blocks, and a later request
-with the salt starts a fresh planner that learns them again.
+Dropping the least recently used salted planner loses only planning state (its CA-Table and
+CP-Tree); vLLM still holds that salt's blocks, and a later request with the salt starts a fresh
+planner that learns them again. Its conversation store is kept (the stores of at most
+``max_salted`` dropped planners) and handed to that next planner, so a conversation keeps its
+turns and its salt.
 
 **Caller-made plans.** ``CraftEngine.generate(..., plan=p)`` serves a plan that
 ``planner.plan()`` made earlier (a LlamaIndex postprocessor, a LangChain reorder step with the
@@ -25,9 +27,12 @@ from __future__ import annotations
 import threading
 from collections import OrderedDict
 from collections.abc import Callable, Iterable, Sequence
+from dataclasses import replace
 from typing import NewType
 
 from craft_rag.chunk import Chunk
+from craft_rag.conversation import ConversationStore
+from craft_rag.engine.conversation_prompts import DEFAULT_MAX_CONVERSATIONS
 from craft_rag.planner import CraftPlanner, Plan, PlannerConfig
 from craft_rag.stores import DEFAULT_NAMESPACE, StateStore, as_store, namespace_for_salt
 from craft_rag.types import BlockHash, ChunkKey
@@ -68,15 +73,25 @@ def planner_factory_like(default: CraftPlanner) -> Callable[[], CraftPlanner]:
     return lambda: CraftPlanner(config)
 
 
-def default_planner() -> CraftPlanner:
-    """The engine's planner when none is given: the ``tree`` policy."""
-    return CraftPlanner(PlannerConfig(policy="tree"))
+def default_planner(max_conversations: int = DEFAULT_MAX_CONVERSATIONS) -> CraftPlanner:
+    """The engine's planner when none is given: the ``tree`` policy, ``max_conversations``
+    conversations."""
+    return CraftPlanner(PlannerConfig(policy="tree", max_conversations=max_conversations))
+
+
+def bound_conversations(planner: CraftPlanner, max_conversations: int) -> CraftPlanner:
+    """``planner`` with its conversation store bounded by ``max_conversations`` (its config
+    too, so planners made like it share the bound). ``ValueError`` for a bad bound."""
+    planner.config = replace(planner.config, max_conversations=max_conversations)
+    planner.conversations.max_conversations = planner.config.max_conversations
+    return planner
 
 
 def store_planners(
     store: StateStore | str,
     planner: CraftPlanner | None,
     salt_planner_factory: Callable[[], CraftPlanner] | None,
+    max_conversations: int = DEFAULT_MAX_CONVERSATIONS,
 ) -> tuple[CraftPlanner, Callable[[CacheSalt], CraftPlanner]]:
     """The default planner and the per-salt factory of an engine with ``store=``: one store
     namespace per salt, every planner configured like the default one."""
@@ -87,7 +102,7 @@ def store_planners(
         )
         raise ValueError(msg)
     shared = as_store(store)
-    config = PlannerConfig(policy="tree")
+    config = PlannerConfig(policy="tree", max_conversations=max_conversations)
     default = CraftPlanner(config, store=shared, namespace=DEFAULT_NAMESPACE)
 
     def for_salt(salt: CacheSalt) -> CraftPlanner:
@@ -126,6 +141,9 @@ class PlannerNamespaces:
         self._factory = factory or planner_factory_like(default)
         self._salted_factory = salted_factory
         self._salted: OrderedDict[CacheSalt, CraftPlanner] = OrderedDict()  # owner: _lock
+        # The conversation stores of dropped local planners (at most max_salted, LRU): a
+        # salt's conversations outlive its planning state and go to its next planner.
+        self._kept: OrderedDict[CacheSalt, ConversationStore] = OrderedDict()  # owner: _lock
 
     @property
     def default(self) -> CraftPlanner:
@@ -138,6 +156,7 @@ class PlannerNamespaces:
             self._default = default
             self._factory = self._custom_factory or planner_factory_like(default)
             self._salted.clear()
+            self._kept.clear()
 
     def get(self, salt: CacheSalt | None) -> CraftPlanner:
         """The planner for ``salt`` (the default for ``None``), created on first use and marked
@@ -151,9 +170,16 @@ class PlannerNamespaces:
                     planner = self._salted_factory(salt)
                 else:
                     planner = self._factory()
+                kept = self._kept.pop(salt, None)
+                if kept is not None and planner.store is None:
+                    planner.conversations = kept
                 self._salted[salt] = planner
                 while len(self._salted) > self.max_salted:
-                    self._salted.popitem(last=False)
+                    old_salt, old = self._salted.popitem(last=False)
+                    if old.store is None:  # a sharing planner's are in its store
+                        self._kept[old_salt] = old.conversations
+                while len(self._kept) > self.max_salted:
+                    self._kept.popitem(last=False)
             else:
                 self._salted.move_to_end(salt)
             return planner
@@ -190,9 +216,29 @@ class PlannerNamespaces:
         known = [planner.end_conversation(conversation_id) for planner in self.all()]
         return any(known)
 
+    # ---- the conversation stores (ConversationStores): each planner's own ----
+
+    def conversation_store(self, cache_salt: str | None) -> ConversationStore:
+        """The conversation store of ``cache_salt``'s planner (made on first use)."""
+        return self.get(CacheSalt(cache_salt) if cache_salt is not None else None).conversations
+
+    def conversation_stores(self) -> list[tuple[str | None, ConversationStore]]:
+        """Every held planner's store with its salt (the default planner's first)."""
+        with self._lock:
+            salted = [(str(s), p.conversations) for s, p in self._salted.items()]
+            salted += [(str(s), store) for s, store in self._kept.items()]
+        return [(None, self._default.conversations), *salted]
+
+    def forget_turns(self, cache_salt: str | None, conversation_id: str, n: int) -> int:
+        """Drop the conversation's ``n`` oldest turns in its salt's planner (logged with a
+        shared store); 0 when that planner was dropped."""
+        planner = self.peek(CacheSalt(cache_salt) if cache_salt is not None else None)
+        return planner.forget_turns(conversation_id, n) if planner is not None else 0
+
     def _check_invariants(self) -> None:
         with self._lock:
-            assert len(self._salted) <= self.max_salted
+            assert len(self._salted) <= self.max_salted and len(self._kept) <= self.max_salted
+            assert not self._kept.keys() & self._salted.keys()
             assert all(p is not self._default for p in self._salted.values())
 
 

@@ -9,8 +9,10 @@ replay's simulated prefix cache), and on completion commits what the cache actua
 conversation is left as it was, an engine-made plan aborted, a caller's plan released (its
 holder may serve it again).
 
-Dropped turns (history budget, context length) reach the salt's planner through
-:meth:`forget_dropped_turns`, an ended or evicted history through :meth:`forget_planned`.
+Conversations have one owner, each salt's planner's conversation store: the planner records a
+turn's keys and tokens in its commit, and holds a conversation while a turn of it is planned
+(never evicted in between); dropped turns (history budget, context length) are forgotten
+through that planner (logged with a shared store). Nothing is reconciled afterwards.
 
 Cost per turn: the plan and commit (O(k) plus the tree policy's match) and the render
 (O(prompt tokens), tokenizing uncached chunks); nothing else.
@@ -85,14 +87,13 @@ class RagTurn:
         return self.owner.commit(flight, self)
 
     def give_up(self) -> None:
-        self.owner.conversations.cancel(self.rendered)
         self.owner.give_up_plan(self.planner, self.plan, self.caller_plan)
 
 
 class RagTurns:
     """The RAG-turn half of an engine (see the module docstring). Holds no state of its own:
-    the planners (per salt) own plans and conversations' chunk records, ``conversations`` the
-    prompt histories."""
+    the planners (per salt) own plans and conversations; ``conversations`` renders from
+    them."""
 
     def __init__(
         self,
@@ -141,10 +142,12 @@ class RagTurns:
             given = check_plan(request.plan, planner, request.chunks, conversation_id, salt=salt)
         fit_id = conversation_id or (given.conversation_id if given is not None else None)
         # Shared store: another worker may have served the last turn; render after it.
-        load_history(self.conversations, planner, fit_id, salt)
+        load_history(planner, fit_id)
         need = self.conversations.turn_token_count(request.chunks, question)
         # Before planning: dedup may only count chunks of turns that stay in the prompt.
-        lost = self.conversations.fit(fit_id, need, sampling.max_tokens, salt)
+        lost = self.conversations.fit(
+            fit_id, need, sampling.max_tokens, salt, planned=given is not None
+        )
         if given is None:
             plan = planner.claim(planner.plan(list(request.chunks), conversation_id))
         else:
@@ -161,28 +164,19 @@ class RagTurns:
             plan = planner.claim(given)
         caller_plan = given is not None
         try:
+            conv = plan.conversation_id
+            if conv is not None and plan.turn != planner.committed_turns(conv) + 1:
+                # Ended (end_conversation) after it was planned: its removed duplicates are in
+                # no prompt any more. (An LRU or TTL eviction cannot happen: the planner holds
+                # a conversation while a turn of it is planned.)
+                msg = (
+                    f"conversation {conversation_id!r} was ended while plan {plan.plan_id} "
+                    "waited to be served; send the turn again"
+                )
+                raise RuntimeError(msg)
             rendered = self.render(plan, question, sampling, conversation_id, salt)
-            if plan.turn > 1 and rendered.kept_turns + rendered.dropped_turns == 0:
-                # The history was dropped (LRU, end_conversation) after the plan was made, and
-                # with it the planner's record: the plan's removed duplicates are in no prompt.
-                self.conversations.cancel(rendered)
-                if caller_plan:
-                    msg = (
-                        f"conversation {conversation_id!r} was forgotten while plan "
-                        f"{plan.plan_id} waited to be served; plan the turn again"
-                    )
-                    raise RuntimeError(msg)
-                assert conversation_id is not None  # turn > 1
-                self.give_up_plan(planner, plan, caller_plan)
-                planner.end_conversation(conversation_id)
-                plan = planner.claim(planner.plan(list(request.chunks), conversation_id))
-                rendered = self.render(plan, question, sampling, conversation_id, salt)
             state = RequestState(self._request_ids(), on_delta=on_delta, on_done=on_done)
-            try:
-                self._submit(rendered.prompt.token_ids, sampling, state, salt)
-            except BaseException:
-                self.conversations.cancel(rendered)
-                raise
+            self._submit(rendered.prompt.token_ids, sampling, state, salt)
         except BaseException:
             self.give_up_plan(planner, plan, caller_plan)
             raise
@@ -197,14 +191,15 @@ class RagTurns:
         conversation_id: str | None,
         salt: CacheSalt | None,
     ) -> RenderedTurn:
-        """Render ``plan``'s turn; a first turn starts the conversation's history over."""
+        """Render ``plan``'s turn after the conversation's live turns (its planner holds the
+        turn in flight)."""
         return self.conversations.render(
             plan.ordered,
             question,
             max_tokens=sampling.max_tokens,
             conversation_id=conversation_id,
-            fresh=plan.turn == 1,
             cache_salt=salt,
+            held=True,
         )
 
     def give_up_plan(self, planner: CraftPlanner, plan: Plan, caller_plan: bool) -> None:
@@ -237,6 +232,9 @@ class RagTurns:
         if self.block_hasher is not None:
             hashes = self.block_hasher.block_hashes(prompt.token_ids, flight.cache_salt)
             block_hashes = self.block_hasher.per_chunk(hashes, prompt.chunk_spans)
+        tokens = self.conversations.stored_turn(
+            turn.rendered, state.token_ids, self._cache.eos_token_ids, stored_reply=stored_reply
+        )
         # Evictions published up to now reach the CP-Tree before this commit, not after it.
         self._barrier()
         turn.planner.commit(
@@ -246,11 +244,10 @@ class RagTurns:
             # Without reading the cache, cached=0 says nothing about what the cache holds.
             reused_chunks=kv_chunks if flight.sampling.read_prefix_cache else None,
             block_hashes=block_hashes,
+            turn_tokens=tokens,
         )
-        self.conversations.complete(
-            turn.rendered, state.token_ids, self._cache.eos_token_ids, stored_reply=stored_reply
-        )
-        save_history(self.conversations, turn.planner, turn.rendered.conversation_id)
+        self.conversations.settle(turn.rendered)  # left-out and over-budget turns
+        save_history(turn.planner, turn.rendered.conversation_id)
         report = replace(
             plain_report(flight),
             predicted_tokens=plan.matched_tokens,
@@ -269,26 +266,9 @@ class RagTurns:
 
     # ---- conversations --------------------------------------------------------------------
 
-    def forget_planned(self, conversation_id: str, cache_salt: str | None) -> None:
-        """The prompt history of a conversation was dropped (LRU bound or ended): its salt's
-        planner must forget it too, so its next turn is planned as a fresh first turn with
-        nothing removed as "already sent". A salt whose planner was dropped has nothing to
-        forget."""
-        planner = self.namespaces.peek(CacheSalt(cache_salt) if cache_salt is not None else None)
-        if planner is not None:
-            planner.end_conversation(conversation_id)
-
-    def forget_dropped_turns(self, conversation_id: str, cache_salt: str | None, n: int) -> None:
-        """The prompt history dropped its ``n`` oldest turns: the salt's planner forgets their
-        chunks, so one retrieved again is sent again."""
-        planner = self.namespaces.peek(CacheSalt(cache_salt) if cache_salt is not None else None)
-        if planner is not None:
-            planner.forget_turns(conversation_id, n)
-
     def end_conversation(self, conversation_id: str) -> bool:
-        """Forget a conversation in the planners and the prompt history (its salt too)."""
-        known = self.namespaces.end_conversation(conversation_id)
-        return self.conversations.end(conversation_id) or known
+        """Forget a conversation in its planner's store (turns, tokens, the turn in flight)."""
+        return self.namespaces.end_conversation(conversation_id)
 
     def fit_turn(
         self, chunks: Sequence[Chunk], question: str, where: tuple[str | None, int, str | None]
@@ -298,7 +278,7 @@ class RagTurns:
         conversation_id, max_tokens, cache_salt = where
         need = self.conversations.turn_token_count(chunks, question)
         salt = self._check_salt(cache_salt)
-        load_history(self.conversations, self.namespaces.get(salt), conversation_id, salt)
+        load_history(self.namespaces.get(salt), conversation_id)
         return self.conversations.fit(conversation_id, need, max_tokens, salt)
 
     def side_prompt_ids(
@@ -306,5 +286,5 @@ class RagTurns:
     ) -> tuple[int, ...]:
         """See :meth:`craft_rag.engine.CraftEngine.side_prompt_ids`."""
         salt = self._check_salt(cache_salt)
-        load_history(self.conversations, self.namespaces.get(salt), conversation_id, salt)
+        load_history(self.namespaces.get(salt), conversation_id)
         return self.conversations.side_prompt(conversation_id, text, salt)

@@ -2,16 +2,18 @@
 turn), kept in the store beside the conversation record.
 
 Owners: the store's copy is written only by the worker that last committed a turn of the
-conversation (:meth:`craft_rag.engine.engine.CraftEngine` after ``ConversationPrompts.complete``),
-stamped with a ``version`` (a log seq at least the conversation's last committed seq then) and
-kept only if newer than the stored one; each worker's local copy is owned by its
-:class:`craft_rag.engine.conversation_prompts.ConversationPrompts`, which replaces it from the
-store when the store's conversation record moved past the local copy's version.
+conversation (the engine's RAG turn, after the commit), stamped with a ``version`` (a log seq at
+least the conversation's last committed seq then) and kept only if newer than the stored one.
+Each worker's copy lives in its planner's one conversation store
+(:class:`craft_rag.conversation.ConversationStore`): the committing worker records a turn's
+tokens with its keys; another worker replays the keys from the commit log and fills the tokens
+from this copy (:func:`load_history`) when the store's record moved past its own version.
 
-The JSON is ``{"t": [[token ids] per turn], "k": [[chunk keys] per turn], "d": dropped}`` with
-``dropped`` the turns dropped since the last served turn (reported by the next one). A value
-this version did not write is :class:`~craft_rag.stores.base.StoreCorrupted` naming the
-conversation.
+The JSON is ``{"t": [[token ids] per live turn], "k": [[chunk keys] per live turn], "d":
+dropped, "n": turns}`` with ``dropped`` the turns dropped since the last served turn (reported
+by the next one) and ``turns`` every turn of the conversation then (which turns ``t`` holds;
+optional). A value this version did not write is :class:`~craft_rag.stores.base.StoreCorrupted`
+naming the conversation.
 """
 
 from __future__ import annotations
@@ -22,11 +24,11 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
+from craft_rag.conversation import ConversationHistory
 from craft_rag.stores.base import StateStore, StoreCorrupted, StoreUnavailable
-from craft_rag.types import ChunkKey
+from craft_rag.types import ChunkKey, ConversationId
 
 if TYPE_CHECKING:
-    from craft_rag.engine.conversation_prompts import ConversationPrompts
     from craft_rag.planner import CraftPlanner
 
 logger = logging.getLogger(__name__)
@@ -54,10 +56,16 @@ class StoredHistory:
     turns: tuple[tuple[int, ...], ...]
     keys: tuple[tuple[ChunkKey, ...], ...]
     dropped_since: int = 0
+    turn_count: int | None = None
+    """Every turn of the conversation when stored (None: the live turns are its last)."""
 
     def to_json(self) -> str:
-        data = {"t": [list(t) for t in self.turns], "k": [list(k) for k in self.keys],
-                "d": self.dropped_since}
+        data: dict[str, Any] = {
+            "t": [list(t) for t in self.turns], "k": [list(k) for k in self.keys],
+            "d": self.dropped_since,
+        }
+        if self.turn_count is not None:
+            data["n"] = self.turn_count
         return json.dumps(data, separators=(",", ":"))
 
 
@@ -89,8 +97,11 @@ def decode_history(data: str, conversation: str, where: str) -> StoredHistory:
             raise TypeError("turns and keys must be lists of the same length")
         if type(dropped) is not int or dropped < 0:
             raise TypeError("the dropped-turn count must be an int >= 0")
+        count = raw.get("n")
+        if count is not None and (type(count) is not int or count < len(turns)):
+            raise TypeError("the turn count must be an int >= the stored turns")
         return StoredHistory(
-            tuple(_turn(t) for t in turns), tuple(_keys(k) for k in keys), dropped
+            tuple(_turn(t) for t in turns), tuple(_keys(k) for k in keys), dropped, count
         )
     except (ValueError, TypeError, KeyError) as e:
         msg = (
@@ -114,46 +125,53 @@ def shared_position(planner: CraftPlanner) -> SharedPosition | None:
     return planner.shared_position()
 
 
-def load_history(
-    prompts: ConversationPrompts,
-    planner: CraftPlanner,
-    conversation_id: str | None,
-    cache_salt: str | None,
-) -> bool:
+def load_history(planner: CraftPlanner, conversation_id: str | None) -> bool:
     """Before rendering (or fitting) a turn: when the store's record of ``conversation_id``
     moved past the local history's version and the store holds a newer history (another worker
-    served a turn), replace the local copy by it. True when replaced. One round trip with a
-    sharing planner, nothing otherwise. :class:`StoreCorrupted` (nothing changed) for a stored
-    history this version did not write."""
+    served a turn), bring the planner up to date and fill the token ids of its live turns from
+    it. True when filled. One round trip with a sharing planner (two when filling), nothing
+    otherwise. :class:`StoreCorrupted` (nothing changed) for a stored history this version did
+    not write."""
     if conversation_id is None:
         return False
     position = shared_position(planner)
     if position is None:
         return False
+    cid = ConversationId(conversation_id)
     record = position.store.get_history(position.namespace, conversation_id)
-    local = prompts.version(conversation_id)
-    if record.last_seq <= local or record.data is None or record.version <= local:
+    local = planner.conversations.history(cid)
+    version = local.version if local is not None else 0
+    if record.last_seq <= version or record.data is None or record.version <= version:
         return False
     stored = decode_history(record.data, conversation_id, position.where)
-    return prompts.adopt(conversation_id, stored, record.version, cache_salt)
+    planner.sync()  # the turns' keys, from the log, at least up to the history's version
+    local = planner.conversations.history(cid)
+    count = stored.turn_count
+    if count is None:
+        count = local.turn_count if local is not None else len(stored.turns)
+    view = ConversationHistory(
+        stored.turns, stored.keys, count, stored.dropped_since, False, record.version
+    )
+    return planner.conversations.adopt(cid, view, record.version)
 
 
-def save_history(
-    prompts: ConversationPrompts, planner: CraftPlanner, conversation_id: str | None
-) -> bool:
-    """After a turn was committed and completed: store the conversation's history at the
-    planner's applied seq (at least the turn's own and its budget drops' seqs), so the next
-    turn renders the same prompt on any worker. True when stored. An unreachable store is
-    logged, not raised: the turn is already committed and served (other workers then render
-    the older stored history; see docs/deployment.md)."""
+def save_history(planner: CraftPlanner, conversation_id: str | None) -> bool:
+    """After a turn was committed (and its budget drops forgotten): store the conversation's
+    history at the planner's applied seq (at least the turn's own and its drops' seqs), so the
+    next turn renders the same prompt on any worker. True when stored. An unreachable store is
+    logged, not raised: the turn is already committed and served (other workers then refuse
+    to render the turn they miss; see docs/deployment.md)."""
     if conversation_id is None:
         return False
     position = shared_position(planner)
     if position is None:
         return False
-    stored = prompts.export(conversation_id, position.seq)
-    if stored is None:
+    exported = planner.conversations.export(ConversationId(conversation_id), position.seq)
+    if exported is None:
         return False
+    history, count = exported
+    turns = tuple(t for t in history.turns if t is not None)
+    stored = StoredHistory(turns, history.keys, history.dropped_since, count)
     try:
         return position.store.put_history(
             position.namespace, conversation_id, position.seq, stored.to_json(), position.ttl_s
