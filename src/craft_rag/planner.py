@@ -278,8 +278,9 @@ class CraftPlanner(KVFeedback, SharedSync):
 
     def abort(self, plan: Plan) -> bool:
         """Give up ``plan`` (it will not be served): it can no longer be committed, and its
-        conversation may be planned again. Changes no other state. True if the plan was pending
-        here; False if it was already committed, aborted, too old, or made by another planner.
+        conversation may be planned again (its hold in the conversation store ends). Changes no
+        other state. True if the plan was pending here; False if it was already committed,
+        aborted, too old, or made by another planner.
         ``ValueError`` if ``plan`` is not a :class:`Plan`. O(1)."""
         if not isinstance(plan, Plan):
             msg = f"plan: must be a craft_rag.planner.Plan, got {type(plan).__name__}"

@@ -307,7 +307,8 @@ class ConversationPrompts:
                 self.stores.conversation_store(cache_salt).release(ConversationId(conversation_id))
             msg = (
                 f"conversation {conversation_id!r}: a turn served by another worker is not in "
-                "this worker's history yet (its shared copy was not stored); send the turn again"
+                "this worker's history (its shared copy was not stored); send the turn to that "
+                "worker, or end_conversation() and start over"
             )
             raise RuntimeError(msg)
         dropped = 0
