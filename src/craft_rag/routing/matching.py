@@ -36,21 +36,17 @@ def set_match_end(tree: ChunkPrefixTree, wanted: AbstractSet[ChunkKey]) -> Prefi
     """Deepest node of the longest cached path whose chunks are all in ``wanted``
     (``tree.match_subset``): the deepest such node, then the most recently accessed, then the
     smallest key path. Visits only nodes whose path lies inside ``wanted`` (at most
-    ``len(wanted)`` levels); per visited node O(min(fan-out, len(wanted))) dict probes."""
+    ``len(wanted)`` levels); per visited node one C-level key-set intersection."""
     best: PrefixNode | None = None
     best_depth, best_time = 0, float("-inf")
-    n_wanted = len(wanted)
     stack = [tree.root]
     pop, push = stack.pop, stack.append
     while stack:
         children = pop().children
         if not children:
             continue
-        if len(children) <= n_wanted:
-            found = [c for k, c in children.items() if k in wanted]
-        else:
-            found = [children[k] for k in wanted if k in children]
-        for child in found:
+        for key in children.keys() & wanted:  # C-level, over the smaller side
+            child = children[key]
             depth = child.depth
             if depth > best_depth:
                 best, best_depth, best_time = child, depth, child.last_access
