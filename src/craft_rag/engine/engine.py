@@ -136,7 +136,8 @@ class CraftEngine(RequestForms):
         ``max_conversations`` bounds the conversations the planners keep (one LRU + TTL bound
         on each planner's conversation store: chunk keys and prompt tokens together); ``None``
         keeps a given planner's own bound, and gives the default planner
-        :data:`DEFAULT_MAX_CONVERSATIONS`.
+        :data:`DEFAULT_MAX_CONVERSATIONS` (with ``store=``: ``PlannerConfig``'s default, which
+        the store's other workers share).
 
         ``history_budget`` bounds each conversation's stored prompt history (oldest whole turns
         dropped, with hysteresis; see :class:`HistoryBudget`); ``None``: only ``max_model_len``
@@ -159,9 +160,7 @@ class CraftEngine(RequestForms):
         salted_factory = None
         bound = max_conversations
         if store is not None:
-            planner, salted_factory = store_planners(
-                store, planner, salt_planner_factory, bound or DEFAULT_MAX_CONVERSATIONS
-            )
+            planner, salted_factory = store_planners(store, planner, salt_planner_factory, bound)
         elif planner is None:
             planner = default_planner(bound or DEFAULT_MAX_CONVERSATIONS)
         elif bound is not None:

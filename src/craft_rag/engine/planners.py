@@ -91,10 +91,11 @@ def store_planners(
     store: StateStore | str,
     planner: CraftPlanner | None,
     salt_planner_factory: Callable[[], CraftPlanner] | None,
-    max_conversations: int = DEFAULT_MAX_CONVERSATIONS,
+    max_conversations: int | None = None,
 ) -> tuple[CraftPlanner, Callable[[CacheSalt], CraftPlanner]]:
     """The default planner and the per-salt factory of an engine with ``store=``: one store
-    namespace per salt, every planner configured like the default one."""
+    namespace per salt, every planner configured like the default one (``max_conversations``:
+    None keeps :class:`PlannerConfig`'s default, as the store's other workers expect)."""
     if planner is not None or salt_planner_factory is not None:
         msg = (
             "store: pass either store= (the engine makes its planners) or planner=/"
@@ -102,7 +103,9 @@ def store_planners(
         )
         raise ValueError(msg)
     shared = as_store(store)
-    config = PlannerConfig(policy="tree", max_conversations=max_conversations)
+    config = PlannerConfig(policy="tree")  # every worker's (the store checks it)
+    if max_conversations is not None:
+        config = replace(config, max_conversations=max_conversations)
     default = CraftPlanner(config, store=shared, namespace=DEFAULT_NAMESPACE)
 
     def for_salt(salt: CacheSalt) -> CraftPlanner:
