@@ -1,4 +1,5 @@
-"""Fixtures for the llama-index-llms-craft-vllm tests (helpers in craft_llm_support.py).
+"""Fixtures for the llama-index-llms-craft-vllm tests (shared ones from
+:mod:`llama_index.postprocessor.craft.testing_fixtures`; helpers in craft_llm_support.py).
 
 The engine tests use the repository-wide ``craft_engine`` fixture (root conftest.py); they never
 start an engine of their own.
@@ -6,24 +7,26 @@ start an engine of their own.
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Sequence
+from typing import Any
 
 import pytest
-from craft_llm_support import EventRecorder, SquadIndex, build_squad_index
-from llama_index_instrumentation import get_dispatcher
+from llama_index.postprocessor.craft.testing_fixtures import events, squad_index
+
+__all__ = ["events", "squad_index", "submitted"]
 
 
 @pytest.fixture
-def events() -> Iterator[EventRecorder]:
-    recorder = EventRecorder(events=[])
-    root = get_dispatcher()
-    root.add_event_handler(recorder)
-    try:
-        yield recorder
-    finally:
-        root.event_handlers = [h for h in root.event_handlers if h is not recorder]
+def submitted(craft_engine: Any, monkeypatch: pytest.MonkeyPatch) -> list[tuple[int, ...]]:
+    """Token ids of every prompt the engine's driver receives (a spy on its submit; undone by
+    ``monkeypatch`` when the test ends)."""
+    prompts: list[tuple[int, ...]] = []
+    driver = craft_engine._driver
+    original = driver.submit
 
+    def spy(token_ids: Sequence[int], *args: Any, **kwargs: Any) -> Any:
+        prompts.append(tuple(token_ids))
+        return original(token_ids, *args, **kwargs)
 
-@pytest.fixture(scope="session")
-def squad_index() -> SquadIndex:
-    return build_squad_index()
+    monkeypatch.setattr(driver, "submit", spy)
+    return prompts

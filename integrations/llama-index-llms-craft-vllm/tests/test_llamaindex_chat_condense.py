@@ -8,7 +8,6 @@ from collections.abc import Iterator, Sequence
 from typing import Any
 
 import pytest
-from craft_llm_support import SquadIndex
 from llama_index.core.base.base_retriever import BaseRetriever
 from llama_index.core.schema import NodeWithScore, QueryBundle, TextNode
 from llama_index.llms.craft_vllm import (
@@ -21,6 +20,7 @@ from llama_index.llms.craft_vllm import (
     collect_reuse,
 )
 from llama_index.postprocessor.craft import CraftReorderPostprocessor
+from llama_index.postprocessor.craft.testing import SquadIndex
 
 from craft_rag import CraftPlanner
 from craft_rag.engine.condense import Condensed, condense_ids
@@ -60,20 +60,6 @@ def llm(craft_engine: Any) -> Iterator[CraftVLLM]:
     craft_engine.reset_prefix_cache()
     craft_engine.set_planner(CraftPlanner())
     yield CraftVLLM(craft_engine, max_tokens=MAX_TOKENS)
-
-
-@pytest.fixture
-def submitted(craft_engine: Any, monkeypatch: pytest.MonkeyPatch) -> list[tuple[int, ...]]:
-    prompts: list[tuple[int, ...]] = []
-    driver = craft_engine._driver
-    original = driver.submit
-
-    def spy(token_ids: Sequence[int], *args: Any, **kwargs: Any) -> Any:
-        prompts.append(tuple(token_ids))
-        return original(token_ids, *args, **kwargs)
-
-    monkeypatch.setattr(driver, "submit", spy)
-    return prompts
 
 
 def test_retrieval_uses_the_condensed_follow_up_and_its_prompt_reuses_the_conversation(

@@ -4,17 +4,11 @@ faiss index: the engine sees the planned order, token for token; chats stay appe
 from __future__ import annotations
 
 import uuid
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator
 from typing import Any
 
 import pytest
-from craft_llm_support import (
-    EventRecorder,
-    SquadIndex,
-    assert_whole_prefix_reused,
-    make_node,
-    node_ids,
-)
+from craft_llm_support import assert_whole_prefix_reused
 from llama_index.core.base.response.schema import AsyncStreamingResponse, StreamingResponse
 from llama_index.core.memory import ChatMemoryBuffer
 from llama_index.core.query_engine import RetrieverQueryEngine
@@ -28,6 +22,7 @@ from llama_index.llms.craft_vllm import (
     craft_query_engine,
 )
 from llama_index.postprocessor.craft import CraftCommitEvent, CraftReorderEndEvent, chunk_for_node
+from llama_index.postprocessor.craft.testing import EventRecorder, SquadIndex, make_node, node_ids
 
 from craft_rag import CraftPlanner, make_chunk
 from craft_rag.engine.results import ReuseReport
@@ -43,21 +38,6 @@ def llm(craft_engine: Any) -> Iterator[CraftVLLM]:
     craft_engine.reset_prefix_cache()
     craft_engine.set_planner(CraftPlanner())  # a fresh planner: the test's choice, not CraftVLLM's
     yield CraftVLLM(craft_engine, max_tokens=MAX_TOKENS)
-
-
-@pytest.fixture
-def submitted(craft_engine: Any, monkeypatch: pytest.MonkeyPatch) -> list[tuple[int, ...]]:
-    """Token ids of every prompt the engine's driver receives (a spy on its submit)."""
-    prompts: list[tuple[int, ...]] = []
-    driver = craft_engine._driver
-    original = driver.submit
-
-    def spy(token_ids: Sequence[int], *args: Any, **kwargs: Any) -> Any:
-        prompts.append(tuple(token_ids))
-        return original(token_ids, *args, **kwargs)
-
-    monkeypatch.setattr(driver, "submit", spy)
-    return prompts
 
 
 def _meta(response: Any) -> dict[str, Any]:

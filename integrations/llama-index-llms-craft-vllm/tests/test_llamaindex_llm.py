@@ -7,10 +7,11 @@ from collections.abc import Iterator
 from typing import Any
 
 import pytest
-from craft_llm_support import EventRecorder, assert_whole_prefix_reused
+from craft_llm_support import assert_whole_prefix_reused
 from llama_index.core.base.llms.types import ChatMessage, ImageBlock, MessageRole, TextBlock
 from llama_index.llms.craft_vllm import REUSE_KEY, CraftVLLM
 from llama_index.postprocessor.craft import CraftCommitEvent
+from llama_index.postprocessor.craft.testing import EventRecorder
 
 from craft_rag import CraftPlanner, make_chunk
 from craft_rag.engine.results import GenerationResult, ReuseReport

@@ -12,10 +12,10 @@ from typing import Any
 from uuid import UUID
 
 import pytest
-from craft_pp_support import make_node, make_nodes, node_ids
 from llama_index.core.schema import NodeWithScore, TextNode
 from llama_index.postprocessor.craft import CraftReorderPostprocessor
 from llama_index.postprocessor.craft.nodes import validate_conversation_id
+from llama_index.postprocessor.craft.testing import make_node, make_nodes, node_ids
 
 # ---- the trap: a conversation id alone never drops -------------------------------------------
 

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import pytest
-from craft_pp_support import EventRecorder, make_node, make_nodes, node_ids
 from llama_index.core.bridge.pydantic import AnyUrl
 from llama_index.core.postprocessor.types import BaseNodePostprocessor
 from llama_index.core.schema import (
@@ -20,6 +19,7 @@ from llama_index.postprocessor.craft import (
     CraftReorderPostprocessor,
     CraftReorderStartEvent,
 )
+from llama_index.postprocessor.craft.testing import EventRecorder, make_node, make_nodes, node_ids
 
 from craft_rag import CraftPlanner, PlannerConfig
 

@@ -1,25 +1,8 @@
-"""Fixtures for the llama-index-retrievers-craft tests (helpers in craft_retriever_support.py)."""
+"""Fixtures for the llama-index-retrievers-craft tests: the shared ``events`` and
+``squad_index`` from :mod:`llama_index.postprocessor.craft.testing_fixtures`."""
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from llama_index.postprocessor.craft.testing_fixtures import events, squad_index
 
-import pytest
-from craft_retriever_support import EventRecorder, SquadIndex, build_squad_index
-from llama_index_instrumentation import get_dispatcher
-
-
-@pytest.fixture
-def events() -> Iterator[EventRecorder]:
-    recorder = EventRecorder(events=[])
-    root = get_dispatcher()
-    root.add_event_handler(recorder)
-    try:
-        yield recorder
-    finally:
-        root.event_handlers = [h for h in root.event_handlers if h is not recorder]
-
-
-@pytest.fixture(scope="session")
-def squad_index() -> SquadIndex:
-    return build_squad_index()
+__all__ = ["events", "squad_index"]

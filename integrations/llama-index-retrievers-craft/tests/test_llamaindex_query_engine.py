@@ -4,7 +4,6 @@
 from __future__ import annotations
 
 import pytest
-from craft_retriever_support import EventRecorder, SquadIndex, node_ids
 from llama_index.core.base.base_retriever import BaseRetriever
 from llama_index.core.llms import MockLLM
 from llama_index.core.query_engine import RetrieverQueryEngine
@@ -14,6 +13,7 @@ from llama_index.postprocessor.craft import (
     CraftReorderPostprocessor,
     CraftRetriever,
 )
+from llama_index.postprocessor.craft.testing import EventRecorder, SquadIndex, node_ids
 
 from craft_rag import CraftPlanner
 
@@ -97,7 +97,7 @@ class _ListRetriever(BaseRetriever):
 
 
 def test_retriever_wrapper_settings_and_errors() -> None:
-    from craft_retriever_support import make_nodes
+    from llama_index.postprocessor.craft.testing import make_nodes
 
     wrapped = CraftRetriever(_ListRetriever(make_nodes([3, 1])), policy="frequency")
     assert wrapped.reorderer.policy == "frequency"

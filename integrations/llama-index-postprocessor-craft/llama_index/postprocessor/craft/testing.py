@@ -1,17 +1,38 @@
-"""Test helpers for llama-index-retrievers-craft: node factories, an event recorder and a small
-real faiss vector index over SQuAD passages with the packaged MiniLM model (uniquely named, not
-``conftest``, so a root run imports the right one)."""
+"""Test helpers for code built on the CRAFT LlamaIndex packages (like :mod:`craft_rag.testing`).
+
+Node factories (:func:`make_node`, :func:`make_nodes`, :func:`node_ids`), an instrumentation
+:class:`EventRecorder` with :func:`recording_events` (installs it on the root dispatcher for a
+``with`` block), and :func:`build_squad_index`: a real faiss ``VectorStoreIndex`` over SQuAD
+passages with the packaged MiniLM model. The index needs the optional test dependencies
+(pytest, faiss-cpu, llama-index-vector-stores-faiss, llama-index-embeddings-huggingface and the
+``craft_rag_bench`` harness); they are imported only when it is built, and a missing one skips
+the calling test. It is built once per process (cached), so a repository-wide run that collects
+several packages' tests embeds the passages once.
+"""
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import functools
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any
 
-import pytest
 from llama_index.core.instrumentation.event_handlers import BaseEventHandler
+from llama_index.core.instrumentation.events import BaseEvent
 from llama_index.core.schema import NodeWithScore, TextNode
-from llama_index_instrumentation.base import BaseEvent
+from llama_index_instrumentation import get_dispatcher
+
+__all__ = [
+    "CORPUS_SIZE",
+    "EventRecorder",
+    "SquadIndex",
+    "build_squad_index",
+    "make_node",
+    "make_nodes",
+    "node_ids",
+    "recording_events",
+]
 
 CORPUS_SIZE = 96
 """SQuAD paragraphs in the test index: the first articles of the dev set (~15 s to embed the
@@ -19,15 +40,18 @@ first time on 2 cores, then read from craft-rag's embedding cache)."""
 
 
 def make_node(i: int | str, text: str | None = None, score: float = 1.0) -> NodeWithScore:
+    """A scored text node with id ``n<i>`` and text ``text`` (default ``text <i>``)."""
     name = str(i)
     return NodeWithScore(node=TextNode(id_=f"n{name}", text=text or f"text {name}"), score=score)
 
 
 def make_nodes(ids: Sequence[int | str]) -> list[NodeWithScore]:
+    """One :func:`make_node` per id, in order."""
     return [make_node(i) for i in ids]
 
 
 def node_ids(nodes: Sequence[NodeWithScore]) -> list[str]:
+    """The node ids of ``nodes``, in order."""
     return [n.node.node_id for n in nodes]
 
 
@@ -44,7 +68,21 @@ class EventRecorder(BaseEventHandler):
         self.events.append(event)
 
     def of(self, cls: type[BaseEvent]) -> list[Any]:
+        """The recorded events that are instances of ``cls``, in arrival order."""
         return [e for e in self.events if isinstance(e, cls)]
+
+
+@contextmanager
+def recording_events() -> Iterator[EventRecorder]:
+    """An :class:`EventRecorder` installed on the root dispatcher for the ``with`` block; it is
+    removed afterwards even when the block raises (other handlers are left as they were)."""
+    recorder = EventRecorder(events=[])
+    root = get_dispatcher()
+    root.add_event_handler(recorder)
+    try:
+        yield recorder
+    finally:
+        root.event_handlers = [h for h in root.event_handlers if h is not recorder]
 
 
 @dataclass(frozen=True)
@@ -57,9 +95,12 @@ class SquadIndex:
     passage_ids: tuple[str, ...]
 
 
+@functools.cache
 def build_squad_index() -> SquadIndex:
-    """The index behind the session fixture ``squad_index``; skips when faiss, the LlamaIndex
-    faiss store or the packaged model is missing."""
+    """The index behind the ``squad_index`` test fixtures (built once per process); skips the
+    calling test when faiss, the LlamaIndex faiss store or the packaged model is missing."""
+    import pytest
+
     faiss = pytest.importorskip("faiss", reason="pip install faiss-cpu")
     pytest.importorskip(
         "llama_index.vector_stores.faiss", reason="pip install llama-index-vector-stores-faiss"
