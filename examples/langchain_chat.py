@@ -19,7 +19,6 @@ import os
 import statistics
 import time
 import uuid
-from collections.abc import Sequence
 from typing import Any
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -28,8 +27,8 @@ os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
 os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
 
 from langchain_core.documents import Document
-from langchain_core.messages import BaseMessage
 from langchain_craft import ChatCraftVLLM, CraftConversation
+from langchain_craft.conversation import InMemoryHistory
 
 from craft_rag.engine.engine import CraftEngine, EngineSettings
 from craft_rag_bench.datasets import Conversation, load_dataset
@@ -39,21 +38,10 @@ class SessionStore:
     """Session id -> message list; any BaseChatMessageHistory works here too."""
 
     def __init__(self) -> None:
-        self.sessions: dict[str, History] = {}
+        self.sessions: dict[str, InMemoryHistory] = {}
 
-    def get(self, session_id: str) -> History:
-        return self.sessions.setdefault(session_id, History())
-
-
-class History:
-    def __init__(self) -> None:
-        self.messages: list[BaseMessage] = []
-
-    def add_messages(self, messages: Sequence[BaseMessage]) -> None:
-        self.messages.extend(messages)
-
-    def clear(self) -> None:
-        self.messages = []
+    def get(self, session_id: str) -> InMemoryHistory:
+        return self.sessions.setdefault(session_id, InMemoryHistory())
 
 
 def turn_documents(conversation: Conversation, i: int) -> list[Document]:

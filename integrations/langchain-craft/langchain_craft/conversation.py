@@ -67,6 +67,21 @@ class MessageHistory(Protocol):
     def clear(self) -> None: ...
 
 
+class InMemoryHistory:
+    """A plain in-process :class:`MessageHistory`: a list of messages, appended to in order
+    (not a ``BaseChatMessageHistory``, which is deprecated since langchain-core 1.6.4). For
+    examples and tests; a deployment passes a persistent store (Redis, SQL...)."""
+
+    def __init__(self) -> None:
+        self.messages: list[BaseMessage] = []
+
+    def add_messages(self, messages: Sequence[BaseMessage]) -> None:
+        self.messages.extend(messages)
+
+    def clear(self) -> None:
+        self.messages = []
+
+
 @dataclass(frozen=True, slots=True)
 class _Turn:
     """One prepared turn. Owner: the calling method."""

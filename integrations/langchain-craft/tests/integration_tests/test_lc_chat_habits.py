@@ -12,6 +12,7 @@ from langchain_core.documents import Document
 from langchain_core.messages import AIMessage, BaseMessage, HumanMessage
 from langchain_core.runnables import RunnableConfig, RunnableLambda
 from langchain_craft import ChatCraftVLLM, CraftConversation, CraftVLLM
+from langchain_craft.conversation import InMemoryHistory as History
 
 pytestmark = pytest.mark.engine
 
@@ -21,17 +22,6 @@ DOCS = {
     "mother": "William Shakespeare was born in Stratford-upon-Avon in 1564. His mother was "
     "Mary Arden and his father was John Shakespeare, a glover.",
 }
-
-
-class History:
-    def __init__(self) -> None:
-        self.messages: list[BaseMessage] = []
-
-    def add_messages(self, messages: Sequence[BaseMessage]) -> None:
-        self.messages.extend(messages)
-
-    def clear(self) -> None:
-        self.messages = []
 
 
 class SpyRetriever:

@@ -19,28 +19,16 @@ from __future__ import annotations
 from typing import Any
 
 import pytest
-from langchain_craft import ChatCraftVLLM
 from langchain_tests.integration_tests import ChatModelIntegrationTests
+from lc_test_support import CraftChatModelTraits
 
 pytestmark = pytest.mark.engine
 
 
-class TestChatCraftVLLMIntegration(ChatModelIntegrationTests):
+class TestChatCraftVLLMIntegration(CraftChatModelTraits, ChatModelIntegrationTests):
     @pytest.fixture(autouse=True)
     def _use_shared_engine(self, craft_engine: Any) -> None:
         self._engine = craft_engine
-
-    @property
-    def chat_model_class(self) -> type[ChatCraftVLLM]:
-        return ChatCraftVLLM
-
-    @property
-    def has_tool_calling(self) -> bool:
-        return False  # bind_tools exists only to raise a NotImplementedError that says why
-
-    @property
-    def has_structured_output(self) -> bool:
-        return False
 
     @property
     def chat_model_params(self) -> dict[str, Any]:

@@ -15,9 +15,10 @@ from typing import Any
 
 import pytest
 from langchain_core.documents import Document
-from langchain_core.messages import AIMessageChunk, BaseMessage
+from langchain_core.messages import AIMessageChunk
 from langchain_core.runnables import RunnableLambda, RunnablePassthrough
 from langchain_craft import ChatCraftVLLM, CraftConversation, CraftRAGPrompt, CraftVLLM
+from langchain_craft.conversation import InMemoryHistory as History
 
 from craft_rag import make_chunk
 from craft_rag.metrics import chunks_inside_cache
@@ -38,17 +39,6 @@ def passages(tag: str, n: int = 4) -> list[Document]:
         )
         out.append(Document(page_content=text, id=f"{tag}-{i}", metadata={"topic": topic}))
     return out
-
-
-class History:
-    def __init__(self) -> None:
-        self.messages: list[BaseMessage] = []
-
-    def add_messages(self, messages: Sequence[BaseMessage]) -> None:
-        self.messages.extend(messages)
-
-    def clear(self) -> None:
-        self.messages = []
 
 
 def craft(msg: Any) -> dict[str, Any]:

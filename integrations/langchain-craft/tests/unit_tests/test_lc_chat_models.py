@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterator
 from typing import Any
 
 import pytest
@@ -23,13 +22,6 @@ from craft_rag.engine.engine import CraftEngine
 from craft_rag.testing import FakeBackend, make_fake_engine
 
 REPLY = "t101 t102 t103 t104 "
-
-
-@pytest.fixture
-def fake() -> Iterator[tuple[CraftEngine, FakeBackend]]:
-    engine, backend = make_fake_engine()
-    yield engine, backend
-    engine.close()
 
 
 def docs(*ids: str) -> list[Document]:

@@ -11,23 +11,11 @@ from __future__ import annotations
 
 from typing import Any
 
-from langchain_craft import ChatCraftVLLM
 from langchain_tests.unit_tests import ChatModelUnitTests
+from lc_test_support import CraftChatModelTraits
 
 
-class TestChatCraftVLLMUnit(ChatModelUnitTests):
-    @property
-    def chat_model_class(self) -> type[ChatCraftVLLM]:
-        return ChatCraftVLLM
-
-    @property
-    def has_tool_calling(self) -> bool:
-        return False  # bind_tools exists only to raise a NotImplementedError that says why
-
-    @property
-    def has_structured_output(self) -> bool:
-        return False
-
+class TestChatCraftVLLMUnit(CraftChatModelTraits, ChatModelUnitTests):
     @property
     def chat_model_params(self) -> dict[str, Any]:
         return {"temperature": 0.0}

@@ -3,37 +3,18 @@
 from __future__ import annotations
 
 import warnings
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 from typing import Any
 
 import pytest
 from langchain_core.documents import Document
-from langchain_core.messages import AIMessage, BaseMessage
+from langchain_core.messages import AIMessage
 from langchain_core.runnables import RunnableLambda
 from langchain_craft import ChatCraftVLLM, CraftConversation
+from langchain_craft.conversation import InMemoryHistory as ListHistory
 
 from craft_rag.engine.engine import CraftEngine
 from craft_rag.testing import FakeBackend, make_fake_engine
-
-
-class ListHistory:
-    """A store that is not a BaseChatMessageHistory (which is deprecated since core 1.6.4)."""
-
-    def __init__(self) -> None:
-        self.messages: list[BaseMessage] = []
-
-    def add_messages(self, messages: Sequence[BaseMessage]) -> None:
-        self.messages.extend(messages)
-
-    def clear(self) -> None:
-        self.messages = []
-
-
-@pytest.fixture
-def fake() -> Iterator[tuple[CraftEngine, FakeBackend]]:
-    engine, backend = make_fake_engine()
-    yield engine, backend
-    engine.close()
 
 
 def docs(*ids: str) -> list[Document]:
