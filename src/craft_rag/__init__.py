@@ -5,7 +5,11 @@ The core (this package minus ``engine``) imports no LLM framework and no vLLM.
 
 from craft_rag.access_table import DEFAULT_WINDOW, ChunkAccessTable
 from craft_rag.chunk import Chunk, content_key, make_chunk
-from craft_rag.conversation import ConversationRegistry
+from craft_rag.conversation import (
+    ConversationRegistry,
+    ConversationStore,
+    ConversationStoreProtocol,
+)
 from craft_rag.embedding_model import packaged_embedding_model_dir
 from craft_rag.metrics import prefix_overlap, total_overlap
 from craft_rag.ordering import DEFAULT_POLICY, ORDERING_POLICIES, get_policy
@@ -29,6 +33,8 @@ __all__ = [
     "CommitResult",
     "ConversationId",
     "ConversationRegistry",
+    "ConversationStore",
+    "ConversationStoreProtocol",
     "CraftPlanner",
     "HFTokenizer",
     "KVLocation",
