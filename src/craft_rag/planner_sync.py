@@ -15,7 +15,7 @@ from __future__ import annotations
 import json
 import logging
 import threading
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 from craft_rag.access_table import ChunkAccessTable
 from craft_rag.conversation import ConversationStore
@@ -53,18 +53,14 @@ class SharedSync:
     _replay_clock: ReplayClock
     _leases: PlanLeases
 
-    def _record(
-        self,
-        keys: tuple[ChunkKey, ...],
-        removed: tuple[ChunkKey, ...],
-        turn: int,
-        conversation_id: ConversationId | None,
-        reused_chunks: int | None,
-        metadata: Sequence[NodeMetadata] | None,
-        location: KVLocation | None,
-        tokens: Sequence[int] | None = None,
-    ) -> tuple[int, int, int]:
-        raise NotImplementedError
+    # Provided by CraftPlanner: apply one served plan to the table, tree and conversation store.
+    _record: Callable[
+        [
+            tuple[ChunkKey, ...], tuple[ChunkKey, ...], int, ConversationId | None, int | None,
+            Sequence[NodeMetadata] | None, KVLocation | None, Sequence[int] | None,
+        ],
+        tuple[int, int, int],
+    ]
 
     @property
     def store(self) -> StateStore | None:
