@@ -174,3 +174,44 @@ def test_namespaces_are_checked_and_salt_namespaces_are_digests() -> None:
 def test_config_validation_still_applies_with_a_store() -> None:
     with pytest.raises(ValueError):
         CraftPlanner(PlannerConfig(window=0), store="memory://")
+
+
+def test_a_new_sqlite_store_locked_while_opening_waits_then_opens(tmp_path: Path) -> None:
+    """Opening switches a new file to WAL, which needs an exclusive lock; another process holding
+    it (e.g. a second worker opening the same new file) is waited on up to busy_timeout_ms."""
+    import sqlite3
+    import threading
+
+    from craft_rag.stores.sqlite_store import SQLiteStore
+
+    path = tmp_path / "new.db"
+    holder = sqlite3.connect(path, isolation_level=None, check_same_thread=False)
+    holder.execute("BEGIN EXCLUSIVE")
+    release = threading.Timer(0.3, lambda: holder.execute("COMMIT"))
+    release.start()
+    try:
+        store = SQLiteStore(path, busy_timeout_ms=5000)
+    finally:
+        release.join()
+        holder.close()
+    store.close()
+
+
+def test_a_sqlite_store_locked_past_the_timeout_while_opening_is_unavailable_not_corrupt(
+    tmp_path: Path,
+) -> None:
+    import sqlite3
+
+    from craft_rag.stores import StoreUnavailable
+    from craft_rag.stores.sqlite_store import SQLiteStore
+
+    path = tmp_path / "held.db"
+    holder = sqlite3.connect(path, isolation_level=None)
+    holder.execute("BEGIN EXCLUSIVE")
+    try:
+        with pytest.raises(StoreUnavailable, match="busy_timeout_ms"):
+            SQLiteStore(path, busy_timeout_ms=200)
+    finally:
+        holder.execute("ROLLBACK")
+        holder.close()
+    assert path.exists()

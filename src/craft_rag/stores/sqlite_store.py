@@ -104,7 +104,7 @@ class SQLiteStore(StateStore):
             check_same_thread=False,
         )
         try:
-            self._conn.execute("PRAGMA journal_mode=WAL")
+            _enable_wal(self._conn, busy_timeout_ms / 1000)
             self._conn.execute(f"PRAGMA synchronous={synchronous.upper()}")
             with self._transaction() as cur:
                 for statement in _SCHEMA:
@@ -124,6 +124,13 @@ class SQLiteStore(StateStore):
                     raise StoreCorrupted(msg)
         except sqlite3.DatabaseError as e:
             self._conn.close()
+            if _is_locked(e):
+                msg = (
+                    f"store {self.url} stayed locked by another process for "
+                    f"{busy_timeout_ms} ms while opening; raise ?busy_timeout_ms= or check "
+                    "for a hung worker"
+                )
+                raise StoreUnavailable(msg) from e
             msg = (
                 f"store {self.url} is not a readable craft-rag SQLite store ({e}); move the "
                 "file away and start with a new one"
@@ -166,7 +173,7 @@ class SQLiteStore(StateStore):
                     raise
                 cur.execute("COMMIT")
             except sqlite3.OperationalError as e:
-                if "locked" in str(e) or "busy" in str(e):
+                if _is_locked(e):
                     msg = (
                         f"store {self.url} stayed locked by another process ({e}); raise "
                         "?busy_timeout_ms= or check for a hung worker"
@@ -338,3 +345,27 @@ class SQLiteStore(StateStore):
     def close(self) -> None:
         with self._lock:
             self._conn.close()
+
+
+def _enable_wal(conn: sqlite3.Connection, timeout_s: float) -> None:
+    """``PRAGMA journal_mode=WAL``, retried until ``timeout_s``: switching a new database to WAL
+    takes an exclusive lock, and SQLite answers a concurrent switch (two workers opening one new
+    file at once) with an immediate "database is locked" that its busy handler does not wait on.
+    """
+    deadline = time.monotonic() + timeout_s
+    delay = 0.005
+    while True:
+        try:
+            conn.execute("PRAGMA journal_mode=WAL")
+            return
+        except sqlite3.OperationalError as e:
+            if not _is_locked(e) or time.monotonic() >= deadline:
+                raise
+        time.sleep(delay)
+        delay = min(delay * 2, 0.1)
+
+
+def _is_locked(error: sqlite3.DatabaseError) -> bool:
+    """SQLite's "another connection holds the lock" (retryable), as opposed to a bad file."""
+    text = str(error)
+    return isinstance(error, sqlite3.OperationalError) and ("locked" in text or "busy" in text)
