@@ -42,12 +42,21 @@ from craft_rag.engine.server_backend import (
     ServerSettings,
     ServerUnavailable,
 )
+from craft_rag.engine.turn_layout import (
+    APPEND_ONLY,
+    DEFAULT_TURN_LAYOUT,
+    LayoutChoice,
+    TurnCostModel,
+    TurnLayoutPolicy,
+)
 from craft_rag.engine.vllm_backend import EngineSettings, EngineStartError
 
 __all__ = [
+    "APPEND_ONLY",
     "CONDENSE_INSTRUCTION",
     "DEFAULT_CONDENSE_MAX_TOKENS",
     "DEFAULT_HISTORY_BUDGET",
+    "DEFAULT_TURN_LAYOUT",
     "SAMPLING_KEYWORDS",
     "BlockHasher",
     "ChatTurn",
@@ -61,6 +70,7 @@ __all__ = [
     "GenerationResult",
     "HistoryBudget",
     "KVEventSync",
+    "LayoutChoice",
     "MessagesRequest",
     "PreparedModel",
     "RagRequest",
@@ -75,6 +85,8 @@ __all__ = [
     "ServerUnavailable",
     "StreamChunk",
     "TokensRequest",
+    "TurnCostModel",
+    "TurnLayoutPolicy",
     "acondense",
     "condense",
     "derive_chat_format",

@@ -26,7 +26,9 @@ is reported. A turn that cannot fit even alone raises ``ValueError``.
 and the bounds live in the one conversation store (:class:`craft_rag.conversation.
 ConversationStore`), one per cache salt, found through :class:`ConversationStores` (in an
 engine: each salt's planner's store). :class:`ConversationPrompts` renders from it and applies
-the :class:`HistoryBudget` policy. With several workers (``CraftEngine(store=...)``) the token
+the :class:`HistoryBudget` policy and the :class:`~craft_rag.engine.turn_layout.TurnLayoutPolicy`
+(append, or restart the prompt with a compacted history when the cost model says so: see that
+module). With several workers (``CraftEngine(store=...)``) the token
 history also has a shared copy (:mod:`craft_rag.stores.histories`).
 """
 
@@ -34,11 +36,18 @@ from __future__ import annotations
 
 import threading
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Protocol
 
 from craft_rag.chunk import Chunk
 from craft_rag.conversation import ConversationHistory, ConversationStore
+from craft_rag.engine.turn_layout import (
+    APPEND_ONLY,
+    ChunkSpanMemo,
+    LayoutChoice,
+    TurnLayoutPolicy,
+    compact_turns,
+)
 from craft_rag.prompt import AssembledPrompt, PromptAssembler
 from craft_rag.types import ChunkKey, ConversationId
 
@@ -92,6 +101,13 @@ class RenderedTurn:
     """Turns dropped since the previous served turn (history budget, :meth:`fit`): also left
     out of this prompt, already forgotten. Reports add it to ``dropped_turns``."""
     cache_salt: str | None = None
+    compacted_turns: int = 0
+    """A restart (:mod:`craft_rag.engine.turn_layout`): the earlier live turns are in this
+    prompt only compacted (``turn_ids`` starts with them); :meth:`ConversationPrompts.settle`
+    forgets them once the turn is recorded."""
+    layout: LayoutChoice | None = None
+    chunk_span: tuple[int, int] = (0, 0)
+    """Where this turn's chunks lie in ``turn_ids`` (what a later compaction cuts out)."""
 
     @property
     def left_out(self) -> int:
@@ -169,9 +185,12 @@ class ConversationPrompts:
         max_conversations: int = DEFAULT_MAX_CONVERSATIONS,
         history_budget: HistoryBudget | None = None,
         stores: ConversationStores | None = None,
+        turn_layout: TurnLayoutPolicy = APPEND_ONLY,
     ) -> None:
         """``stores``: where conversations live (default: :class:`LocalStores` bounded by
-        ``max_conversations``; an engine passes its planners, whose config bounds them)."""
+        ``max_conversations``; an engine passes its planners, whose config bounds them).
+        ``turn_layout``: append-only (default here; replay) or the cost-model restart (the
+        engine's default, :data:`~craft_rag.engine.turn_layout.DEFAULT_TURN_LAYOUT`)."""
         if max_conversations < 1:
             msg = f"max_conversations must be >= 1, got {max_conversations}"
             raise ValueError(msg)
@@ -182,6 +201,11 @@ class ConversationPrompts:
         self.max_model_len = max_model_len
         self.max_conversations = max_conversations
         self.history_budget = history_budget
+        if not isinstance(turn_layout, TurnLayoutPolicy):
+            msg = f"turn_layout must be a TurnLayoutPolicy, got {turn_layout!r}"
+            raise ValueError(msg)
+        self.turn_layout = turn_layout
+        self.spans = ChunkSpanMemo()
         self.stores: ConversationStores = stores or LocalStores(max_conversations)
         self._lock = threading.Lock()
         self._close_ids = assembler.answer_ids("")
@@ -244,6 +268,52 @@ class ConversationPrompts:
 
     # ---- rendering ---------------------------------------------------------------------------
 
+    def choose_layout(
+        self,
+        conversation_id: str | None,
+        chunks: Sequence[Chunk],
+        question: str,
+        *,
+        block_size: int,
+        cache_salt: str | None = None,
+    ) -> LayoutChoice | None:
+        """Before planning a turn: append, or restart compacted (:attr:`turn_layout`)? None
+        without a conversation with live turns known here, or with the layout off. Predicts
+        cached tokens from the history (whole ``block_size`` blocks; the previous turn's reply
+        close is new) and dedup from the live turns' keys, as the planner would. Reads only.
+        O(history + chunk tokens)."""
+        if not self.turn_layout.enabled or conversation_id is None:
+            return None
+        history = self._history(conversation_id, cache_salt)
+        if history is None or not history.turns or None in history.turns:
+            return None
+        turns = [t for t in history.turns if t is not None]
+        sent = {k for keys in history.keys for k in keys}
+        with self._lock:
+            a = self.assembler
+            seen: set[str] = set()
+            all_tokens = new_tokens = 0
+            for chunk in chunks:
+                if chunk.key in seen:
+                    continue
+                seen.add(chunk.key)
+                n = len(a.chunk_ids(chunk))
+                all_tokens += n
+                if chunk.key not in sent:
+                    new_tokens += n
+            q = len(a.question_ids(question))
+            head = len(a.head_ids)
+        block = max(block_size, 1)
+        total = head + history.tokens
+        append_cached = max(0, (total - len(self._close_ids) - 1) // block * block)
+        compacted, lead, _ = compact_turns(turns, self.spans)
+        restart_cached = min(append_cached, (head + lead) // block * block)
+        append_new = total + new_tokens + q - append_cached
+        restart_new = head + len(compacted) + all_tokens + q - restart_cached
+        return self.turn_layout.choose(
+            (append_cached, append_new), (restart_cached, restart_new), len(turns)
+        )
+
     def render(
         self,
         chunks: Sequence[Chunk],
@@ -254,11 +324,16 @@ class ConversationPrompts:
         fresh: bool = False,
         cache_salt: str | None = None,
         held: bool = False,
+        layout: LayoutChoice | None = None,
     ) -> RenderedTurn:
         """The prompt for one turn; with a ``conversation_id`` it continues that conversation
         (``fresh=True`` drops its turns first) and marks the turn in flight until
         :meth:`complete` or :meth:`cancel`; ``held``: the turn's plan already holds it (an
-        engine's planner: its commit or abort ends the hold).
+        engine's planner: its commit or abort ends the hold). ``layout`` (from
+        :meth:`choose_layout`) with ``restart``: the live turns go in compacted
+        (``compacted_turns``; forgotten by :meth:`settle`) and ``chunks`` should be ALL of
+        the turn's chunks (the store will no longer vouch for earlier ones); a restart that
+        would not fit the context is rendered append-only.
 
         ``ValueError`` when the turn cannot fit in ``max_model_len`` with ``max_tokens`` even
         without earlier turns, or when a known conversation is sent with another
@@ -311,16 +386,27 @@ class ConversationPrompts:
                 "worker, or end_conversation() and start over"
             )
             raise RuntimeError(msg)
-        dropped = 0
-        kept_tokens = history.tokens if history is not None else 0
-        while len(head) + kept_tokens + len(segment) > budget:
-            kept_tokens -= len(turns[dropped] or ())
-            dropped += 1
+        dropped = compacted = 0
+        lead: tuple[int, ...] = ()
+        if layout is not None and layout.restart and turns:
+            lead = compact_turns([t or () for t in turns], self.spans)[0]
+            if len(head) + len(lead) + len(segment) <= budget:
+                compacted = len(turns)
+            else:
+                lead, layout = (), replace(layout, restart=False, compacted_turns=0)
         ids = list(head)
-        for turn in turns[dropped:]:
-            ids.extend(turn or ())
+        if compacted:
+            ids.extend(lead)
+        else:
+            kept_tokens = history.tokens if history is not None else 0
+            while len(head) + kept_tokens + len(segment) > budget:
+                kept_tokens -= len(turns[dropped] or ())
+                dropped += 1
+            for turn in turns[dropped:]:
+                ids.extend(turn or ())
         prefix = len(ids)
         ids.extend(segment)
+        chunk_end = spans_rel[-1][1] if spans_rel else 0
         prompt = AssembledPrompt(
             token_ids=tuple(ids),
             chunk_keys=tuple(c.key for c in chunks),
@@ -331,10 +417,13 @@ class ConversationPrompts:
             prompt=prompt,
             conversation_id=conversation_id,
             dropped_turns=dropped,
-            kept_turns=len(turns) - dropped,
-            turn_ids=tuple(segment),
+            kept_turns=len(turns) - dropped - compacted,
+            turn_ids=(*lead, *segment),
             earlier_dropped=history.dropped_since if history is not None else 0,
             cache_salt=cache_salt,
+            compacted_turns=compacted,
+            layout=layout,
+            chunk_span=(len(lead), len(lead) + chunk_end),
         )
 
     def stored_turn(
@@ -347,18 +436,22 @@ class ConversationPrompts:
     ) -> tuple[int, ...]:
         """The token ids a served turn leaves in the conversation: its segment, the reply
         (trailing stop tokens removed) and the answer close (or ``stored_reply``, reply and
-        close as given: replay stores a trace's answer). Pure."""
+        close as given: replay stores a trace's answer). Remembers where its chunks lie
+        (:attr:`spans`, for a later compaction); changes nothing else."""
         if stored_reply is None:
             reply = list(reply_ids)
             while reply and reply[-1] in stop_token_ids:
                 reply.pop()
             stored_reply = (*reply, *self._close_ids)
-        return (*rendered.turn_ids, *stored_reply)
+        tokens = (*rendered.turn_ids, *stored_reply)
+        self.spans.remember(tokens, rendered.chunk_span)
+        return tokens
 
     def settle(self, rendered: RenderedTurn) -> int:
-        """After the turn was recorded: drop the turns its prompt left out and, over the
-        history budget, the oldest whole turns down to ``keep_tokens`` (the newest turn is
-        always kept). Returns the turns dropped. O(turns)."""
+        """After the turn was recorded: drop the turns its prompt left out (or holds only
+        compacted, a restart) and, over the history budget, the oldest whole turns down to
+        ``keep_tokens`` (the newest turn is always kept). Returns the turns dropped.
+        O(turns)."""
         cid = rendered.conversation_id
         if cid is None:
             return 0
@@ -367,7 +460,7 @@ class ConversationPrompts:
         if history is None:  # ended while in flight
             return 0
         lengths = [len(t or ()) for t in history.turns]
-        n = min(rendered.dropped_turns, len(lengths) - 1)
+        n = min(rendered.dropped_turns + rendered.compacted_turns, len(lengths) - 1)
         left = sum(lengths[n:])
         budget = self.history_budget
         if budget is not None and left > budget.max_tokens:

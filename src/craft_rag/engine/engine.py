@@ -73,6 +73,7 @@ from craft_rag.engine.results import (
     TokensRequest,
 )
 from craft_rag.engine.server_backend import ServerSettings
+from craft_rag.engine.turn_layout import DEFAULT_TURN_LAYOUT, TurnLayoutPolicy
 from craft_rag.engine.vllm_backend import EngineSettings, EngineStartError
 from craft_rag.engine.wiring import ManagedBackend, prompt_pieces, wire_backend
 from craft_rag.planner import CraftPlanner
@@ -123,6 +124,7 @@ class CraftEngine(RequestForms):
         history_budget: HistoryBudget | None = DEFAULT_HISTORY_BUDGET,
         server: str | ServerSettings | None = None,
         store: StateStore | str | None = None,
+        turn_layout: TurnLayoutPolicy = DEFAULT_TURN_LAYOUT,
     ) -> None:
         """Start the engine. ``backend``/``tokenizer``/``block_hasher``/``chat_renderer``
         replace the vLLM and model pieces (tests use fakes); by default the model is resolved
@@ -141,7 +143,9 @@ class CraftEngine(RequestForms):
 
         ``history_budget`` bounds each conversation's stored prompt history (oldest whole turns
         dropped, with hysteresis; see :class:`HistoryBudget`); ``None``: only ``max_model_len``
-        bounds it.
+        bounds it. ``turn_layout``: per conversation turn, append to the prompt or restart it
+        with a compacted (chunk-free) history when a cost model predicts that faster
+        (:mod:`craft_rag.engine.turn_layout`; ``APPEND_ONLY`` turns it off).
 
         ``server``: a vLLM OpenAI-compatible server's URL (or :class:`ServerSettings`) to serve
         through instead of an in-process engine; ``settings.model`` then names the local folder
@@ -205,7 +209,8 @@ class CraftEngine(RequestForms):
             self.assembler,
             max_model_len=self._backend.max_model_len,
             history_budget=history_budget,
-            stores=self._namespaces,  # each salt's planner's one conversation store
+            stores=self._namespaces,
+            turn_layout=turn_layout,  # each salt's planner's one conversation store
         )
         self._driver = wiring.driver(on_server_lost=self._namespaces.on_all_blocks_cleared)
         self._rag = RagTurns(

@@ -31,6 +31,7 @@ from craft_rag.engine.driver import RequestState
 from craft_rag.engine.planners import CacheSalt, PlannerNamespaces, check_plan
 from craft_rag.engine.requests import InFlight, OnDelta, OnDone, plain_report, result_of
 from craft_rag.engine.results import GenerationResult, RagRequest, SamplingRequest
+from craft_rag.engine.turn_layout import LayoutChoice
 from craft_rag.metrics import chunks_inside_cache, chunks_with_cached_blocks
 from craft_rag.planner import CraftPlanner, Plan
 from craft_rag.prompt import AssembledPrompt
@@ -148,6 +149,11 @@ class RagTurns:
         lost = self.conversations.fit(
             fit_id, need, sampling.max_tokens, salt, planned=given is not None
         )
+        # Append, or restart the prompt compacted (turn_layout): decided before planning.
+        layout = self.conversations.choose_layout(
+            fit_id, request.chunks, question, block_size=self._cache.block_size,
+            cache_salt=salt,
+        )
         if given is None:
             plan = planner.claim(planner.plan(list(request.chunks), conversation_id))
         else:
@@ -174,7 +180,7 @@ class RagTurns:
                     "waited to be served; send the turn again"
                 )
                 raise RuntimeError(msg)
-            rendered = self.render(plan, question, sampling, conversation_id, salt)
+            rendered = self.render(plan, question, sampling, conversation_id, salt, layout)
             state = RequestState(self._request_ids(), on_delta=on_delta, on_done=on_done)
             self._submit(rendered.prompt.token_ids, sampling, state, salt)
         except BaseException:
@@ -190,16 +196,24 @@ class RagTurns:
         sampling: SamplingRequest,
         conversation_id: str | None,
         salt: CacheSalt | None,
+        layout: LayoutChoice | None = None,
     ) -> RenderedTurn:
         """Render ``plan``'s turn after the conversation's live turns (its planner holds the
-        turn in flight)."""
+        turn in flight). A restart (``layout``) renders the plan's chunks and then the ones
+        dedup removed (in the retriever's order): every chunk of the turn is in the prompt,
+        while the store records only the plan's keys (a re-sent key it misses is sent again
+        if retrieved again, never lost)."""
+        chunks = plan.ordered
+        if layout is not None and layout.restart:
+            chunks = (*plan.ordered, *plan.removed_duplicates)
         return self.conversations.render(
-            plan.ordered,
+            chunks,
             question,
             max_tokens=sampling.max_tokens,
             conversation_id=conversation_id,
             cache_salt=salt,
             held=True,
+            layout=layout,
         )
 
     def give_up_plan(self, planner: CraftPlanner, plan: Plan, caller_plan: bool) -> None:
@@ -227,11 +241,13 @@ class RagTurns:
         cached = state.num_cached_tokens or 0
         reused = reused_chunk_count(prompt, cached)
         # The planner prunes CP-Tree nodes past this: block-granular evidence, not `reused`.
-        kv_chunks = chunks_with_cached_blocks(prompt.chunk_spans, cached, self._cache.block_size)
+        # The plan's chunks lead the prompt's (a restart re-sends dedup's after them).
+        spans = prompt.chunk_spans[: len(plan.ordered)]
+        kv_chunks = chunks_with_cached_blocks(spans, cached, self._cache.block_size)
         block_hashes = None
         if self.block_hasher is not None:
             hashes = self.block_hasher.block_hashes(prompt.token_ids, flight.cache_salt)
-            block_hashes = self.block_hasher.per_chunk(hashes, prompt.chunk_spans)
+            block_hashes = self.block_hasher.per_chunk(hashes, spans)
         tokens = self.conversations.stored_turn(
             turn.rendered, state.token_ids, self._cache.eos_token_ids, stored_reply=stored_reply
         )
@@ -240,7 +256,7 @@ class RagTurns:
         turn.planner.commit(
             plan,
             prefix_tokens=prompt.prefix_tokens,
-            chunk_token_counts=[end - start for start, end in prompt.chunk_spans],
+            chunk_token_counts=[end - start for start, end in spans],
             # Without reading the cache, cached=0 says nothing about what the cache holds.
             reused_chunks=kv_chunks if flight.sampling.read_prefix_cache else None,
             block_hashes=block_hashes,
@@ -254,13 +270,16 @@ class RagTurns:
             predicted_chunks=plan.matched_chunks,
             reused_chunks=reused,
             prefix_tokens=prompt.prefix_tokens,
-            chunk_order=plan.keys,
-            removed_duplicates=tuple(c.key for c in plan.removed_duplicates),
+            chunk_order=prompt.chunk_keys,
+            removed_duplicates=()
+            if turn.rendered.compacted_turns
+            else tuple(c.key for c in plan.removed_duplicates),
             repeated_in_request=tuple(c.key for c in plan.repeated_in_request),
             dropped_turns=turn.rendered.left_out,
             conversation_id=turn.rendered.conversation_id,
             turn=plan.turn,
             plan_id=plan.plan_id,
+            layout=turn.rendered.layout,
         )
         return result_of(flight, report)
 

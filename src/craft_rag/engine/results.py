@@ -18,6 +18,7 @@ from craft_rag.types import ChunkKey
 from craft_rag.validation import materialise, validate_conversation_id
 
 if TYPE_CHECKING:
+    from craft_rag.engine.turn_layout import LayoutChoice
     from craft_rag.planner import Plan
 
 
@@ -217,6 +218,9 @@ class ReuseReport:
     read_prefix_cache: bool
     plan_id: int | None = None
     salted: bool = False
+    layout: LayoutChoice | None = None
+    """A conversation turn's layout decision (append or compacted restart, with the predicted
+    costs: :mod:`craft_rag.engine.turn_layout`); ``None`` when none was made."""
 
     @property
     def cached_fraction(self) -> float:
