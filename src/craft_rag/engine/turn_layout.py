@@ -104,7 +104,8 @@ class TurnLayoutPolicy:
     """How a conversation turn is laid out: ``mode="cost_model"`` (default) restarts the
     prompt compacted when the cost model predicts it at most ``ratio`` times the append-only
     turn's time and at least ``min_gain_ms`` faster (a restart gives up the cached history, so
-    a gain within the model's noise is not worth it); ``"append_only"`` never restarts (CRAFT's paper behaviour; replay uses it).
+    a gain within the model's noise is not worth it); ``"append_only"`` never restarts
+    (CRAFT's paper behaviour; replay uses it).
     Works next to the :class:`~craft_rag.engine.conversation_prompts.HistoryBudget`, which
     still bounds the stored history. ``ratio`` < 1 demands a clear win (a restart also makes
     every later turn's history shorter, so 1.0 is already conservative)."""
