@@ -105,19 +105,23 @@ class TurnLayoutPolicy:
     prompt compacted when the cost model predicts it at most ``ratio`` times the append-only
     turn's time and at least ``min_gain_ms`` faster (a restart gives up the cached history, so
     a gain within the model's noise is not worth it); ``"append_only"`` never restarts
-    (CRAFT's paper behaviour; replay uses it).
+    (CRAFT's paper behaviour; replay uses it); ``"always_restart"`` restarts every later turn
+    (the frameworks' chat layout with CRAFT's ordering: for comparisons and tests).
     Works next to the :class:`~craft_rag.engine.conversation_prompts.HistoryBudget`, which
     still bounds the stored history. ``ratio`` < 1 demands a clear win (a restart also makes
     every later turn's history shorter, so 1.0 is already conservative)."""
 
-    mode: Literal["cost_model", "append_only"] = "cost_model"
+    mode: Literal["cost_model", "append_only", "always_restart"] = "cost_model"
     cost: TurnCostModel = DEFAULT_TURN_COST
     ratio: float = 1.0
     min_gain_ms: float = 50.0
 
     def __post_init__(self) -> None:
-        if self.mode not in ("cost_model", "append_only"):
-            msg = f"TurnLayoutPolicy.mode must be 'cost_model' or 'append_only', got {self.mode!r}"
+        if self.mode not in ("cost_model", "append_only", "always_restart"):
+            msg = (
+                "TurnLayoutPolicy.mode must be 'cost_model', 'append_only' or "
+                f"'always_restart', got {self.mode!r}"
+            )
             raise ValueError(msg)
         if not isinstance(self.cost, TurnCostModel):
             msg = f"TurnLayoutPolicy.cost must be a TurnCostModel, got {self.cost!r}"
@@ -127,7 +131,7 @@ class TurnLayoutPolicy:
 
     @property
     def enabled(self) -> bool:
-        return self.mode == "cost_model"
+        return self.mode != "append_only"
 
     def choose(
         self,
@@ -138,11 +142,13 @@ class TurnLayoutPolicy:
         """The choice between ``append`` and ``restart``, each ``(cached, new)`` tokens. O(1)."""
         a_ms = self.cost.predict_ms(*append)
         r_ms = self.cost.predict_ms(*restart)
-        pick = (
-            self.enabled
-            and compacted_turns > 0
-            and r_ms <= a_ms * self.ratio
-            and a_ms - r_ms >= self.min_gain_ms
+        pick = compacted_turns > 0 and (
+            self.mode == "always_restart"
+            or (
+                self.mode == "cost_model"
+                and r_ms <= a_ms * self.ratio
+                and a_ms - r_ms >= self.min_gain_ms
+            )
         )
         return LayoutChoice(
             restart=pick,
