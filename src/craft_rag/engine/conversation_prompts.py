@@ -47,6 +47,7 @@ from craft_rag.engine.turn_layout import (
     LayoutChoice,
     TurnLayoutPolicy,
     compact_turns,
+    predict_layout,
 )
 from craft_rag.prompt import AssembledPrompt, PromptAssembler
 from craft_rag.types import ChunkKey, ConversationId
@@ -285,34 +286,13 @@ class ConversationPrompts:
         if not self.turn_layout.enabled or conversation_id is None:
             return None
         history = self._history(conversation_id, cache_salt)
-        if history is None or not history.turns or None in history.turns:
+        if history is None or not history.turns or None in history.turns or history.in_flight:
             return None
-        turns = [t for t in history.turns if t is not None]
-        sent = {k for keys in history.keys for k in keys}
         with self._lock:
-            a = self.assembler
-            seen: set[str] = set()
-            all_tokens = new_tokens = 0
-            for chunk in chunks:
-                if chunk.key in seen:
-                    continue
-                seen.add(chunk.key)
-                n = len(a.chunk_ids(chunk))
-                all_tokens += n
-                if chunk.key not in sent:
-                    new_tokens += n
-            q = len(a.question_ids(question))
-            head = len(a.head_ids)
-        block = max(block_size, 1)
-        total = head + history.tokens
-        append_cached = max(0, (total - len(self._close_ids) - 1) // block * block)
-        compacted, lead, _ = compact_turns(turns, self.spans)
-        restart_cached = min(append_cached, (head + lead) // block * block)
-        append_new = total + new_tokens + q - append_cached
-        restart_new = head + len(compacted) + all_tokens + q - restart_cached
-        return self.turn_layout.choose(
-            (append_cached, append_new), (restart_cached, restart_new), len(turns)
-        )
+            return predict_layout(
+                self.turn_layout, self.assembler, history, chunks, question,
+                block_size=block_size, memo=self.spans,
+            )
 
     def render(
         self,

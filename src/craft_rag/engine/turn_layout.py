@@ -34,6 +34,9 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Literal
 
+from craft_rag.chunk import Chunk
+from craft_rag.conversation import ConversationHistory
+from craft_rag.prompt import PromptAssembler
 from craft_rag.validation import check_number
 
 __all__ = [
@@ -45,6 +48,7 @@ __all__ = [
     "TurnCostModel",
     "TurnLayoutPolicy",
     "compact_turns",
+    "predict_layout",
 ]
 
 
@@ -236,3 +240,43 @@ def compact_turns(
             break
         lead += 1
     return tuple(out), lead, unknown
+
+
+def predict_layout(
+    policy: TurnLayoutPolicy,
+    assembler: PromptAssembler,
+    history: ConversationHistory,
+    chunks: Sequence[Chunk],
+    question: str,
+    *,
+    block_size: int,
+    memo: ChunkSpanMemo,
+) -> LayoutChoice:
+    """``policy``'s choice for a turn of ``chunks`` and ``question`` after ``history`` (its
+    live turns all known). Cached tokens are predicted as whole ``block_size`` blocks of the
+    prompt so far (the previous reply's close is new: it was never in a prompt); dedup as the
+    planner does it (keys of the live turns). The caller holds the assembler's lock.
+    O(history + chunk tokens)."""
+    turns = [t for t in history.turns if t is not None]
+    sent = {k for keys in history.keys for k in keys}
+    seen: set[str] = set()
+    all_tokens = new_tokens = 0
+    for chunk in chunks:
+        if chunk.key in seen:
+            continue
+        seen.add(chunk.key)
+        n = len(assembler.chunk_ids(chunk))
+        all_tokens += n
+        if chunk.key not in sent:
+            new_tokens += n
+    q = len(assembler.question_ids(question))
+    head = len(assembler.head_ids)
+    close = len(assembler.answer_ids(""))
+    block = max(block_size, 1)
+    total = head + history.tokens
+    append_cached = max(0, (total - close - 1) // block * block)
+    compacted, lead, _ = compact_turns(turns, memo)
+    restart_cached = min(append_cached, (head + lead) // block * block)
+    append_new = total + new_tokens + q - append_cached
+    restart_new = head + len(compacted) + all_tokens + q - restart_cached
+    return policy.choose((append_cached, append_new), (restart_cached, restart_new), len(turns))
