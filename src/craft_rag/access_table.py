@@ -26,20 +26,23 @@ class ChunkAccessTable:
     """Counts how many of the last ``window`` requests retrieved each chunk.
 
     Invariants (checked by :meth:`_check_invariants`):
-    - ``len(self._requests) <= window`` (``window=None`` means unlimited);
+    - at most ``window`` requests are windowed (``window=None`` means unlimited);
     - ``self._counts[c]`` equals the number of windowed requests containing ``c``;
     - every count is >= 1: a chunk whose count reaches 0 leaves the table.
 
-    Memory is O(distinct chunks in the window + total chunks in the window). Owner: only
-    :meth:`record` and :meth:`load` mutate state.
+    Memory is O(distinct chunks in the window + total chunks in the window): the windowed
+    requests are kept flat, every key in one deque (8 bytes a key) plus one length per request,
+    not a tuple per request (+40 bytes each; issue 16's state size). Owner: only
+    :meth:`record` and :meth:`from_json` mutate state.
     """
 
-    __slots__ = ("_counts", "_requests", "window")
+    __slots__ = ("_counts", "_keys", "_lengths", "window")
 
     def __init__(self, window: int | None = DEFAULT_WINDOW) -> None:
         self.window = check_optional_int(window, "window", minimum=1, none_means="unlimited")
         self._counts: dict[ChunkKey, int] = {}
-        self._requests: deque[tuple[ChunkKey, ...]] = deque()
+        self._keys: deque[ChunkKey] = deque()  # the windowed requests' keys, oldest first
+        self._lengths: deque[int] = deque()  # each windowed request's key count, oldest first
 
     def record(self, keys: Iterable[ChunkKey]) -> None:
         """Add one request: +1 for each distinct key; expire the oldest request if the window
@@ -51,12 +54,22 @@ class ChunkAccessTable:
                 if not isinstance(key, str) or not key:
                     msg = f"keys[{i}]: must be a non-empty string (a chunk key), got {key!r}"
                     raise ValueError(msg)
+        self._add(request)
+
+    def _add(self, request: tuple[ChunkKey, ...]) -> None:
+        """:meth:`record` for a request the caller already checked (distinct non-empty string
+        keys, as the planner's commit holds them): no second pass over it. O(k)."""
         counts = self._counts
+        get = counts.get
         for key in request:
-            counts[key] = counts.get(key, 0) + 1
-        self._requests.append(request)
-        if self.window is not None and len(self._requests) > self.window:
-            for key in self._requests.popleft():
+            counts[key] = get(key, 0) + 1
+        self._keys.extend(request)
+        lengths = self._lengths
+        lengths.append(len(request))
+        if self.window is not None and len(lengths) > self.window:
+            pop = self._keys.popleft
+            for _ in range(lengths.popleft()):
+                key = pop()
                 left = counts[key] - 1
                 if left:
                     counts[key] = left
@@ -89,14 +102,19 @@ class ChunkAccessTable:
 
     @property
     def requests_in_window(self) -> int:
-        return len(self._requests)
+        return len(self._lengths)
+
+    def _windowed(self) -> list[list[ChunkKey]]:
+        """The windowed requests' keys, oldest first. O(window * k)."""
+        keys = iter(self._keys)
+        return [[next(keys) for _ in range(n)] for n in self._lengths]
 
     def to_json(self) -> dict[str, Any]:
         """Plain-JSON state (the windowed requests; counts are derived on load). O(window * k)."""
         return {
             "format": _FORMAT,
             "window": self.window,
-            "requests": [list(request) for request in self._requests],
+            "requests": self._windowed(),
         }
 
     @classmethod
@@ -131,9 +149,10 @@ class ChunkAccessTable:
 
     def _check_invariants(self) -> None:
         if self.window is not None:
-            assert len(self._requests) <= self.window
+            assert len(self._lengths) <= self.window
+        assert sum(self._lengths) == len(self._keys)
         recount: dict[ChunkKey, int] = {}
-        for request in self._requests:
+        for request in self._windowed():
             assert len(set(request)) == len(request), "a request counts each chunk once"
             for key in request:
                 recount[key] = recount.get(key, 0) + 1

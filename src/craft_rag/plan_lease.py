@@ -45,17 +45,26 @@ def fingerprint(plan: Plan) -> int:
 class PlanLease:
     """What the planner keeps of a plan until it is committed or aborted.
 
-    ``seen``: the store seq the plan was made at (0 without a store); ``fingerprint``: see
-    :func:`fingerprint`; ``made_at``: the planner clock when it was made (a conversation's plan
-    in flight longer than the conversation TTL is abandoned by the next plan of that
-    conversation); ``claimed``: an engine serves it now."""
+    ``seen``: the store seq the plan was made at (0 without a store); ``made_at``: the planner
+    clock when it was made (a conversation's plan in flight longer than the conversation TTL
+    is abandoned by the next plan of that conversation); ``claimed``: an engine serves it now.
+    """
 
     plan: Plan
     seen: int
-    fingerprint: int
     made_at: float
     claimed: bool = field(default=False)
     reserved: bool = field(default=False)
+
+    @property
+    def fingerprint(self) -> int:
+        """:func:`fingerprint` of the plan as made (the plan is frozen)."""
+        return fingerprint(self.plan)
+
+    def matches(self, plan: Plan) -> bool:
+        """True if ``plan`` is the plan as made: the very object ``plan()`` returned (O(1);
+        the common case, issue 16), else one whose content hashes the same (O(k))."""
+        return plan is self.plan or fingerprint(plan) == fingerprint(self.plan)
 
     @property
     def conversation_id(self) -> ConversationId | None:
@@ -73,7 +82,8 @@ class PlanLeases:
         self._by_conversation: dict[ConversationId, int] = {}
         # (conversation, planned keys) -> plan ids, oldest first: what an adapter that passes
         # plain node lists can find a plan by (an index over _leases, not a second owner).
-        self._by_keys: dict[tuple[ConversationId | None, tuple[str, ...]], list[int]] = {}
+        # Built on the first reserve(): planners no adapter reserves from never pay for it.
+        self._by_keys: dict[tuple[ConversationId | None, tuple[str, ...]], list[int]] | None = None
 
     def __len__(self) -> int:
         return len(self._leases)
@@ -83,7 +93,8 @@ class PlanLeases:
         self._leases[plan_id] = lease
         if lease.conversation_id is not None:
             self._by_conversation[lease.conversation_id] = plan_id
-        self._by_keys.setdefault(_keys_of(lease), []).append(plan_id)
+        if self._by_keys is not None:
+            self._by_keys.setdefault(_keys_of(lease), []).append(plan_id)
         while len(self._leases) > limit:
             self._drop(next(iter(self._leases)))
 
@@ -119,8 +130,13 @@ class PlanLeases:
     ) -> PlanLease | None:
         """The oldest lease of exactly these planned keys (in order) and conversation that is
         neither reserved nor claimed, now reserved; None if there is none. O(plans with
-        those keys)."""
-        for plan_id in self._by_keys.get((conversation_id, keys), ()):
+        those keys; the first call builds the index, O(plans))."""
+        by_keys = self._by_keys
+        if by_keys is None:
+            by_keys = self._by_keys = {}
+            for plan_id, lease in self._leases.items():
+                by_keys.setdefault(_keys_of(lease), []).append(plan_id)
+        for plan_id in by_keys.get((conversation_id, keys), ()):
             lease = self._leases[plan_id]
             if not lease.reserved and not lease.claimed:
                 lease.reserved = True
@@ -170,17 +186,20 @@ class PlanLeases:
 
     def _drop(self, plan_id: int) -> None:
         lease = self._leases.pop(plan_id)
-        key = _keys_of(lease)
-        same = self._by_keys[key]
-        same.remove(plan_id)
-        if not same:
-            del self._by_keys[key]
+        if self._by_keys is not None:
+            key = _keys_of(lease)
+            same = self._by_keys[key]
+            same.remove(plan_id)
+            if not same:
+                del self._by_keys[key]
         conv = lease.conversation_id
         if conv is not None and self._by_conversation.get(conv) == plan_id:
             del self._by_conversation[conv]
 
     def _check_invariants(self) -> None:
-        assert sorted(i for ids in self._by_keys.values() for i in ids) == sorted(self._leases)
+        if self._by_keys is not None:
+            indexed = sorted(i for ids in self._by_keys.values() for i in ids)
+            assert indexed == sorted(self._leases)
         for conv, plan_id in self._by_conversation.items():
             lease = self._leases.get(plan_id)
             assert lease is not None and lease.conversation_id == conv

@@ -30,9 +30,10 @@ from craft_rag.chunk import Chunk
 from craft_rag.conversation import ConversationStore
 from craft_rag.files import check_writable, write_atomic
 from craft_rag.ordering import OrderingContext, get_policy
-from craft_rag.plan_lease import PlanLease, PlanLeases, fingerprint
+from craft_rag.plan_lease import PlanLease, PlanLeases
 from craft_rag.planner_events import KVFeedback
 from craft_rag.planner_io import PlannerState, read_state_file, state_from_json
+from craft_rag.planner_record import StateRecorder
 from craft_rag.planner_sync import SharedSync
 from craft_rag.plans import (
     CommitResult,
@@ -40,12 +41,15 @@ from craft_rag.plans import (
     PlannerConfig,
     PlannerStats,
     check_tokens,
-    commit_metadata,
+    commit_spans,
     config_from_json,
+    made_plan,
+    made_result,
+    node_metadata,
     parse_plan_ref,
 )
-from craft_rag.prefix_tree import ChunkPrefixTree, KVLocation, NodeMetadata
-from craft_rag.promotion import PromotionInput, get_promotion_rule
+from craft_rag.prefix_tree import ChunkPrefixTree, KVLocation
+from craft_rag.promotion import get_promotion_rule
 from craft_rag.stores import DEFAULT_NAMESPACE, StateStore, StoreUnavailable, as_store
 from craft_rag.stores.shared import (
     CommitEntry,
@@ -53,7 +57,7 @@ from craft_rag.stores.shared import (
     SharedState,
     config_fingerprint,
 )
-from craft_rag.types import BlockHash, ChunkKey, ConversationId
+from craft_rag.types import BlockHash, ChunkKey
 from craft_rag.validation import materialise, validate_conversation_id
 
 __all__ = ["CommitResult", "CraftPlanner", "Plan", "PlannerConfig", "PlannerStats"]
@@ -62,7 +66,7 @@ _MAX_PENDING = 65_536
 _config_from_json = config_from_json  # the name older code imported
 
 
-class CraftPlanner(KVFeedback, SharedSync):
+class CraftPlanner(KVFeedback, StateRecorder, SharedSync):
     """CA-Table + CP-Tree + conversation dedup behind ``plan``/``commit``.
 
     One planner serves one prompt head: CP-Tree nodes are keyed by chunk keys only, while their
@@ -114,6 +118,7 @@ class CraftPlanner(KVFeedback, SharedSync):
         self.conversations = ConversationStore(
             self.config.max_conversations, self.config.conversation_ttl_s, clock=state_clock
         )
+        self._context = OrderingContext(self.access_table, self.prefix_tree)
         self.stats = PlannerStats()
         self._plan_ids = itertools.count(1)
         # Random per instance (and per load): a plan id alone would let planner B, or this
@@ -153,27 +158,25 @@ class CraftPlanner(KVFeedback, SharedSync):
         recorded, or it would re-send the earlier turn's chunks. A plan in flight longer than
         ``conversation_ttl_s`` is abandoned instead (it can no longer be committed).
         """
-        chunks = materialise(chunks, "chunks")
-        for i, chunk in enumerate(chunks):
-            if not isinstance(chunk, Chunk):
-                msg = (
-                    f"chunks[{i}] is a {type(chunk).__name__}, not a craft_rag.Chunk; "
-                    "build chunks with craft_rag.make_chunk(text, id=...)"
-                )
-                raise ValueError(msg)
-        conv = validate_conversation_id(conversation_id)
-
+        if type(chunks) is not list and type(chunks) is not tuple:
+            chunks = materialise(chunks, "chunks")
+        # One pass checks the items (a Chunk checked its fields when it was built) and splits
+        # off keys repeated within the request (the first occurrence is kept).
         unique: dict[ChunkKey, Chunk] = {}
         repeated: list[Chunk] = []
         for chunk in chunks:
+            if type(chunk) is not Chunk and not isinstance(chunk, Chunk):
+                raise _not_a_chunk(chunks)
             if chunk.key in unique:
                 repeated.append(chunk)
             else:
                 unique[chunk.key] = chunk
+        conv = None if conversation_id is None else validate_conversation_id(conversation_id)
         fresh = list(unique.values())
 
         with self._lock:
-            self._pull()
+            if self._shared is not None:
+                self._pull()
             if conv is not None:
                 ttl = self.config.conversation_ttl_s
                 self._leases.check_not_in_flight(conv, self._clock(), ttl)
@@ -183,26 +186,26 @@ class CraftPlanner(KVFeedback, SharedSync):
                 turn = self.conversations.turn_count(conv) + 1
                 if self.config.dedup:
                     fresh, removed = self.conversations.split(conv, fresh)
-            context = OrderingContext(self.access_table, self.prefix_tree)
+            context = self._context
+            if (
+                context.access_table is not self.access_table
+                or context.prefix_tree is not self.prefix_tree
+            ):  # state replaced (a load, a store snapshot)
+                context = self._context = OrderingContext(self.access_table, self.prefix_tree)
             ordered = self._policy.order(fresh, context)
             matched_chunks, matched_tokens = 0, None
+            keys = [c.key for c in ordered]
             if turn == 1:
-                match = self.prefix_tree.match([c.key for c in ordered])
-                matched_chunks, matched_tokens = match.length, match.tokens
-            plan = Plan(
-                plan_id=next(self._plan_ids),
-                ordered=tuple(ordered),
-                removed_duplicates=tuple(removed),
-                repeated_in_request=tuple(repeated),
-                matched_chunks=matched_chunks,
-                matched_tokens=matched_tokens,
-                conversation_id=conv,
-                turn=turn,
-                policy=self._policy.name,
-                planner_token=self._token,
+                nodes = self.prefix_tree._matched(keys)
+                matched_chunks = len(nodes)
+                matched_tokens = nodes[-1].token_end if nodes else 0
+            plan = made_plan(
+                next(self._plan_ids), tuple(ordered), tuple(removed), tuple(repeated),
+                matched_chunks, matched_tokens, conv, turn, self._policy.name, self._token,
+                tuple(keys),
             )
             seen = self._shared.applied if self._shared is not None else 0
-            lease = PlanLease(plan, seen, fingerprint(plan), self._clock())
+            lease = PlanLease(plan, seen, self._clock())
             self._leases.add(lease, _MAX_PENDING)
             if conv is not None and turn > 1:  # never evicted until its commit or abort:
                 self.conversations.hold(conv)
@@ -230,7 +233,7 @@ class CraftPlanner(KVFeedback, SharedSync):
                 )
                 raise RuntimeError(msg)
             lease = self._leases.claim(plan_id)
-            if isinstance(plan, Plan) and fingerprint(plan) != lease.fingerprint:
+            if isinstance(plan, Plan) and not lease.matches(plan):
                 self._leases.release(plan_id)
                 msg = (
                     f"plan: plan {plan_id} was altered after planning; pass the Plan object "
@@ -341,10 +344,14 @@ class CraftPlanner(KVFeedback, SharedSync):
         one replaces that node's KV record and drops the nodes below it
         (:meth:`ChunkPrefixTree.insert`). O(k) plus the tree's insert.
         """
-        metadata = commit_metadata(
-            plan, prefix_tokens, chunk_token_counts, reused_chunks, block_hashes, location
+        # The very Plan object plan() returned (a lookup, no lock: only a hint that skips the
+        # repeat check; the lease is checked again under the lock).
+        made = self._leases.get(plan.plan_id) if type(plan) is Plan else None
+        spans, hashes = commit_spans(
+            plan, prefix_tokens, chunk_token_counts, reused_chunks, block_hashes, location,
+            made_here=made is not None and made.plan is plan,
         )
-        tokens = check_tokens(turn_tokens)
+        tokens = None if turn_tokens is None else check_tokens(turn_tokens)
         keys = plan.keys
 
         with self._lock:
@@ -361,7 +368,7 @@ class CraftPlanner(KVFeedback, SharedSync):
                     "commit"
                 )
                 raise RuntimeError(msg)
-            if pending.fingerprint != fingerprint(plan):
+            if not pending.matches(plan):
                 msg = (
                     f"plan: plan {plan.plan_id} was altered after planning; commit the Plan "
                     "object that plan() returned"
@@ -372,16 +379,17 @@ class CraftPlanner(KVFeedback, SharedSync):
             removed_keys = tuple(c.key for c in plan.removed_duplicates)
             applied: tuple[int, int, int] | None = None
             if self._shared is not None:
+                metadata = node_metadata(spans, hashes, len(keys))
                 entry = CommitEntry(
                     keys, removed_keys, plan.turn, plan.conversation_id, reused_chunks,
                     tuple(metadata) if metadata is not None else None, location,
                     self._replay_clock.base(),
                 )
                 applied = self._push(entry, not_after=seen, tokens=tokens)
-            if applied is None:
-                applied = self._record(
+            if applied is None:  # local state (no store, or fell back to memory)
+                applied = self._record_local(
                     keys, removed_keys, plan.turn, plan.conversation_id, reused_chunks,
-                    metadata, location, tokens,
+                    spans, hashes, location, tokens,
                 )
             reused, inserted, stale = applied
 
@@ -392,49 +400,7 @@ class CraftPlanner(KVFeedback, SharedSync):
             s.chunks_repeated_in_request += len(plan.repeated_in_request)
             s.predicted_chunks += plan.matched_chunks
             s.reused_chunks += reused
-        return CommitResult(
-            reused_chunks=reused, inserted_path=inserted, stale_nodes_removed=stale, turn=plan.turn
-        )
-
-    def _record(
-        self,
-        keys: tuple[ChunkKey, ...],
-        removed: tuple[ChunkKey, ...],
-        turn: int,
-        conversation_id: ConversationId | None,
-        reused_chunks: int | None,
-        metadata: Sequence[NodeMetadata] | None,
-        location: KVLocation | None,
-        tokens: Sequence[int] | None = None,
-    ) -> tuple[int, int, int]:
-        """Apply one served plan to the table, tree and conversation store (the local commit,
-        and the replay of a shared log entry): ``(reused, inserted, stale)``. Caller holds the
-        lock."""
-        self.access_table.record([*keys, *removed])
-        inserted = stale = 0
-        reused = 0
-        if turn == 1:
-            match = self.prefix_tree.match(keys)
-            reused = match.length
-            if reused_chunks is not None and reused_chunks < match.length:
-                # The engine no longer had that KV: the tree's nodes past it are stale.
-                stale = self.prefix_tree.remove(match.nodes[reused_chunks])
-                match = match.sliced(reused_chunks)
-                reused = reused_chunks
-            self.prefix_tree.touch(match)
-            depth = self._promotion.promote(
-                PromotionInput(keys, reused, self.access_table, self.config.threshold)
-            )
-            if depth > 0:
-                self.prefix_tree.insert(
-                    keys[:depth],
-                    metadata=metadata[:depth] if metadata is not None else None,
-                    location=location or KVLocation(),
-                )
-                inserted = depth
-        if conversation_id is not None:
-            self.conversations.record_turn(conversation_id, keys, tokens)
-        return reused, inserted, stale
+        return made_result(reused, inserted, stale, plan.turn)
 
     # ---- persistence (codec: craft_rag.planner_io) -------------------------------------------
 
@@ -489,3 +455,15 @@ class CraftPlanner(KVFeedback, SharedSync):
         self.prefix_tree._check_invariants()
         self.conversations._check_invariants()
         self._leases._check_invariants()
+
+
+def _not_a_chunk(chunks: Sequence[object]) -> ValueError:
+    """The error for the first item of ``chunks`` that is not a :class:`Chunk`."""
+    for i, chunk in enumerate(chunks):
+        if not isinstance(chunk, Chunk):
+            msg = (
+                f"chunks[{i}] is a {type(chunk).__name__}, not a craft_rag.Chunk; "
+                "build chunks with craft_rag.make_chunk(text, id=...)"
+            )
+            return ValueError(msg)
+    return ValueError("chunks: every item must be a craft_rag.Chunk")

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass, field, fields
+from itertools import accumulate, pairwise
 
 from craft_rag.access_table import DEFAULT_WINDOW
 from craft_rag.chunk import Chunk
@@ -134,6 +135,61 @@ class CommitResult:
     turn: int
 
 
+# Frozen dataclasses set each field through ``object.__setattr__`` in ``__init__``: ~3x the
+# cost of setting the slots directly, and plan() / commit() build one Plan and one
+# CommitResult per request (issue 16's planner cost). The planner builds them from values it
+# made and checked with these makers, which set the same slots; the public constructors stay.
+_new = object.__new__
+_PLAN_SET = tuple(Plan.__dict__[f.name].__set__ for f in fields(Plan))
+_RESULT_SET = tuple(CommitResult.__dict__[f.name].__set__ for f in fields(CommitResult))
+assert [f.name for f in fields(Plan)][-1] == "_keys" and len(_PLAN_SET) == 11
+assert [f.name for f in fields(CommitResult)] == [
+    "reused_chunks", "inserted_path", "stale_nodes_removed", "turn"
+]
+
+
+def made_plan(
+    plan_id: int,
+    ordered: tuple[Chunk, ...],
+    removed_duplicates: tuple[Chunk, ...],
+    repeated_in_request: tuple[Chunk, ...],
+    matched_chunks: int,
+    matched_tokens: int | None,
+    conversation_id: ConversationId | None,
+    turn: int,
+    policy: str,
+    planner_token: int,
+    keys: tuple[ChunkKey, ...],
+) -> Plan:
+    """The :class:`Plan` ``Plan(...)`` would build, ``keys`` being ``ordered``'s keys (for
+    :meth:`craft_rag.planner.CraftPlanner.plan` only). O(1)."""
+    plan = _new(Plan)
+    s = _PLAN_SET
+    s[0](plan, plan_id)
+    s[1](plan, ordered)
+    s[2](plan, removed_duplicates)
+    s[3](plan, repeated_in_request)
+    s[4](plan, matched_chunks)
+    s[5](plan, matched_tokens)
+    s[6](plan, conversation_id)
+    s[7](plan, turn)
+    s[8](plan, policy)
+    s[9](plan, planner_token)
+    s[10](plan, keys)
+    return plan
+
+
+def made_result(reused: int, inserted: int, stale: int, turn: int) -> CommitResult:
+    """``CommitResult(reused, inserted, stale, turn)`` for the planner's commit. O(1)."""
+    result = _new(CommitResult)
+    s = _RESULT_SET
+    s[0](result, reused)
+    s[1](result, inserted)
+    s[2](result, stale)
+    s[3](result, turn)
+    return result
+
+
 @dataclass(slots=True)
 class PlannerStats:
     """Running totals since creation (or load). Owner: :class:`CraftPlanner`."""
@@ -147,38 +203,49 @@ class PlannerStats:
     reused_chunks: int = 0
 
 
-def commit_metadata(
+Spans = list[tuple[int, int]]
+"""Each chunk's ``(start, end)`` token span; consecutive spans share their boundary int."""
+Hashes = list[tuple[BlockHash, ...]]
+"""Each chunk's engine block hashes (normalised)."""
+
+
+def commit_spans(
     plan: Plan,
     prefix_tokens: int | None,
     chunk_token_counts: Sequence[int] | None,
     reused_chunks: int | None,
     block_hashes: Sequence[Sequence[BlockHash | int]] | None,
     location: KVLocation | None,
-) -> list[NodeMetadata] | None:
+    *,
+    made_here: bool = False,
+) -> tuple[Spans | None, Hashes | None]:
     """Check every argument of :meth:`craft_rag.planner.CraftPlanner.commit` (``ValueError``
-    naming the argument; nothing has changed yet) and build each chunk's CP-Tree metadata
-    (token span from ``prefix_tokens`` and the counts, block hashes). O(k)."""
-    if not isinstance(plan, Plan):
+    naming the argument; nothing has changed yet) and build each chunk's CP-Tree token span
+    (from ``prefix_tokens`` and the counts, default the chunks' ``num_tokens``) and block
+    hashes; None where unknown. ``made_here``: ``plan`` is the very object the planner's
+    ``plan()`` returned (distinct keys by construction; the repeat check is skipped). O(k)."""
+    if type(plan) is not Plan and not isinstance(plan, Plan):
         msg = (
             f"plan: must be the craft_rag.planner.Plan that plan() returned, "
             f"got {type(plan).__name__}"
         )
         raise ValueError(msg)
-    k = len(plan.ordered)
-    keys = plan.keys
-    if len(set(keys)) != k:
+    ordered = plan.ordered
+    k = len(ordered)
+    if not made_here and len(set(plan.keys)) != k:
         msg = "plan: its ordered chunks repeat a key; commit the Plan that plan() returned"
         raise ValueError(msg)
     if prefix_tokens is not None:
         check_int(prefix_tokens, "prefix_tokens", minimum=0)
-    counts = None
+    counts: Sequence[int] | None = None
     if chunk_token_counts is not None:
         counts = materialise(chunk_token_counts, "chunk_token_counts")
         if len(counts) != k:
             msg = f"chunk_token_counts: has {len(counts)} entries for {k} chunks"
             raise ValueError(msg)
-        for i, count in enumerate(counts):
-            check_int(count, f"chunk_token_counts[{i}]", minimum=0)
+        if not all(type(count) is int and 0 <= count <= MAX_INT for count in counts):
+            for i, count in enumerate(counts):  # int subclasses pass; the error names one
+                check_int(count, f"chunk_token_counts[{i}]", minimum=0)
     hashes = None
     if block_hashes is not None:
         rows = materialise(block_hashes, "block_hashes")
@@ -197,40 +264,48 @@ def commit_metadata(
     if location is not None and not isinstance(location, KVLocation):
         msg = f"location: must be a KVLocation or None, got {type(location).__name__}"
         raise ValueError(msg)
-    return _node_metadata(plan, prefix_tokens, counts, hashes)
-
-
-def _node_metadata(
-    plan: Plan,
-    prefix_tokens: int | None,
-    counts: Sequence[int] | None,
-    block_hashes: Sequence[tuple[BlockHash, ...]] | None,
-) -> list[NodeMetadata] | None:
-    """Each chunk's metadata from arguments :func:`commit_metadata` already checked (and
-    ``num_tokens`` a :class:`Chunk` checked at construction), so the nodes are built without
-    re-running :class:`NodeMetadata`'s checks. A chunk's span starts on the very int object
-    its predecessor's ends on (one int per boundary kept in the tree, not two). O(k)."""
-    ordered = plan.ordered
     if counts is None:
-        tokens = [c.num_tokens for c in ordered]
+        tokens = [c.num_tokens for c in ordered]  # each checked when its Chunk was built
         if None not in tokens:
             counts = tokens  # type: ignore[assignment]  # no None left
-    if counts is None and block_hashes is None:
-        return None
-    pos = prefix_tokens or 0
-    if counts is not None and pos + sum(counts) > MAX_INT:
+    if counts is None:
+        return None, hashes
+    # One int per boundary: a chunk's span starts on the very int its predecessor's ends on.
+    bounds = list(accumulate(counts, initial=prefix_tokens or 0))
+    if bounds[-1] > MAX_INT:
         msg = f"chunk_token_counts: spans past token {MAX_INT}; pass real token counts"
         raise ValueError(msg)
+    return list(pairwise(bounds)), hashes
+
+
+def commit_metadata(
+    plan: Plan,
+    prefix_tokens: int | None,
+    chunk_token_counts: Sequence[int] | None,
+    reused_chunks: int | None,
+    block_hashes: Sequence[Sequence[BlockHash | int]] | None,
+    location: KVLocation | None,
+) -> list[NodeMetadata] | None:
+    """:func:`commit_spans` as one :class:`NodeMetadata` per chunk (None when neither spans
+    nor hashes are known): what a shared-store commit entry carries. O(k)."""
+    spans, hashes = commit_spans(
+        plan, prefix_tokens, chunk_token_counts, reused_chunks, block_hashes, location
+    )
+    return node_metadata(spans, hashes, len(plan.ordered))
+
+
+def node_metadata(spans: Spans | None, hashes: Hashes | None, k: int) -> list[NodeMetadata] | None:
+    """Each chunk's :class:`NodeMetadata` from values :func:`commit_spans` checked (no
+    re-check). O(k)."""
+    if spans is None and hashes is None:
+        return None
     trusted = NodeMetadata.trusted
-    out: list[NodeMetadata] = []
-    for i in range(len(ordered)):
-        span = None
-        if counts is not None:
-            end = pos + counts[i]
-            span = (pos, end)
-            pos = end
-        out.append(trusted(span, block_hashes[i] if block_hashes is not None else None))
-    return out
+    return [
+        trusted(
+            spans[i] if spans is not None else None, hashes[i] if hashes is not None else None
+        )
+        for i in range(k)
+    ]
 
 
 def parse_plan_ref(ref: object) -> tuple[int | None, int]:

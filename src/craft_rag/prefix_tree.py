@@ -17,11 +17,14 @@ from craft_rag.prefix_nodes import (
     NO_CHILDREN,
     KVLocation,
     NodeMetadata,
+    OneChild,
     PrefixMatch,
     PrefixNode,
     add_child,
+    drop_child,
 )
 from craft_rag.prefix_nodes import block_hash_tuple as _block_hashes
+from craft_rag.prefix_tree_checks import check_spans_contiguous, check_tree, walk
 from craft_rag.prefix_tree_io import tree_from_json, tree_to_json
 from craft_rag.types import BlockHash, ChunkKey
 from craft_rag.validation import check_int, materialise
@@ -106,14 +109,19 @@ class ChunkPrefixTree:
         # A path never repeats a key (insert() refuses that), so no visited-set is needed.
         wanted_keys = wanted.keys() if isinstance(wanted, dict) else wanted
         # The best node is the maximum of a total order (depth, last access, smaller path), so
-        # the order candidates are visited in does not change it.
+        # the order candidates are visited in does not change it. Only inner nodes are stacked.
         stack = [self.root]
+        pop, push = stack.pop, stack.append
         while stack:
-            children = stack.pop().children
-            if not children:
-                continue
-            for key in children.keys() & wanted_keys:  # C-level, over the smaller side
-                child = children[key]
+            children = pop().children
+            if type(children) is OneChild:  # a chain link: one membership test, no set
+                only = children.child
+                if only.key not in wanted_keys:
+                    continue
+                found: Iterable[PrefixNode] = (only,)
+            else:
+                found = [children[key] for key in children.keys() & wanted_keys]  # C-level
+            for child in found:
                 depth, seen = child.depth, child.last_access
                 if depth > best_depth or (
                     depth == best_depth
@@ -122,7 +130,8 @@ class ChunkPrefixTree:
                     )
                 ):
                     best_node, best_depth, best_time = child, depth, seen
-                stack.append(child)
+                if child.children:
+                    push(child)
         if best_node is self.root:
             return PrefixMatch(())
         path: list[PrefixNode] = []
@@ -132,12 +141,36 @@ class ChunkPrefixTree:
             cur = cur.parent
         return PrefixMatch(tuple(reversed(path)))
 
+    def _matched(self, keys: Sequence[ChunkKey]) -> list[PrefixNode]:
+        """:meth:`match` for keys the caller already checked (the planner's commit): the matched
+        nodes as a list, no :class:`PrefixMatch`. O(len of match)."""
+        nodes: list[PrefixNode] = []
+        node = self.root
+        for key in keys:
+            children = node.children
+            if type(children) is OneChild:
+                child = children.child
+                if child.key != key:
+                    break
+            else:
+                found = children.get(key)
+                if found is None:
+                    break
+                child = found
+            nodes.append(child)
+            node = child
+        return nodes
+
     # ---- mutation (the only methods that change the tree) -------------------------------------
 
     def touch(self, match: PrefixMatch) -> None:
         """Record a reuse of ``match``: +1 hit and ``last_access = now`` on each node. O(len)."""
+        self._touch(match.nodes)
+
+    def _touch(self, nodes: Sequence[PrefixNode]) -> None:
+        """:meth:`touch` for the nodes of a match. O(len)."""
         now = self._clock()
-        for node in match.nodes:
+        for node in nodes:
             if node.alive:
                 node.hit_count += 1
                 node.last_access = now
@@ -186,35 +219,79 @@ class ChunkPrefixTree:
         if location is not None and not isinstance(location, KVLocation):
             msg = f"location: must be a KVLocation or None, got {type(location).__name__}"
             raise ValueError(msg)
+        spans: list[tuple[int, int] | None] | None = None
+        hashes: list[tuple[BlockHash, ...] | None] | None = None
         if metadata is not None:
-            self._check_spans_contiguous(keys, metadata)
+            check_spans_contiguous(self.root, keys, metadata)
+            spans = [meta.token_span for meta in metadata]
+            hashes = [meta.block_hashes for meta in metadata]
+        self._extend(keys, spans, hashes, location)
+        return PrefixMatch(tuple(self._matched(keys)))
+
+    def _extend(
+        self,
+        keys: Sequence[ChunkKey],
+        spans: Sequence[tuple[int, int] | None] | None,
+        hashes: Sequence[tuple[BlockHash, ...] | None] | None,
+        location: KVLocation | None,
+    ) -> None:
+        """:meth:`insert` for arguments already checked: distinct non-empty string ``keys``,
+        ``spans[i]`` / ``hashes[i]`` (None: keep the node's) of the same length, spans
+        contiguous. The planner's commit checks its arguments once and calls this (issue 16:
+        no second pass over them). O(len(keys) + evictions * log(heap) + stale nodes)."""
         now = self._clock()
         node = self.root
-        nodes: list[PrefixNode] = []
-        for i, key in enumerate(keys):
-            child = node.children.get(key)
-            if child is None:
-                child = PrefixNode(key=key, parent=node, depth=node.depth + 1, last_access=now)
-                add_child(node, key, child)
-                self._size += 1
+        n = len(keys)
+        i = 0
+        while i < n:  # the part of the path already cached
+            key = keys[i]
+            children = node.children
+            if type(children) is OneChild:
+                child = children.child
+                if child.key != key:
+                    break
             else:
-                child.last_access = now
+                found = children.get(key)
+                if found is None:
+                    break
+                child = found
+            child.last_access = now
             if location is not None:
                 child.location = location
-            if metadata is not None:
-                old_end = child.token_end
-                self._set_metadata(child, metadata[i])
-                # Children start where this node ended before (invariant), so only a changed
-                # (or newly known) end can leave stale children: the scan is O(fan-out), and a
-                # hot chunk's node has thousands of children (issue 16's planner cost).
-                if child.children and child.token_end != old_end:
-                    self._remove_stale_children(child)
-            nodes.append(child)
+            span = spans[i] if spans is not None else None
+            old_end = child.token_end
+            if span is not None:
+                child.token_start, child.token_end = span
+            if hashes is not None:
+                block_hashes = hashes[i]
+                if block_hashes is not None:
+                    self._set_hashes(child, block_hashes)
+            # Children start where this node ended before (invariant), so only a changed
+            # (or newly known) end can leave stale children: the scan is O(fan-out), and a
+            # hot chunk's node has thousands of children (issue 16's planner cost).
+            if child.children and child.token_end != old_end:
+                self._remove_stale_children(child)
             node = child
-        if nodes and not nodes[-1].children:
-            self._push_leaf(nodes[-1])
-        self._evict_over_bound(protect=nodes[-1] if nodes else None)
-        return PrefixMatch(tuple(n for n in nodes if n.alive))
+            i += 1
+        if i < n:  # the new part: every node below a new one is new
+            depth = node.depth
+            for j in range(i, n):
+                key = keys[j]
+                depth += 1
+                span = spans[j] if spans is not None else None
+                start, end = span if span is not None else (None, None)
+                child = PrefixNode(key, node, depth, NO_CHILDREN, start, end, location, (), 0, now)
+                add_child(node, key, child)
+                if hashes is not None:
+                    block_hashes = hashes[j]
+                    if block_hashes is not None:
+                        self._set_hashes(child, block_hashes)
+                node = child
+            self._size += n - i
+        last = node if n else None
+        if last is not None and not last.children:
+            self._push_leaf(last)
+        self._evict_over_bound(protect=last)
 
     def remove(self, node: PrefixNode) -> int:
         """Remove ``node`` and its whole subtree (their KV prefixes depend on it). Returns the
@@ -242,20 +319,26 @@ class ChunkPrefixTree:
         walk. Returns the number of nodes removed."""
         parent = node.parent
         assert parent is not None and node.key is not None
-        del parent.children[node.key]
-        if not parent.children:
-            parent.children = NO_CHILDREN  # free the emptied dict
-        removed = 0
-        stack = [node]
-        while stack:
-            cur = stack.pop()
-            cur.alive = False
-            removed += 1
-            for h in cur.block_hashes:
-                if self._by_block.get(h) is cur:
-                    del self._by_block[h]
-            stack.extend(cur.children.values())
-            cur.children = NO_CHILDREN
+        drop_child(parent, node.key)
+        by_block = self._by_block
+        if not node.children:  # a leaf (every eviction): no walk
+            node.alive = False
+            for h in node.block_hashes:
+                if by_block.get(h) is node:
+                    del by_block[h]
+            removed = 1
+        else:
+            removed = 0
+            stack = [node]
+            while stack:
+                cur = stack.pop()
+                cur.alive = False
+                removed += 1
+                for h in cur.block_hashes:
+                    if by_block.get(h) is cur:
+                        del by_block[h]
+                stack.extend(cur.children.values())
+                cur.children = NO_CHILDREN
         self._size -= removed
         if parent is not self.root and not parent.children:
             self._push_leaf(parent)
@@ -302,28 +385,6 @@ class ChunkPrefixTree:
 
     # ---- internals ----------------------------------------------------------------------------
 
-    def _check_spans_contiguous(
-        self, keys: Sequence[ChunkKey], metadata: Sequence[NodeMetadata]
-    ) -> None:
-        """Refuse metadata whose span would not start where the node before it ends (that
-        node's new span, else its recorded one). Read-only; O(len(keys))."""
-        node: PrefixNode | None = self.root
-        parent_end: int | None = None
-        for i, key in enumerate(keys):
-            existing = node.children.get(key) if node is not None else None
-            span = metadata[i].token_span
-            if span is not None and i > 0 and parent_end is not None and span[0] != parent_end:
-                msg = (
-                    f"metadata[{i}]: token span {span} does not start where chunk {i - 1} ends "
-                    f"({parent_end}); spans of a chunk-prefix are contiguous"
-                )
-                raise ValueError(msg)
-            if span is not None:
-                parent_end = span[1]
-            else:
-                parent_end = existing.token_end if existing is not None else None
-            node = existing
-
     def _remove_stale_children(self, node: PrefixNode) -> None:
         """Drop the children of ``node`` recorded under an older span of it (their KV followed
         tokens that are no longer there)."""
@@ -334,22 +395,19 @@ class ChunkPrefixTree:
         for child in stale:
             self._unlink(child)
 
-    def _set_metadata(self, node: PrefixNode, meta: NodeMetadata) -> None:
-        # A NodeMetadata checked its span (0 <= start <= end) when it was built; frozen.
-        if meta.token_span is not None:
-            node.token_start, node.token_end = meta.token_span
-        if meta.block_hashes is not None:
-            for h in node.block_hashes:
-                if self._by_block.get(h) is node:
-                    del self._by_block[h]
-            node.block_hashes = tuple(meta.block_hashes)
-            for h in node.block_hashes:
-                # A block hash names one KV block, so one node: a later claim takes it from an
-                # earlier owner, which would otherwise keep a hash the index no longer maps.
-                owner = self._by_block.get(h)
-                if owner is not None and owner is not node:
-                    owner.block_hashes = tuple(x for x in owner.block_hashes if x != h)
-                self._by_block[h] = node
+    def _set_hashes(self, node: PrefixNode, block_hashes: tuple[BlockHash, ...]) -> None:
+        by_block = self._by_block
+        for h in node.block_hashes:
+            if by_block.get(h) is node:
+                del by_block[h]
+        node.block_hashes = block_hashes = tuple(block_hashes)
+        for h in block_hashes:
+            # A block hash names one KV block, so one node: a later claim takes it from an
+            # earlier owner, which would otherwise keep a hash the index no longer maps.
+            owner = by_block.get(h)
+            if owner is not None and owner is not node:
+                owner.block_hashes = tuple(x for x in owner.block_hashes if x != h)
+            by_block[h] = node
 
     def _push_leaf(self, node: PrefixNode) -> None:
         stamp = self._next_stamp
@@ -419,81 +477,10 @@ class ChunkPrefixTree:
 
     def iter_paths(self) -> list[tuple[ChunkKey, ...]]:
         """Every root-to-node path (for tests and inspection). O(size * depth)."""
-        out: list[tuple[ChunkKey, ...]] = []
-        stack = list(self.root.children.values())
-        while stack:
-            node = stack.pop()
-            out.append(node.path())
-            stack.extend(node.children.values())
-        return out
+        return [node.path() for node in self._walk()]
 
     def _walk(self) -> list[PrefixNode]:
-        out: list[PrefixNode] = []
-        stack = list(self.root.children.values())
-        while stack:
-            node = stack.pop()
-            out.append(node)
-            stack.extend(node.children.values())
-        return out
-
-    def _check_no_repeated_key_on_a_path(self) -> None:
-        """Depth-first with the current path's keys in a set: O(size)."""
-        on_path: set[ChunkKey] = set()
-        stack: list[tuple[PrefixNode, bool]] = [(c, True) for c in self.root.children.values()]
-        while stack:
-            node, entering = stack.pop()
-            assert node.key is not None
-            if not entering:
-                on_path.discard(node.key)
-                continue
-            assert node.key not in on_path, "a path repeats a chunk key"
-            on_path.add(node.key)
-            stack.append((node, False))
-            stack.extend((c, True) for c in node.children.values())
+        return walk(self.root)
 
     def _check_invariants(self) -> None:
-        count = 0
-        blocks: dict[BlockHash, PrefixNode] = {}
-        leaves: list[PrefixNode] = []
-        stack: list[PrefixNode] = [self.root]
-        assert self.root.key is None and self.root.depth == 0
-        while stack:
-            node = stack.pop()
-            for key, child in node.children.items():
-                assert child.alive, "dead node still linked"
-                assert child.key == key and child.parent is node
-                assert child.depth == node.depth + 1
-                if (
-                    node is not self.root
-                    and child.token_start is not None
-                    and node.token_end is not None
-                ):
-                    assert child.token_start == node.token_end, "spans must be contiguous"
-                if child.token_start is not None:
-                    assert child.token_end is not None and child.token_start <= child.token_end
-                for h in child.block_hashes:
-                    owner = blocks.setdefault(h, child)
-                    assert owner is child, "a block hash is held by two nodes"
-                if not child.children:
-                    leaves.append(child)
-                count += 1
-                stack.append(child)
-        assert count == self._size, f"size {self._size} != {count} linked nodes"
-        assert self._size <= self.max_nodes
-        assert blocks.keys() == self._by_block.keys()
-        for h, node in self._by_block.items():
-            assert node.alive and h in node.block_hashes
-        # Every leaf has exactly one valid heap entry, keyed by its current last access.
-        valid = {
-            id(node): seen
-            for seen, stamp, node in self._leaf_heap
-            if node.alive and not node.children and node.heap_stamp == stamp
-        }
-        assert len(valid) == len(leaves), "a leaf is missing from the eviction heap"
-        for leaf in leaves:
-            assert valid.get(id(leaf)) == leaf.last_access, "stale eviction-heap entry"
-            assert 0 <= leaf.heap_stamp < self._next_stamp
-        self._check_no_repeated_key_on_a_path()
-        stamps = [n.heap_stamp for n in self._walk() if n.heap_stamp >= 0]
-        assert len(set(stamps)) == len(stamps), "two nodes share a heap stamp"
-        assert len(set(map(id, blocks.values()))) <= count
+        check_tree(self)

@@ -13,7 +13,9 @@ being descheduled on a shared machine) and this thread's CPU time (what the plan
 garbage collection included). ``replay_us_p50``/``replay_us_p99`` are plan+commit as
 :func:`craft_rag.replay.replay` sees them inside a long replay (prompt rendering and the cache
 simulator allocate between the calls, so collector pauses land where they would in serving),
-over the first ``replay_requests`` requests with the hashing tokenizer. ``load_start`` /
+over the first ``replay_requests`` requests with the hashing tokenizer (a whole RAG turn:
+plan, prompt rendering, commit; the simulated cache lookup excluded), the objects built before
+it frozen too when ``freeze_gc``. ``load_start`` /
 ``load_end`` are the 1-minute load averages around the timing run (on a shared machine the
 wall-clock tail is descheduling; thread CPU time is the planner's own cost).
 """
@@ -103,9 +105,12 @@ def _run(
 
 
 def _replay_times(
-    policy: str, window: int | None, requests: list[list[Chunk]]
+    policy: str, window: int | None, requests: list[list[Chunk]], freeze: bool
 ) -> tuple[float, float]:
-    """p50/p99 of plan+commit inside :func:`craft_rag.replay.replay` (hashing tokenizer)."""
+    """p50/p99 of plan+commit inside :func:`craft_rag.replay.replay` (hashing tokenizer).
+    With ``freeze``, what exists before the replay starts (the trace, the timing run's
+    requests) is ``gc.freeze()``-n first, as a server would after start-up: the collector's
+    pauses inside the replay are then those of the replay's own objects."""
     from craft_rag.replay import replay
     from craft_rag.tokenizer import HashingTokenizer
     from craft_rag.trace import TraceRequest
@@ -116,7 +121,15 @@ def _replay_times(
         ))
         for i, request in enumerate(requests)
     ]
-    result = replay(trace, PlannerConfig(policy=policy, window=window), HashingTokenizer())
+    config = PlannerConfig(policy=policy, window=window)
+    if freeze:
+        gc.collect()
+        gc.freeze()
+    try:
+        result = replay(trace, config, HashingTokenizer())
+    finally:
+        if freeze:
+            gc.unfreeze()
     return result.planner_us_p50, result.planner_us_p99
 
 
@@ -153,7 +166,7 @@ def measure_overhead(
     replay_p50 = replay_p99 = None
     replayed = min(replay_requests, len(requests))
     if replayed:
-        replay_p50, replay_p99 = _replay_times(policy, window, requests[:replayed])
+        replay_p50, replay_p99 = _replay_times(policy, window, requests[:replayed], frozen)
     mib: float | None = None
     if trace_memory:
         tracemalloc.start()
