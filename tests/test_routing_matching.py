@@ -97,7 +97,7 @@ def exhaustive(policy: object, request: RouteRequest, view: ClusterView) -> Cand
     admissible healthy replica's tree matched, least (cost, index) wins, the least-loaded
     admissible replica (nothing cached) first."""
     bound = view.assign_bound()
-    best = view.candidate(view.least_loaded(bound), request, 0)
+    best = view.candidate(view.scan_least_loaded(bound), request, 0)
     for replica in view.healthy:
         tree = replica.tree(request.salt)
         if replica.load.assigned >= bound or tree is None:
@@ -223,3 +223,35 @@ def test_prefix_fixed_order_matches_in_order() -> None:
     assert PrefixFixedOrder().match_end(tree, request) is None
     end = CraftJoint().match_end(tree, request)
     assert end is not None and end.path() == ("a", "b")
+
+
+@pytest.mark.parametrize("seed", range(20))
+def test_load_index_is_the_scan(seed: int) -> None:
+    """The router's lazy-heap least-loaded index gives the O(N) scan's replica (least work,
+    then fewest assigned, then lowest index, among ``assigned < bound``) after random loads,
+    tied loads, faults and rejoins, through many heap rebuilds; None when none is admissible."""
+    from craft_rag.routing.load_index import LoadIndex
+    from craft_rag.routing.replica import Replica, ReplicaId
+
+    rng = random.Random(seed)
+    n = rng.choice([1, 2, 5, 33])
+    replicas = [Replica(ReplicaId(f"r{i}"), i, RouterConfig().planner) for i in range(n)]
+    index = LoadIndex(replicas)
+    for _ in range(600):
+        r = rng.choice(replicas)
+        action = rng.random()
+        if action < 0.05:
+            r.go_down()
+        elif action < 0.1 and not r.healthy:
+            r.come_up()
+        elif r.healthy:
+            r.load.work_s = rng.choice([0.0, 0.5, 1.0, rng.random()])  # ties on purpose
+            r.load.assigned = rng.randint(0, 6)
+        index.update(r)
+        index.check()
+        healthy = [x for x in replicas if x.healthy]
+        bound = rng.choice([float("inf"), 0.0, 1.0, 3.5, 6.0])
+        view = ClusterView(healthy, lambda _: [], 0, TTFTModel(0.0, 1e-3, 0.0), 1.0, 1.0, 1, 32)
+        admissible = [x for x in healthy if x.load.assigned < bound]
+        expected = view.scan_least_loaded(bound) if admissible else None
+        assert index.least(bound) is expected

@@ -29,16 +29,19 @@ from typing import Protocol
 
 from craft_rag.chunk import Chunk
 from craft_rag.prefix_tree import ChunkPrefixTree, PrefixMatch, PrefixNode
+from craft_rag.routing.load_index import LoadIndex
 from craft_rag.routing.matching import fixed_match_end, set_match_end
 from craft_rag.routing.queueing import TTFTModel
 from craft_rag.routing.replica import Replica
 from craft_rag.types import ChunkKey, ConversationId
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True)
 class RouteRequest:
     """One request to place. ``keys``: distinct chunk keys in retriever order;
-    ``prompt_tokens``: the prompt's length (order does not change it)."""
+    ``prompt_tokens``: the prompt's length (order does not change it). A read-only value
+    (not ``frozen``: a frozen dataclass's ``__init__`` costs ~5x more, and one is built per
+    decision on the router's hot path); policies never change it."""
 
     chunks: tuple[Chunk, ...]
     keys: tuple[ChunkKey, ...]
@@ -50,32 +53,41 @@ class RouteRequest:
 
     def __post_init__(self) -> None:
         if not self.key_set and self.keys:
-            object.__setattr__(self, "key_set", frozenset(self.keys))
+            self.key_set = frozenset(self.keys)
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True)
 class Candidate:
-    """A replica with its predicted cached prompt tokens and cost (predicted seconds)."""
+    """A replica with its predicted cached prompt tokens and cost (predicted seconds).
+    Read-only by convention (not frozen: it is built on the hot path)."""
 
     replica: Replica
     predicted_cached_tokens: int
     cost_s: float
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True)
 class ClusterView:
-    """What a policy may read: the healthy replicas (in index order) and the cost settings."""
+    """What a policy may read: the healthy replicas (in index order) and the cost settings.
+
+    Owner: the :class:`~craft_rag.routing.Router`, which keeps one view and refreshes
+    ``healthy`` and ``assigned_total`` in place where they change (building a view per
+    decision cost more than the rest of a cold placement); policies only read it."""
 
     healthy: Sequence[Replica]
     holders: Callable[[RouteRequest], Sequence[Replica]]
     """Healthy replicas whose tree for the request's salt has one of its keys at the root
-    (only these can have a non-empty match), in index order."""
+    (only these can have a non-empty match), each once, in no particular order (the choice
+    breaks ties by index itself)."""
     assigned_total: int
     ttft_model: TTFTModel
     load_weight: float
     balance_slack: float
     balance_headroom: int
     block_size: int
+    load_index: LoadIndex | None = None
+    """The router's least-loaded index (same answer as :meth:`scan_least_loaded`, O(log N));
+    None: scan."""
 
     def assign_bound(self) -> float:
         """A replica with ``assigned >= bound`` takes no new request (except its own
@@ -105,8 +117,17 @@ class ClusterView:
         return Candidate(replica, cached, cost)
 
     def least_loaded(self, bound: float | None = None) -> Replica:
-        """The admissible replica with the least in-flight work, then fewest assigned, then
-        lowest index. O(N)."""
+        """The admissible replica (``assigned < bound``) with the least in-flight work, then
+        fewest assigned, then lowest index: :meth:`scan_least_loaded`'s answer, from the
+        router's load index when there is one (O(log N)), else by that scan (O(N))."""
+        if self.load_index is not None:
+            found = self.load_index.least(float("inf") if bound is None else bound)
+            assert found is not None, "the least-assigned replica is always admissible"
+            return found
+        return self.scan_least_loaded(bound)
+
+    def scan_least_loaded(self, bound: float | None = None) -> Replica:
+        """The rule of :meth:`least_loaded`, by scanning every healthy replica. O(N)."""
         best: Replica | None = None
         best_work, best_assigned = float("inf"), 0
         limit = float("inf") if bound is None else bound
