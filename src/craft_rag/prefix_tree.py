@@ -120,7 +120,7 @@ class ChunkPrefixTree:
                     continue
                 found: Iterable[PrefixNode] = (only,)
             else:
-                found = [children[key] for key in children.keys() & wanted_keys]  # C-level
+                found = map(children.__getitem__, children.keys() & wanted_keys)  # C-level
             for child in found:
                 depth, seen = child.depth, child.last_access
                 if depth > best_depth or (
