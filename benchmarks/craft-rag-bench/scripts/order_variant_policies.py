@@ -3,9 +3,8 @@
 ``tree`` makes two decisions per request: which cached path leads (the set match; among
 equally long paths the most recently accessed) and how the chunks outside it are ordered (the
 "rest": window count, ties by retriever rank). Each variant changes one of them. Variants
-that need the served orders (co-occurrence, first-seen index) read the requests the CA-Table
-recorded since their last call (its window deque; experiment only: the library keeps no such
-state). ``oracle_rest``
+that need the served orders (co-occurrence, first-seen index) read the request the CA-Table
+recorded last before each call (experiment only: the library keeps no such state). ``oracle_rest``
 SEES THE FUTURE (a bound, not a policy); ``past_greedy`` is the same greedy on the whole past
 (brute force: what any history-based predictor of "which chunk recurs with these" could get).
 """
@@ -23,6 +22,16 @@ from craft_rag.ordering import OrderingContext
 VARIANTS: dict[str, type[Variant]] = {}
 FUTURE: list[list[str]] = []  # the trace's chunk keys, set by the harness (oracle only)
 PAST: list[set[str]] = []  # the same as sets (past_greedy reads only requests before "now")
+
+def _newest(table: ChunkAccessTable) -> list[str]:
+    """The keys of the table's newest windowed request (reads its internals: flat
+    ``_keys``/``_lengths`` deques, or the older deque of request tuples)."""
+    if hasattr(table, "_lengths"):
+        n = table._lengths[-1]
+        keys = table._keys
+        return [keys[i] for i in range(len(keys) - n, len(keys))]
+    return list(table._requests[-1])
+
 
 def variant(name: str) -> Callable[[type[Variant]], type[Variant]]:
     def deco(cls: type[Variant]) -> type[Variant]:
@@ -48,7 +57,7 @@ class Variant:
         self.led: dict[str, int] = {}  # how many served orders a chunk led
         self.seen: dict[str, int] = {}  # index of the request a chunk was first served in
         self.served = 0
-        self._last: tuple[str, ...] | None = None  # the newest recorded request seen
+        self._calls = 0
 
     def observe(self, keys: list[str]) -> None:
         self.served += 1
@@ -63,17 +72,11 @@ class Variant:
                     self.pairs[p] = self.pairs.get(p, 0) + 1
 
     def _sync(self, table: ChunkAccessTable) -> None:
-        """Observe the requests recorded since the last call (newest last). O(new)."""
-        requests = table._requests
-        new: list[tuple[str, ...]] = []
-        for request in reversed(requests):
-            if request is self._last:
-                break
-            new.append(request)
-        for request in reversed(new):
-            self.observe(list(request))
-        if requests:
-            self._last = requests[-1]
+        """Observe the request served since the last call: the harness replays sequentially
+        (plan, commit, plan, ...), so it is the CA-Table's newest windowed request."""
+        if self._calls:
+            self.observe(_newest(table))
+        self._calls += 1
 
     def cooc(self, a: str, b: str) -> int:
         return self.pairs.get((a, b) if a < b else (b, a), 0)
