@@ -286,3 +286,34 @@ def test_two_workers_record_the_restarted_turn_and_render_what_one_worker_render
                 prompt[k: k + len(ids)] == ids for k in range(len(prompt))
             ), f"turn {i + 1} lost something"
     assert len(got[1]) > len(want[1])
+
+
+@pytest.mark.parametrize("layout", [FORCE, DEFAULT_TURN_LAYOUT], ids=["force", "default"])
+def test_caller_plans_get_a_layout_predicted_from_all_their_chunks(
+    layout: TurnLayoutPolicy,
+) -> None:
+    """The LlamaIndex/LangChain paths serve a plan they made (it already holds the
+    conversation, its ordered chunks are dedup's survivors): the layout counts the chunks the
+    plan removed too, so its prediction is what the engine then computes."""
+    chunks = make_chunks(9, words=120)
+    engine = _engine(layout)
+    planner = engine.planner
+    assert isinstance(planner, CraftPlanner)
+    try:
+        for i, (idx, question) in enumerate(TURNS):
+            plan = planner.plan([chunks[j] for j in idx], conversation_id="c")
+            r = engine.generate(list(plan.ordered), question, conversation_id="c", plan=plan,
+                                max_tokens=3)
+            lay = r.report.layout
+            if i == 0:
+                assert lay is None
+                continue
+            assert lay is not None
+            predicted = lay.restart_new if lay.restart else lay.append_new
+            assert abs(r.report.uncached_tokens - predicted) <= engine.block_size
+            if lay.restart:
+                assert set(r.report.chunk_order) == {chunks[j].key for j in idx}
+        if layout is FORCE:
+            assert engine.conversations.turn_count("c") == 1
+    finally:
+        engine.close()

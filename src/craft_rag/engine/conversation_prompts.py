@@ -277,16 +277,21 @@ class ConversationPrompts:
         *,
         block_size: int,
         cache_salt: str | None = None,
+        planned: bool = False,
     ) -> LayoutChoice | None:
         """Before planning a turn: append, or restart compacted (:attr:`turn_layout`)? None
         without a conversation with live turns known here, or with the layout off. Predicts
         cached tokens from the history (whole ``block_size`` blocks; the previous turn's reply
-        close is new) and dedup from the live turns' keys, as the planner would. Reads only.
-        O(history + chunk tokens)."""
+        close is new) and dedup from the live turns' keys, as the planner would. ``chunks``:
+        ALL of the turn's chunks (with a caller's plan: its ordered and removed ones;
+        ``planned``: that plan holds the conversation). Reads only. O(history + chunk
+        tokens)."""
         if not self.turn_layout.enabled or conversation_id is None:
             return None
         history = self._history(conversation_id, cache_salt)
-        if history is None or not history.turns or None in history.turns or history.in_flight:
+        if history is None or not history.turns or None in history.turns:
+            return None
+        if history.in_flight and not planned:  # another turn is being served
             return None
         with self._lock:
             return predict_layout(

@@ -149,10 +149,15 @@ class RagTurns:
         lost = self.conversations.fit(
             fit_id, need, sampling.max_tokens, salt, planned=given is not None
         )
-        # Append, or restart the prompt compacted (turn_layout): decided before planning.
+        # Append, or restart the prompt compacted (turn_layout): decided before planning (a
+        # caller's plan already holds the conversation; a restart re-sends what it removed).
         layout = self.conversations.choose_layout(
-            fit_id, request.chunks, question, block_size=self._cache.block_size,
+            fit_id,
+            request.chunks if given is None else (*given.ordered, *given.removed_duplicates),
+            question,
+            block_size=self._cache.block_size,
             cache_salt=salt,
+            planned=given is not None,
         )
         if given is None:
             plan = planner.claim(planner.plan(list(request.chunks), conversation_id))
