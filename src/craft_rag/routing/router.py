@@ -442,6 +442,8 @@ class Router:
                 continue
             stale: list[int] = []
             for index in entry:
+                if index in found:
+                    continue  # a holder already (its stale entries, if any, wait a later probe)
                 planner = order[index]._planners.get(salt)  # inlined Replica.tree: hot loop
                 if planner is not None and key in planner.prefix_tree.root.children:
                     found.add(index)
