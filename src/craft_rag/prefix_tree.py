@@ -13,6 +13,7 @@ import time
 from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
+from craft_rag.prefix_eviction import evict_over_bound, rebuild_heap
 from craft_rag.prefix_nodes import (
     NO_CHILDREN,
     KVLocation,
@@ -281,7 +282,10 @@ class ChunkPrefixTree:
                 span = spans[j] if spans is not None else None
                 start, end = span if span is not None else (None, None)
                 child = PrefixNode(key, node, depth, NO_CHILDREN, start, end, location, (), 0, now)
-                add_child(node, key, child)
+                if j == i:
+                    add_child(node, key, child)
+                else:  # below a new node: its first and only child
+                    node.children = OneChild(child)
                 if hashes is not None:
                     block_hashes = hashes[j]
                     if block_hashes is not None:
@@ -418,42 +422,10 @@ class ChunkPrefixTree:
             self._rebuild_heap()
 
     def _rebuild_heap(self) -> None:
-        heap: list[tuple[float, int, PrefixNode]] = []
-        stack = list(self.root.children.values())
-        while stack:
-            cur = stack.pop()
-            if cur.children:
-                stack.extend(cur.children.values())
-            else:
-                # Keep each leaf's stamp: stamps order leaves with equal access times (a coarse
-                # clock), and fresh ones in walk order would change which of them goes first.
-                if cur.heap_stamp < 0:
-                    cur.heap_stamp = self._next_stamp
-                    self._next_stamp += 1
-                heap.append((cur.last_access, cur.heap_stamp, cur))
-        heapq.heapify(heap)
-        self._leaf_heap = heap
+        rebuild_heap(self)
 
     def _evict_over_bound(self, protect: PrefixNode | None) -> None:
-        skipped: list[tuple[float, int, PrefixNode]] = []
-        while self._size > self.max_nodes and self._leaf_heap:
-            entry = heapq.heappop(self._leaf_heap)
-            _, stamp, node = entry
-            if not node.alive or node.children or node.heap_stamp != stamp:
-                continue  # stale entry: the node died, grew children or was re-pushed
-            if node is protect:
-                skipped.append(entry)
-                continue
-            self._unlink(node)
-            self.evictions += 1
-        for entry in skipped:
-            heapq.heappush(self._leaf_heap, entry)
-        # Only the path just inserted is left above the bound: trim it from its leaf end.
-        while self._size > self.max_nodes and protect is not None and protect.alive:
-            parent = protect.parent
-            self._unlink(protect)
-            self.evictions += 1
-            protect = parent if parent is not self.root else None
+        evict_over_bound(self, protect)
 
     # ---- persistence --------------------------------------------------------------------------
 
