@@ -17,8 +17,9 @@ A hot prefix cannot pile onto one replica: ``r`` is a candidate only while
 ``assigned(r) < balance_slack * (assigned_total + 1) / healthy + balance_headroom``
 (see :meth:`ClusterView.assign_bound`). Only replicas whose tree holds one of the request's
 chunks at its root are evaluated (the router keeps a root-key -> replicas hint index, checked
-against the trees on use), plus the least-loaded admissible replica, so a decision costs one
-O(N) scan of loads plus a few set matches.
+against the trees on use), plus the least-loaded admissible replica (from the router's
+:class:`~craft_rag.routing.load_index.LoadIndex`, O(log N)), so a decision costs the hint
+probes plus a few set matches.
 """
 
 from __future__ import annotations
@@ -169,7 +170,7 @@ class RoundRobin:
 
 class LeastLoaded:
     """Least in-flight predicted prefill seconds (ties: fewest assigned, lowest index); CRAFT
-    ``tree`` order on each replica. O(N)."""
+    ``tree`` order on each replica. O(log N) (the router's load index)."""
 
     name = "least_loaded"
     ordering = "tree"
