@@ -11,6 +11,7 @@ SEES THE FUTURE (a bound, not a policy); ``past_greedy`` is the same greedy on t
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -370,20 +371,78 @@ def _below(node: Any, wanted: set[str], budget: int) -> dict[str, int]:
 
 class _Subtree(Variant):
     """With a match: rest by (occurrences below the matched node, count, rank): what earlier
-    requests served after this path (``budget`` nodes visited at most)."""
+    requests served after this path (``budget`` nodes visited at most; ``anchor`` 0: below
+    the path's first node instead, every order led by the same chunk)."""
 
     budget = 64
+    anchor = -1
 
     def rest(self, rest: list[Chunk], path: tuple[Any, ...], ctx: OrderingContext) -> list[Chunk]:
         counts = self.counts(rest, ctx)
         if not path or len(rest) < 2:
             return _sorted_by(rest, lambda i: (-counts[i], i))
-        below = _below(path[-1], {c.key for c in rest}, self.budget)
+        below = _below(path[self.anchor], {c.key for c in rest}, self.budget)
         return _sorted_by(rest, lambda i: (-below.get(rest[i].key, 0), -counts[i], i))
 
 
 for _b in (16, 64):
     variant(f"subtree_{_b}")(type(f"Subtree{_b}", (_Subtree,), {"budget": _b}))
+for _b in (16, 32, 64, 256, 1 << 20):
+    variant(f"subtree0_{_b}")(type(f"Subtree0{_b}", (_Subtree,), {"budget": _b, "anchor": 0}))
 
 
 __all__ = ["FUTURE", "PAST", "VARIANTS", "Variant"]
+
+
+class _Linear(Variant):
+    """O(k) per served order: ``links[a][b]`` counts served orders where ``b`` came with ``a``
+    in the relation :meth:`pairs_of` names (not O(k^2) pairs); rest greedily by the links from
+    the chunk placed last (or the first placed), then count, then rank."""
+
+    anchor_last = True
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.links: dict[str, dict[str, int]] = {}
+
+    def observe(self, keys: list[str]) -> None:
+        super().observe(keys)
+        for a, b in self.pairs_of(keys):
+            row = self.links.setdefault(a, {})
+            row[b] = row.get(b, 0) + 1
+
+    def pairs_of(self, keys: list[str]) -> list[tuple[str, str]]:
+        raise NotImplementedError
+
+    def rest(self, rest: list[Chunk], path: tuple[Any, ...], ctx: OrderingContext) -> list[Chunk]:
+        counts = dict(zip([c.key for c in rest], self.counts(rest, ctx), strict=True))
+        placed = [n.key for n in path]
+        out: list[Chunk] = []
+        left = list(rest)
+        while left:
+            anchor = (placed[-1] if self.anchor_last else placed[0]) if placed else None
+            row = self.links.get(anchor, {}) if anchor is not None else {}
+            j = max(range(len(left)),
+                    key=lambda j: (row.get(left[j].key, 0), counts[left[j].key], -j))
+            c = left.pop(j)
+            out.append(c)
+            placed.append(c.key)
+        return out
+
+
+@variant("next_link")
+class NextLink(_Linear):
+    """Links: b served right after a (successor counts over every served order)."""
+
+    def pairs_of(self, keys: list[str]) -> list[tuple[str, str]]:
+        return list(itertools.pairwise(keys))
+
+
+@variant("lead_link")
+class LeadLink(_Linear):
+    """Links: b served in an order led by a; anchor = the first placed chunk."""
+
+    anchor_last = False
+
+    def pairs_of(self, keys: list[str]) -> list[tuple[str, str]]:
+        return [(keys[0], b) for b in keys[1:]]
