@@ -446,3 +446,29 @@ class LeadLink(_Linear):
 
     def pairs_of(self, keys: list[str]) -> list[tuple[str, str]]:
         return [(keys[0], b) for b in keys[1:]]
+
+
+@variant("count_below0")
+class CountBelow0(Variant):
+    """With a match: rest by (count, occurrences below the path's first node (64 nodes),
+    rank): the tree's record only breaks frequency ties."""
+
+    def rest(self, rest: list[Chunk], path: tuple[Any, ...], ctx: OrderingContext) -> list[Chunk]:
+        counts = self.counts(rest, ctx)
+        if not path or len(rest) < 2:
+            return _sorted_by(rest, lambda i: (-counts[i], i))
+        below = _below(path[0], {c.key for c in rest}, 64)
+        return _sorted_by(rest, lambda i: (-counts[i], -below.get(rest[i].key, 0), i))
+
+
+@variant("seen_below0")
+class SeenBelow0(Variant):
+    """With a match: rest by (seen, occurrences below the path's first node, count, rank)."""
+
+    def rest(self, rest: list[Chunk], path: tuple[Any, ...], ctx: OrderingContext) -> list[Chunk]:
+        counts = self.counts(rest, ctx)
+        if not path or len(rest) < 2:
+            return _sorted_by(rest, lambda i: (-counts[i], i))
+        below = _below(path[0], {c.key for c in rest}, 64)
+        return _sorted_by(
+            rest, lambda i: (counts[i] == 0, -below.get(rest[i].key, 0), -counts[i], i))
