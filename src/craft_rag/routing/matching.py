@@ -13,9 +13,10 @@ is ``t.match(keys).nodes[-1]`` and ``set_match_end(t, wanted)`` is
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from collections.abc import Set as AbstractSet
 
+from craft_rag.prefix_nodes import OneChild
 from craft_rag.prefix_tree import ChunkPrefixTree, PrefixNode
 from craft_rag.types import ChunkKey
 
@@ -36,25 +37,42 @@ def set_match_end(tree: ChunkPrefixTree, wanted: AbstractSet[ChunkKey]) -> Prefi
     """Deepest node of the longest cached path whose chunks are all in ``wanted``
     (``tree.match_subset``): the deepest such node, then the most recently accessed, then the
     smallest key path. Visits only nodes whose path lies inside ``wanted`` (at most
-    ``len(wanted)`` levels); per visited node one C-level key-set intersection."""
+    ``len(wanted)`` levels); per visited node one membership test (a one-child link,
+    :class:`~craft_rag.prefix_nodes.OneChild`) or one C-level key-set intersection."""
     best: PrefixNode | None = None
     best_depth, best_time = 0, float("-inf")
+    # The best node is the maximum of a total order (depth, last access, smaller path), so the
+    # visit order does not matter. Stacked: the root and branch points (2+ children); a chain
+    # of one-child links below a matched node is walked in place.
     stack = [tree.root]
     pop, push = stack.pop, stack.append
     while stack:
         children = pop().children
-        if not children:
-            continue
-        for key in children.keys() & wanted:  # C-level, over the smaller side
-            child = children[key]
-            depth = child.depth
-            if depth > best_depth:
-                best, best_depth, best_time = child, depth, child.last_access
-            elif depth == best_depth:
-                seen = child.last_access
-                if seen > best_time or (
-                    seen == best_time and best is not None and child.path() < best.path()
-                ):
-                    best, best_time = child, seen
-            push(child)
+        if type(children) is OneChild:
+            only = children.child
+            if only.key not in wanted:
+                continue
+            found: Iterable[PrefixNode] = (only,)
+        else:
+            found = map(children.__getitem__, children.keys() & wanted)  # C-level
+        for child in found:
+            while True:
+                depth = child.depth
+                if depth > best_depth:
+                    best, best_depth, best_time = child, depth, child.last_access
+                elif depth == best_depth:
+                    seen = child.last_access
+                    if seen > best_time or (
+                        seen == best_time and best is not None and child.path() < best.path()
+                    ):
+                        best, best_time = child, seen
+                below = child.children
+                if type(below) is OneChild:
+                    link = below.child
+                    if link.key in wanted:
+                        child = link
+                        continue
+                elif below:
+                    push(child)
+                break
     return best
