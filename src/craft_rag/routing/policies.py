@@ -221,8 +221,10 @@ class _KVAware:
             if top <= 0:
                 return Candidate(best, 0, best_cost)
             floor = model.predict(prompt - top, top)
-            holders = sorted(holders, key=_by_work)
-        salt = request.salt
+            if len(holders) > 1:
+                holders = sorted(holders, key=_by_work)
+        salt, match_end, cached_at = request.salt, self.match_end, view.cached_tokens_at
+        a, b, c = model.a, model.b, model.c  # model.predict inlined: this loop is the hot path
         for replica in holders:
             load = replica.load
             if load.assigned >= bound:
@@ -232,10 +234,10 @@ class _KVAware:
                 break  # cannot win, nor can any later (more work) holder
             tree = replica.tree(salt)
             assert tree is not None
-            cached = view.cached_tokens_at(self.match_end(tree, request), request)
+            cached = cached_at(match_end(tree, request), request)
             if cached == 0:
                 continue
-            cost = model.predict(prompt - cached, cached) + extra
+            cost = a + b * (prompt - cached) + c * cached + extra
             if cost < best_cost or (cost == best_cost and replica.index < best_index):
                 best, best_cached, best_index, best_cost = replica, cached, replica.index, cost
         return Candidate(best, best_cached, best_cost)
