@@ -236,7 +236,7 @@ def test_load_index_is_the_scan(seed: int) -> None:
     rng = random.Random(seed)
     n = rng.choice([1, 2, 5, 33])
     replicas = [Replica(ReplicaId(f"r{i}"), i, RouterConfig().planner) for i in range(n)]
-    index = LoadIndex(replicas)
+    index = LoadIndex(replicas, rebuild_slack=4)  # rebuilt every few dozen updates
     for _ in range(600):
         r = rng.choice(replicas)
         action = rng.random()

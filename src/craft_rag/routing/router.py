@@ -273,7 +273,11 @@ class Router:
             plan_ns = time.perf_counter_ns() - plan_started
             if plan.turn == 1 and plan.ordered:
                 root = (salt, plan.ordered[0].key)
-                self._roots.setdefault(root, set()).add(replica.index)
+                entry = self._roots.get(root)
+                if entry is None:
+                    self._roots[root] = {replica.index}
+                else:
+                    entry.add(replica.index)
                 planned = (salt, plan.ordered[0].key, replica.index)
                 self._planned[planned] = self._planned.get(planned, 0) + 1
             if sticky:
