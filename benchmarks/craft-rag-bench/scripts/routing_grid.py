@@ -74,6 +74,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--replica-test", action="store_true",
                         help="predict the real two-replica test's cached tokens (seconds)")
     parser.add_argument("--out", type=Path, default=None)
+    parser.add_argument("--write-results", action="store_true",
+                        help="also replace the rows, latency and targets in --model's JSON "
+                             "(its fitted model, points and machine kept; 'recomputed' added) "
+                             "and redraw its PNG beside it")
     args = parser.parse_args(argv)
     if args.replica_test:
         text = json.dumps(replica_test_prediction(BenchContext(progress=False)), indent=1)
@@ -102,6 +106,19 @@ def main(argv: list[str] | None = None) -> int:
     out = {"requests": len(trace), "ttft_model": stored, "simulated": rows,
            "decision_latency": latency, "targets": bench.targets(rows, latency),
            "seconds": round(time.perf_counter() - started, 1)}
+    if args.write_results and not args.latency_only:
+        import datetime
+        import os
+
+        results = json.loads(args.model.read_text())
+        results.update(simulated=rows, decision_latency=latency, targets=out["targets"])
+        results["recomputed"] = {
+            "by": "routing_grid.py (stored model)", "seconds": out["seconds"],
+            "date": datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%d %H:%M UTC"),
+            "load_avg": [round(x, 2) for x in os.getloadavg()],
+        }
+        write_atomic(args.model, json.dumps(results, indent=1) + "\n")
+        bench.plot(results, args.model.with_suffix(".png"))
     text = json.dumps(out, indent=1) + "\n"
     if args.out is None:
         sys.stdout.write(text)
