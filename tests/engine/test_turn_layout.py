@@ -226,6 +226,8 @@ def test_engine_restart_is_reported_and_keeps_dedup_correct() -> None:
             # The prediction matches what was computed (the fake cache: whole blocks).
             assert r.report.uncached_tokens == pytest.approx(lay.restart_new, abs=16)
             assert lay.compacted_turns >= 1
+            # Compacted turns are not reported as dropped (not by the restart, nor the next).
+            assert r.report.dropped_turns == 0
         # After each restart the store holds one live turn: the restarted one.
         assert engine.conversations.turn_count("c") == 1
         # The last (restarted) turn's plan sent 8 and 1 (1 only the compacted turn 1 had

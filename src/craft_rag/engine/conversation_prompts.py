@@ -392,6 +392,13 @@ class ConversationPrompts:
         prefix = len(ids)
         ids.extend(segment)
         chunk_end = spans_rel[-1][1] if spans_rel else 0
+        earlier = history.dropped_since if history is not None else 0
+        if earlier and len(turns) == 1 and turns[0] is not None:
+            # The one live turn is a restart this renderer made (its compacted history leads
+            # its tokens): the turns forgotten since are the ones it compacted, not dropped.
+            span = self.spans.span(turns[0])
+            if span is not None and span[0] > 0:
+                earlier = 0
         prompt = AssembledPrompt(
             token_ids=tuple(ids),
             chunk_keys=tuple(c.key for c in chunks),
@@ -404,7 +411,7 @@ class ConversationPrompts:
             dropped_turns=dropped,
             kept_turns=len(turns) - dropped - compacted,
             turn_ids=(*lead, *segment),
-            earlier_dropped=history.dropped_since if history is not None else 0,
+            earlier_dropped=earlier,
             cache_salt=cache_salt,
             compacted_turns=compacted,
             layout=layout,
