@@ -324,9 +324,13 @@ class CraftPlanner(KVFeedback, StateRecorder, SharedSync):
         block_hashes: Sequence[Sequence[BlockHash | int]] | None = None,
         location: KVLocation | None = None,
         turn_tokens: Sequence[int] | None = None,
+        removed_in_prompt: bool = False,
     ) -> CommitResult:
         """Record that ``plan`` was served; ``turn_tokens``: the ids the turn leaves in its
         conversation's prompt (recorded with its keys in one ``record_turn``).
+        ``removed_in_prompt``: the prompt carried the plan's ``removed_duplicates`` as well,
+        after its ordered chunks (a restarted turn, :mod:`craft_rag.engine.turn_layout`): the
+        conversation records them with the turn, so a later turn does not send them again.
 
         ``prefix_tokens`` is the number of prompt tokens before the first chunk; with
         ``chunk_token_counts`` (default: the chunks' ``num_tokens``) it gives each CP-Tree node
@@ -352,6 +356,9 @@ class CraftPlanner(KVFeedback, StateRecorder, SharedSync):
             made_here=made is not None and made.plan is plan,
         )
         tokens = None if turn_tokens is None else check_tokens(turn_tokens)
+        if type(removed_in_prompt) is not bool:
+            msg = f"removed_in_prompt: must be a bool, got {removed_in_prompt!r}"
+            raise ValueError(msg)
         keys = plan.keys
 
         with self._lock:
@@ -383,13 +390,13 @@ class CraftPlanner(KVFeedback, StateRecorder, SharedSync):
                 entry = CommitEntry(
                     keys, removed_keys, plan.turn, plan.conversation_id, reused_chunks,
                     tuple(metadata) if metadata is not None else None, location,
-                    self._replay_clock.base(),
+                    self._replay_clock.base(), removed_in_prompt,
                 )
                 applied = self._push(entry, not_after=seen, tokens=tokens)
             if applied is None:  # local state (no store, or fell back to memory)
                 applied = self._record_local(
                     keys, removed_keys, plan.turn, plan.conversation_id, reused_chunks,
-                    spans, hashes, location, tokens,
+                    spans, hashes, location, tokens, removed_in_prompt,
                 )
             reused, inserted, stale = applied
 

@@ -43,10 +43,12 @@ class StateRecorder:
         metadata: Sequence[NodeMetadata] | None,
         location: KVLocation | None,
         tokens: Sequence[int] | None = None,
+        removed_in_prompt: bool = False,
     ) -> tuple[int, int, int]:
         """Apply one served plan to the table, tree and conversation store (the replay of a
-        shared log entry, own entries included): ``(reused, inserted, stale)``. Caller holds
-        the lock."""
+        shared log entry, own entries included): ``(reused, inserted, stale)``.
+        ``removed_in_prompt``: the turn's prompt carried ``removed`` too (after ``keys``), so
+        the conversation records both. Caller holds the lock."""
         self.access_table.record([*keys, *removed])
         reused = inserted = stale = 0
         if turn == 1:
@@ -59,7 +61,8 @@ class StateRecorder:
                 )
                 inserted = depth
         if conversation_id is not None:
-            self.conversations.record_turn(conversation_id, keys, tokens)
+            sent = keys + removed if removed_in_prompt else keys
+            self.conversations.record_turn(conversation_id, sent, tokens)
         return reused, inserted, stale
 
     def _record_local(
@@ -73,6 +76,7 @@ class StateRecorder:
         hashes: Hashes | None,
         location: KVLocation | None,
         tokens: Sequence[int] | None,
+        removed_in_prompt: bool = False,
     ) -> tuple[int, int, int]:
         """:meth:`_record` for this planner's own commit, whose arguments :meth:`commit`
         checked once (:func:`craft_rag.plans.commit_spans`) and whose keys came from checked
@@ -91,7 +95,8 @@ class StateRecorder:
                 )
                 inserted = depth
         if conversation_id is not None:
-            self.conversations.record_turn(conversation_id, keys, tokens)
+            sent = keys + removed if removed_in_prompt else keys
+            self.conversations.record_turn(conversation_id, sent, tokens)
         return reused, inserted, stale
 
     def _reuse_and_promote(

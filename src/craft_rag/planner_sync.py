@@ -57,7 +57,7 @@ class SharedSync:
     _record: Callable[
         [
             tuple[ChunkKey, ...], tuple[ChunkKey, ...], int, ConversationId | None, int | None,
-            Sequence[NodeMetadata] | None, KVLocation | None, Sequence[int] | None,
+            Sequence[NodeMetadata] | None, KVLocation | None, Sequence[int] | None, bool,
         ],
         tuple[int, int, int],
     ]
@@ -150,7 +150,7 @@ class SharedSync:
                     result = self._record(
                         entry.keys, entry.removed, entry.turn, entry.conversation,
                         entry.reused_chunks, entry.metadata, entry.location,
-                        own_tokens if raw.seq == own_seq else None,
+                        own_tokens if raw.seq == own_seq else None, entry.removed_in_prompt,
                     )
                 elif isinstance(entry, EndEntry):
                     result = (int(self.conversations.end(entry.conversation)), 0, 0)

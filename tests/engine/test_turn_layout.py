@@ -230,14 +230,15 @@ def test_engine_restart_is_reported_and_keeps_dedup_correct() -> None:
             assert r.report.dropped_turns == 0
         # After each restart the store holds one live turn: the restarted one.
         assert engine.conversations.turn_count("c") == 1
-        # The last (restarted) turn's plan sent 8 and 1 (1 only the compacted turn 1 had
-        # carried): both are duplicates next time. 6 was a duplicate in that plan, re-sent in
-        # the restarted prompt but not recorded (the plan's keys are): sent again if
-        # retrieved again, never lost. 2 is in no live turn.
+        # The last (restarted) turn's prompt holds 8, 1 and 6 (6 was a duplicate in its plan,
+        # re-sent by the restart and recorded with the turn): all three are duplicates next
+        # time. 2 is in no live turn.
         planner = engine.planner
         assert isinstance(planner, CraftPlanner)
         again = planner.plan([chunks[j] for j in (8, 1, 6, 2)], conversation_id="c")
-        assert {c.key for c in again.removed_duplicates} == {chunks[8].key, chunks[1].key}
+        assert {c.key for c in again.removed_duplicates} == {
+            chunks[8].key, chunks[1].key, chunks[6].key
+        }
         planner.abort(again)
         assert engine.end_conversation("c")
     finally:
@@ -251,6 +252,50 @@ def test_engine_restart_is_reported_and_keeps_dedup_correct() -> None:
             assert nxt.prompt_token_ids[: len(prev.prompt_token_ids)] == prev.prompt_token_ids
     finally:
         off.close()
+
+
+def _occurrences(hay: tuple[int, ...], needle: list[int]) -> int:
+    n = len(needle)
+    return sum(1 for i in range(len(hay) - n + 1) if list(hay[i: i + n]) == needle)
+
+
+@pytest.mark.parametrize("kind", ["local", "memory", "sqlite"])
+def test_a_restart_records_the_chunks_dedup_had_removed_so_they_are_not_sent_again(
+    kind: str, tmp_path: Path
+) -> None:
+    """Turn 2 retrieves chunk 1 again: its plan removes it (turn 1 carried it), the restart
+    re-sends it (turn 1 is compacted away) and records it with turn 2, so turn 3 retrieving it
+    once more removes it as a duplicate: its prompt holds chunk 1 once. With a shared store the
+    other worker replays the commit (the log entry says the removed chunks were re-sent)."""
+    chunks = make_chunks(5, words=40)
+    stores: list[StateStore | None] = [None, None]
+    if kind == "memory":
+        stores = [open_store("memory://")] * 2
+    elif kind == "sqlite":
+        stores = [open_store(f"sqlite://{tmp_path / 's.db'}") for _ in range(2)]
+    a, b = (_engine(FORCE, s) for s in stores)
+    try:
+        a.generate([chunks[j] for j in (0, 1, 2)], "what is w1?", conversation_id="c",
+                   max_tokens=3)
+        second = a.generate([chunks[j] for j in (1, 3)], "and w3?", conversation_id="c",
+                            max_tokens=3)
+        lay = second.report.layout
+        assert lay is not None and lay.restart
+        assert set(second.report.chunk_order) == {chunks[1].key, chunks[3].key}
+        served = a if kind == "local" else b  # the next turn on the other worker
+        served.conversations.turn_layout = APPEND_ONLY
+        third = served.generate([chunks[j] for j in (1, 4)], "and w4?", conversation_id="c",
+                                max_tokens=3)
+        assert third.report.removed_duplicates == (chunks[1].key,)
+        ids = a.assembler.chunk_ids(chunks[1])
+        assert _occurrences(third.prompt_token_ids, list(ids)) == 1
+        for e in (a, b):
+            e.conversations._check_invariants()
+    finally:
+        for engine in (a, b):
+            engine.close()
+        for st in {id(x): x for x in stores if x is not None}.values():
+            st.close()
 
 
 @pytest.mark.parametrize("kind", ["memory", "sqlite"])
@@ -319,3 +364,23 @@ def test_caller_plans_get_a_layout_predicted_from_all_their_chunks(
             assert engine.conversations.turn_count("c") == 1
     finally:
         engine.close()
+
+
+def test_commit_removed_in_prompt_records_the_removed_keys_and_refuses_a_non_bool() -> None:
+    """The planner seam on its own: ``removed_in_prompt`` adds the plan's removed duplicates
+    to the turn's recorded keys; a non-bool is a ValueError that leaves the plan committable."""
+    chunks = make_chunks(4, words=10)
+    planner = CraftPlanner()
+    planner.commit(planner.plan(chunks[:2], conversation_id="p"))
+    plan = planner.plan([chunks[1], chunks[2]], conversation_id="p")
+    assert [c.key for c in plan.removed_duplicates] == [chunks[1].key]
+    with pytest.raises(ValueError, match="removed_in_prompt"):
+        planner.commit(plan, removed_in_prompt=1)  # type: ignore[arg-type]
+    planner.commit(plan, removed_in_prompt=True)
+    assert planner.conversations.turns(ConversationId("p"))[-1] == (
+        chunks[2].key, chunks[1].key
+    )
+    planner.conversations.forget_oldest_turns(ConversationId("p"), 1)
+    again = planner.plan([chunks[1], chunks[3]], conversation_id="p")
+    assert [c.key for c in again.removed_duplicates] == [chunks[1].key]
+    planner._check_invariants()

@@ -205,9 +205,8 @@ class RagTurns:
     ) -> RenderedTurn:
         """Render ``plan``'s turn after the conversation's live turns (its planner holds the
         turn in flight). A restart (``layout``) renders the plan's chunks and then the ones
-        dedup removed (in the retriever's order): every chunk of the turn is in the prompt,
-        while the store records only the plan's keys (a re-sent key it misses is sent again
-        if retrieved again, never lost)."""
+        dedup removed (in the retriever's order): every chunk of the turn is in the prompt, and
+        :meth:`commit` records all of their keys with the turn (``removed_in_prompt``)."""
         chunks = plan.ordered
         if layout is not None and layout.restart:
             chunks = (*plan.ordered, *plan.removed_duplicates)
@@ -253,6 +252,7 @@ class RagTurns:
         if self.block_hasher is not None:
             hashes = self.block_hasher.block_hashes(prompt.token_ids, flight.cache_salt)
             block_hashes = self.block_hasher.per_chunk(hashes, spans)
+        resent = len(prompt.chunk_keys) > len(plan.ordered)  # dedup's chunks re-sent
         tokens = self.conversations.stored_turn(
             turn.rendered, state.token_ids, self._cache.eos_token_ids, stored_reply=stored_reply
         )
@@ -266,6 +266,8 @@ class RagTurns:
             reused_chunks=kv_chunks if flight.sampling.read_prefix_cache else None,
             block_hashes=block_hashes,
             turn_tokens=tokens,
+            # A restart re-sent dedup's chunks: the turn records every key in its prompt.
+            removed_in_prompt=resent,
         )
         self.conversations.settle(turn.rendered)  # left-out and over-budget turns
         save_history(turn.planner, turn.rendered.conversation_id)
@@ -276,9 +278,7 @@ class RagTurns:
             reused_chunks=reused,
             prefix_tokens=prompt.prefix_tokens,
             chunk_order=prompt.chunk_keys,
-            removed_duplicates=()
-            if turn.rendered.compacted_turns
-            else tuple(c.key for c in plan.removed_duplicates),
+            removed_duplicates=() if resent else tuple(c.key for c in plan.removed_duplicates),
             repeated_in_request=tuple(c.key for c in plan.repeated_in_request),
             dropped_turns=turn.rendered.left_out,
             conversation_id=turn.rendered.conversation_id,

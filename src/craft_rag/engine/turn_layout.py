@@ -13,10 +13,12 @@ turn is planned, :class:`TurnLayoutPolicy` predicts the time to first token of
   passages, and every passage this turn retrieved is in the prompt again;
 
 with :class:`TurnCostModel` and picks the cheaper one. A restart is recorded as ONE turn whose
-tokens are the compacted history plus the turn's own segment and reply, and the earlier live
-turns are forgotten (through the planner, so a shared store logs it) when the turn commits:
-the store then holds only keys whose chunks are in the prompt (dedup stays correct), and later
-turns append to the restarted prompt as usual. A turn that is not served changes nothing.
+tokens are the compacted history plus the turn's own segment and reply, with the keys of ALL
+of its chunks (those dedup removed too: ``CraftPlanner.commit(removed_in_prompt=True)``), and
+the earlier live turns are forgotten (through the planner, so a shared store logs it) when the
+turn commits: the store then holds exactly the keys whose chunks are in the prompt (dedup stays
+correct and complete), and later turns append to the restarted prompt as usual. A turn that
+is not served changes nothing.
 
 Compacting needs to know where each stored turn's chunks lie in its tokens. The renderer
 remembers that (:class:`ChunkSpanMemo`, keyed by the turn's token ids, bounded) for turns it

@@ -42,6 +42,9 @@ class CommitEntry:
     metadata: tuple[NodeMetadata, ...] | None
     location: KVLocation | None
     ts: float
+    removed_in_prompt: bool = False
+    """The prompt carried ``removed`` too (a restarted turn): the conversation records them
+    with the turn (field ``"r"``, written only when true)."""
 
     def to_json(self) -> str:
         meta = None
@@ -58,6 +61,8 @@ class CommitEntry:
             "v": "c", "k": list(self.keys), "d": list(self.removed), "t": self.turn,
             "c": self.conversation, "u": self.reused_chunks, "m": meta, "l": loc, "ts": self.ts,
         }
+        if self.removed_in_prompt:
+            data["r"] = True
         return json.dumps(data, separators=(",", ":"))
 
 
@@ -140,6 +145,9 @@ def decode_entry(entry: LogEntry, where: str) -> Entry:
         if reused is not None and (not isinstance(reused, int) or not 0 <= reused <= len(keys)):
             raise TypeError("reused chunk count out of range")
         loc = data["l"]
+        resent = data.get("r", False)
+        if not isinstance(resent, bool):
+            raise TypeError("removed_in_prompt must be a bool")
         return CommitEntry(
             keys=keys,
             removed=_keys(data["d"]),
@@ -149,6 +157,7 @@ def decode_entry(entry: LogEntry, where: str) -> Entry:
             metadata=_metadata(data["m"], len(keys)),
             location=None if loc is None else KVLocation(str(loc[0]), str(loc[1])),
             ts=ts,
+            removed_in_prompt=resent,
         )
     except (ValueError, TypeError, KeyError, IndexError) as e:
         msg = (
