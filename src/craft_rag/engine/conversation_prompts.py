@@ -9,14 +9,14 @@ vLLM's prefix cache reuses all of it. Replies are kept as the token ids the mode
 
 **History budget.** On this engine TTFT grows with the cached length too (attention over the
 whole prefix), so an ever-growing history makes later turns slower even when they are mostly
-cached. A :class:`HistoryBudget` bounds the stored history (head excluded): when a completed
-turn takes it over ``max_tokens``, whole oldest turns are dropped until it is at most
-``keep_tokens``. The first turn after a drop recomputes the shorter history once; the low-water
-mark then leaves room for several turns that only append (the prefix stays stable and reused)
-instead of sliding, and recomputing, every turn. Dropped turns are forgotten in the conversation
-store (through the salt's planner, so a shared store logs them), which also forgets their
-chunks: conversation dedup is only correct while the turn carrying a chunk is still in the
-prompt.
+cached. A :class:`~craft_rag.engine.history_budget.HistoryBudget` bounds the stored history
+(head excluded): when a completed turn takes it over ``max_tokens``, whole oldest turns are
+dropped until it is at most ``keep_tokens``. The first turn after a drop recomputes the shorter
+history once; the low-water mark then leaves room for several turns that only append (the prefix
+stays stable and reused) instead of sliding, and recomputing, every turn. Dropped turns are
+forgotten in the conversation store (through the salt's planner, so a shared store logs them),
+which also forgets their chunks: conversation dedup is only correct while the turn carrying a
+chunk is still in the prompt.
 
 When ``history + new turn + max_tokens`` would exceed ``max_model_len``, :meth:`fit` drops whole
 oldest turns before the turn is planned (never part of a turn, never part of a chunk); the count
@@ -24,8 +24,9 @@ is reported. A turn that cannot fit even alone raises ``ValueError``.
 
 **State.** This module keeps none: every turn (chunk keys and token ids), the turn in flight
 and the bounds live in the one conversation store (:class:`craft_rag.conversation.
-ConversationStore`), one per cache salt, found through :class:`ConversationStores` (in an
-engine: each salt's planner's store). :class:`ConversationPrompts` renders from it and applies
+ConversationStore`), one per cache salt, found through
+:class:`~craft_rag.engine.conversation_stores.ConversationStores` (in an engine: each salt's
+planner's store). :class:`ConversationPrompts` renders from it and applies
 the :class:`HistoryBudget` policy and the :class:`~craft_rag.engine.turn_layout.TurnLayoutPolicy`
 (append, or restart the prompt with a compacted history when the cost model says so: see that
 module). With several workers (``CraftEngine(store=...)``) the token
@@ -36,55 +37,36 @@ from __future__ import annotations
 
 import threading
 from collections.abc import Sequence
-from dataclasses import dataclass, replace
-from typing import Protocol
+from dataclasses import dataclass
 
 from craft_rag.chunk import Chunk
-from craft_rag.conversation import ConversationHistory, ConversationStore
+from craft_rag.conversation import ConversationHistory
+from craft_rag.engine.conversation_stores import ConversationStores, LocalStores
+from craft_rag.engine.history_budget import DEFAULT_HISTORY_BUDGET, HistoryBudget
 from craft_rag.engine.turn_layout import (
     APPEND_ONLY,
     ChunkSpanMemo,
     LayoutChoice,
     TurnLayoutPolicy,
-    compact_turns,
     predict_layout,
+    restart_history,
+    restarted_here,
 )
 from craft_rag.prompt import AssembledPrompt, PromptAssembler
 from craft_rag.types import ChunkKey, ConversationId
 
+__all__ = [
+    "DEFAULT_HISTORY_BUDGET",
+    "DEFAULT_MAX_CONVERSATIONS",
+    "ConversationPrompts",
+    "ConversationStores",
+    "HistoryBudget",
+    "LocalStores",
+    "RenderedTurn",
+]
+
 DEFAULT_MAX_CONVERSATIONS = 1024
 """The engine's conversation bound (its default planner's ``max_conversations``)."""
-
-
-@dataclass(frozen=True, slots=True)
-class HistoryBudget:
-    """Token budget of a conversation's stored history (head excluded), like LlamaIndex's
-    ``ChatMemoryBuffer.token_limit``. Over ``max_tokens`` after a turn, the oldest whole turns
-    are dropped until at most ``keep_tokens`` remain (the newest turn is always kept).
-    ``keep_tokens < max_tokens`` is the hysteresis that keeps the new prefix stable for
-    several turns. Defaults (:data:`DEFAULT_HISTORY_BUDGET`) come from ``craft-rag bench chat``."""
-
-    max_tokens: int
-    keep_tokens: int
-
-    def __post_init__(self) -> None:
-        if not isinstance(self.max_tokens, int) or self.max_tokens < 1:
-            msg = f"HistoryBudget.max_tokens must be an int >= 1, got {self.max_tokens!r}"
-            raise ValueError(msg)
-        if not isinstance(self.keep_tokens, int) or not 0 <= self.keep_tokens <= self.max_tokens:
-            msg = (
-                f"HistoryBudget.keep_tokens must be an int in [0, max_tokens={self.max_tokens}], "
-                f"got {self.keep_tokens!r}"
-            )
-            raise ValueError(msg)
-
-
-DEFAULT_HISTORY_BUDGET = HistoryBudget(max_tokens=3072, keep_tokens=2048)
-"""Chosen by measurement (docs/benchmarks.md, "Multi-turn chat"): on the embedded model a
-cached token costs ~0.05 ms of TTFT per turn (2,048 cached tokens add ~100 ms) while a drop
-recomputes the kept history once (~1 ms a token), so dropping pays only after tens of turns; a
-1,536/768 budget made 3-turn MTRAG chats recompute ~2,800 tokens. The budget is therefore high
-(close to the engine's default 4,096-token context), the hysteresis wide. ``None`` disables it."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -114,58 +96,6 @@ class RenderedTurn:
     def left_out(self) -> int:
         """Every turn this prompt no longer holds since the previous one."""
         return self.dropped_turns + self.earlier_dropped
-
-
-class ConversationStores(Protocol):
-    """Where the renderer finds conversation stores: one per cache salt. An engine's
-    :class:`~craft_rag.engine.planners.PlannerNamespaces` is one (each salt's planner's
-    store); :class:`LocalStores` is the standalone one."""
-
-    def conversation_store(self, cache_salt: str | None) -> ConversationStore:
-        """The salt's store, made on first use."""
-        ...
-
-    def conversation_stores(self) -> list[tuple[str | None, ConversationStore]]:
-        """The stores held now, with their salts."""
-        ...
-
-    def forget_turns(self, cache_salt: str | None, conversation_id: str, n: int) -> int:
-        """Drop the conversation's ``n`` oldest live turns (through its planner)."""
-        ...
-
-    def end_conversation(self, conversation_id: str) -> bool:
-        """Forget the conversation everywhere."""
-        ...
-
-
-class LocalStores:
-    """One :class:`ConversationStore` per salt, owned here (``ConversationPrompts`` without a
-    planner: its unit tests and tools). Thread-safe."""
-
-    def __init__(self, max_conversations: int) -> None:
-        self.max_conversations = max_conversations
-        self._lock = threading.Lock()
-        self._stores: dict[str | None, ConversationStore] = {}
-
-    def conversation_store(self, cache_salt: str | None) -> ConversationStore:
-        with self._lock:
-            store = self._stores.get(cache_salt)
-            if store is None:
-                store = ConversationStore(self.max_conversations, None)
-                self._stores[cache_salt] = store
-            return store
-
-    def conversation_stores(self) -> list[tuple[str | None, ConversationStore]]:
-        with self._lock:
-            return list(self._stores.items())
-
-    def forget_turns(self, cache_salt: str | None, conversation_id: str, n: int) -> int:
-        store = self.conversation_store(cache_salt)
-        return store.forget_oldest_turns(ConversationId(conversation_id), n)
-
-    def end_conversation(self, conversation_id: str) -> bool:
-        ended = [s.end(ConversationId(conversation_id)) for _, s in self.conversation_stores()]
-        return any(ended)
 
 
 class ConversationPrompts:
@@ -371,14 +301,10 @@ class ConversationPrompts:
                 "worker, or end_conversation() and start over"
             )
             raise RuntimeError(msg)
-        dropped = compacted = 0
-        lead: tuple[int, ...] = ()
-        if layout is not None and layout.restart and turns:
-            lead = compact_turns([t or () for t in turns], self.spans)[0]
-            if len(head) + len(lead) + len(segment) <= budget:
-                compacted = len(turns)
-            else:
-                lead, layout = (), replace(layout, restart=False, compacted_turns=0)
+        dropped = 0
+        room = budget - len(head) - len(segment)
+        lead, layout = restart_history(layout, [t or () for t in turns], self.spans, room)
+        compacted = len(turns) if layout is not None and layout.restart and turns else 0
         ids = list(head)
         if compacted:
             ids.extend(lead)
@@ -393,12 +319,8 @@ class ConversationPrompts:
         ids.extend(segment)
         chunk_end = spans_rel[-1][1] if spans_rel else 0
         earlier = history.dropped_since if history is not None else 0
-        if earlier and len(turns) == 1 and turns[0] is not None:
-            # The one live turn is a restart this renderer made (its compacted history leads
-            # its tokens): the turns forgotten since are the ones it compacted, not dropped.
-            span = self.spans.span(turns[0])
-            if span is not None and span[0] > 0:
-                earlier = 0
+        if earlier and len(turns) == 1 and restarted_here(turns[0] or (), self.spans):
+            earlier = 0  # the turns forgotten since were compacted by that restart, not dropped
         prompt = AssembledPrompt(
             token_ids=tuple(ids),
             chunk_keys=tuple(c.key for c in chunks),

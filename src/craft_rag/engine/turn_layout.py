@@ -33,7 +33,7 @@ import hashlib
 import threading
 from collections import OrderedDict
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Literal
 
 from craft_rag.chunk import Chunk
@@ -51,6 +51,8 @@ __all__ = [
     "TurnLayoutPolicy",
     "compact_turns",
     "predict_layout",
+    "restart_history",
+    "restarted_here",
 ]
 
 
@@ -282,3 +284,28 @@ def predict_layout(
     append_new = total + new_tokens + q - append_cached
     restart_new = head + len(compacted) + all_tokens + q - restart_cached
     return policy.choose((append_cached, append_new), (restart_cached, restart_new), len(turns))
+
+
+def restart_history(
+    layout: LayoutChoice | None,
+    turns: Sequence[Sequence[int]],
+    memo: ChunkSpanMemo,
+    room: int,
+) -> tuple[tuple[int, ...], LayoutChoice | None]:
+    """What a restarted prompt puts after its head: ``(compacted history, layout)``. Without a
+    restart (or live turns) ``((), layout)``; a compacted history longer than ``room`` tokens
+    (the context left after the head and the turn's own segment) is not used: ``((), layout
+    with restart off)``, the turn is rendered append-only. O(history tokens)."""
+    if layout is None or not layout.restart or not turns:
+        return (), layout
+    lead = compact_turns(turns, memo)[0]
+    if len(lead) <= room:
+        return lead, layout
+    return (), replace(layout, restart=False, compacted_turns=0)
+
+
+def restarted_here(turn: Sequence[int], memo: ChunkSpanMemo) -> bool:
+    """Whether ``turn`` is a restart this renderer made: a compacted history leads its tokens
+    (its chunk region does not start at 0). O(turn tokens)."""
+    span = memo.span(turn)
+    return span is not None and span[0] > 0
