@@ -159,3 +159,46 @@ def test_sync_forwards_evictions_and_counts_gaps(tmp_path: Path) -> None:
         pub.close(linger=0)
         ctx.term()
     sync.close()  # idempotent
+
+
+def test_an_expected_clear_is_not_forwarded_and_a_gap_forgets_it(tmp_path: Path) -> None:
+    """Our own reset's AllBlocksCleared comes with vLLM's next step, possibly after a commit
+    made since: the engine announced it (expect_clear) and already cleared, so it must not
+    clear the listener again. An unexpected one (another client's reset) still does."""
+    zmq = pytest.importorskip("zmq")
+    endpoint = f"ipc://{tmp_path}/events.sock"
+    listener = RecordingListener()
+    sync = KVEventSync(endpoint, listener)
+    ctx = zmq.Context()
+    pub = ctx.socket(zmq.PUB)
+    pub.bind(endpoint)
+    cleared = [{"type": "AllBlocksCleared"}]
+
+    def send(seq: int, batch: list[dict[str, object]]) -> None:
+        pub.send_multipart((b"", seq.to_bytes(8, "big"), _payload(batch)))
+        assert sync.wait_through(seq, timeout=10)
+
+    try:
+        deadline = time.monotonic() + 10
+        while sync.stats.batches == 0 and time.monotonic() < deadline:
+            pub.send_multipart((b"", (0).to_bytes(8, "big"), _payload([])))
+            time.sleep(0.05)
+        assert sync.stats.last_seq == 0
+        sync.expect_clear()
+        send(1, cleared)  # ours: counted, not forwarded
+        assert (listener.clears, sync.stats.clears, sync.stats.own_clears) == (0, 1, 1)
+        send(2, cleared)  # nobody expected this one
+        assert (listener.clears, sync.stats.own_clears) == (1, 1)
+        sync.expect_clear()
+        sync.cancel_clear()  # the reset failed: no event will come
+        send(3, cleared)
+        assert listener.clears == 2
+        sync.expect_clear()
+        send(5, [])  # a gap: the lost batch may have held our event; forget it, resync
+        assert listener.clears == 3 and sync.stats.gaps == 1
+        send(6, cleared)
+        assert listener.clears == 4 and sync.stats.own_clears == 1
+    finally:
+        sync.close()
+        pub.close(linger=0)
+        ctx.term()

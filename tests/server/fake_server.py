@@ -28,6 +28,7 @@ class FakeServer:
     block_size: int = BLOCK
     report_cached: bool = True
     reset_endpoint: bool = True
+    reset_success: bool = True  # False: answer like vLLM while running requests hold blocks
     fail_next: list[int] = field(default_factory=list)
     drop_after: int | None = None  # close the stream after this many tokens
     cached: set[tuple[str | None, tuple[int, ...]]] = field(default_factory=set)
@@ -96,8 +97,9 @@ def _handler(fake: FakeServer) -> type[BaseHTTPRequestHandler]:
                 self._send(200, json.dumps({"tokens": tokens}).encode())
             elif self.path == "/reset_prefix_cache" and fake.reset_endpoint:
                 with fake.lock:
-                    fake.cached.clear()
-                self._send(200, b"")
+                    if fake.reset_success:
+                        fake.cached.clear()
+                self._send(200, json.dumps({"success": fake.reset_success}).encode())
             elif self.path == "/v1/completions":
                 with fake.lock:
                     fake.bodies.append(body)

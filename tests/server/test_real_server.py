@@ -144,18 +144,40 @@ def test_no_prefix_cache_reads_nothing(fresh: CraftEngine) -> None:
     assert cold.report.cached_tokens == 0 and not cold.report.read_prefix_cache
 
 
-def test_kv_events_reach_the_cp_tree_and_a_reset_clears_it(fresh: CraftEngine) -> None:
+def test_kv_events_reach_the_cp_tree_and_a_reset_clears_it(
+    fresh: CraftEngine, vllm_server: str
+) -> None:
     sync = events(fresh)
+    own = sync.stats.own_clears
+    # vLLM publishes the fixture's reset (AllBlocksCleared) only with this request's first
+    # step, in the batch with its BlockStored: it may reach the sync after the commit below,
+    # and must not wipe what that commit added (the engine expected it: own_clears).
     fresh.generate(make_chunks(3, prefix="ev"), "Which river?", max_tokens=1)
-    assert sync.wait_for(lambda evs: any(isinstance(e, BlocksStored) for e in evs), timeout=10)
-    sync.wait_quiet(quiet=0.3)
-    stored = {h for e in sync.recent_events() if isinstance(e, BlocksStored) for h in e.hashes}
-    committed = set(tree(fresh)._by_block)
-    assert committed and committed <= stored  # our expected int hashes are the server's
+    committed = set(tree(fresh)._by_block)  # generate returns after the commit
+    assert committed
+
+    def seen(evs: list[Any]) -> bool:  # every committed block stored, and the reset's event
+        stored = {h for e in evs if isinstance(e, BlocksStored) for h in e.hashes}
+        return committed <= stored and any(isinstance(e, AllCleared) for e in evs)
+
+    # Our expected int hashes are the server's (waits for events, not for a quiet period).
+    assert sync.wait_for(seen, timeout=30)
+    assert set(tree(fresh)._by_block) == committed  # the late AllCleared wiped nothing
     assert sync.stats.hash_checks >= 1 and sync.stats.hash_mismatches == 0
+    assert sync.stats.own_clears > own
+    own = sync.stats.own_clears
     assert fresh.reset_prefix_cache()
-    assert sync.wait_for(lambda evs: any(isinstance(e, AllCleared) for e in evs), timeout=10)
-    assert len(tree(fresh)) == 0
+    assert len(tree(fresh)) == 0  # at once: the next plan must not predict reuse
+    fresh.generate(make_chunks(3, prefix="ev2"), "Which bridge?", max_tokens=1)
+    assert sync.wait_for(lambda _: sync.stats.own_clears == own + 1, timeout=30)
+    assert len(tree(fresh)) > 0
+    # A reset by another client: only its event, published with the next step, clears us.
+    sync.clear_recent()
+    assert httpx.post(f"{vllm_server}/reset_prefix_cache", timeout=60).json()["success"]
+    ids = list(fresh.assembler.tokenizer.encode(TOPICS[2]))
+    fresh.generate_tokens(ids, max_tokens=1)  # raw tokens: steps the server, commits nothing
+    assert sync.wait_for(lambda evs: any(isinstance(e, AllCleared) for e in evs), timeout=30)
+    assert len(tree(fresh)) == 0 and sync.stats.own_clears == own + 1
 
 
 def test_bad_input_is_refused_with_exact_types(fresh: CraftEngine, vllm_server: str) -> None:

@@ -266,6 +266,11 @@ def test_reset_prefix_cache(served: tuple[CraftEngine, FakeServer], model_dir: P
     engine.generate_tokens(ids, max_tokens=1)
     assert engine.reset_prefix_cache()
     assert engine.generate_tokens(ids, max_tokens=1).report.cached_tokens == 0
+    engine.generate_tokens(ids, max_tokens=1)
+    fake.reset_success = False  # vLLM's {"success": false}: nothing was reset
+    assert not engine.reset_prefix_cache()
+    assert engine.generate_tokens(ids, max_tokens=1).report.cached_tokens > 0
+    fake.reset_success = True
     fake.reset_endpoint = False
     with pytest.raises(RuntimeError, match="craft-rag serve --dev"):
         engine.reset_prefix_cache()

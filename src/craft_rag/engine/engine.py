@@ -267,11 +267,19 @@ class CraftEngine(RequestForms):
     def reset_prefix_cache(self) -> bool:
         """Drop vLLM's whole prefix cache (every salt) and empty every CP-Tree. False (nothing
         changed) if running requests hold blocks."""
-        done = self._driver.exclusive(self._backend.reset_prefix_cache)
+        # vLLM publishes AllBlocksCleared only with its next step's batch, which can reach the
+        # sync after that step's request committed (no event barrier over a server): announce
+        # it first so it is not applied then, and clear now so the next plan sees the empty
+        # cache (kv_events module doc, "Our own resets").
+        if self.kv_events is not None:
+            self.kv_events.expect_clear()
+        done = False
+        try:
+            done = self._driver.exclusive(self._backend.reset_prefix_cache)
+        finally:
+            if not done and self.kv_events is not None:
+                self.kv_events.cancel_clear()
         if done:
-            # vLLM publishes AllBlocksCleared only at its next step; clear now so the next
-            # plan sees the empty cache. The event, applied before the next commit (event
-            # barrier), clears an already-empty tree.
             self._namespaces.on_all_blocks_cleared()
         return done
 

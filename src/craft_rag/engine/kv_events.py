@@ -28,6 +28,14 @@ the next commit that matches it sees fewer cached chunks than predicted and remo
 restarted: its cache is empty) resyncs by clearing: ``on_all_blocks_cleared`` before the batch
 is applied, counted in :attr:`KVEventStats.gaps` / :attr:`KVEventStats.restarts`.
 
+Our own resets: vLLM queues ``AllBlocksCleared`` at ``reset_prefix_cache`` but publishes it only
+with its *next* step's batch, i.e. with the first request after the reset. The engine empties the
+planners itself at reset time and calls :meth:`KVEventSync.expect_clear`; without that, the late
+event could land after that first request's commit (over a server there is no event barrier:
+the HTTP answer and the ZMQ batch race) and wipe what it committed. An expected clear is counted
+in :attr:`KVEventStats.own_clears` and not forwarded; a gap or restart forgets expectations (a
+lost batch may have held the event; clearing again is the safe side).
+
 Over a vLLM server (:mod:`craft_rag.engine.server_backend`) the endpoint is ``tcp://HOST:PORT``
 (the server's publisher binds ``tcp://*:PORT``; ZMQ reconnects by itself after a restart) and
 hashes are 64-bit ints; with :meth:`KVEventSync.set_hasher` the sync also checks that the first
@@ -263,6 +271,7 @@ class KVEventStats:
     hash_mismatches: int = 0
     undecodable: int = 0
     barrier_timeouts: int = 0
+    own_clears: int = 0
     last_seq: int = -1
     last_event_time: float = 0.0
 
@@ -301,6 +310,7 @@ class KVEventSync:
         self._clock = clock
         self._recent = _Recent()
         self._hasher: BlockHasher | None = None
+        self._expected_clears = 0  # AllCleared events of resets the listener already applied
         self._cond = threading.Condition()
         self._ctx = zmq.Context()
         self._sock = self._ctx.socket(zmq.SUB)
@@ -320,6 +330,25 @@ class KVEventSync:
         """Route future evictions to ``listener`` (e.g. a new planner)."""
         with self._cond:
             self._listener = listener
+
+    def expect_clear(self) -> None:
+        """Announce a reset whose clear the listener already applied (or will apply now): the
+        next ``AllCleared`` event is that reset's and is not forwarded (module doc). Call it
+        *before* sending the reset; :meth:`cancel_clear` if the reset did not happen."""
+        with self._cond:
+            self._expected_clears += 1
+
+    def cancel_clear(self) -> None:
+        """Withdraw one :meth:`expect_clear` (the reset failed: no event will come)."""
+        with self._cond:
+            self._expected_clears = max(0, self._expected_clears - 1)
+
+    def _own_clear(self) -> bool:
+        with self._cond:
+            if self._expected_clears == 0:
+                return False
+            self._expected_clears -= 1
+            return True
 
     def _run(self) -> None:
         import zmq
@@ -361,6 +390,8 @@ class KVEventSync:
                 stats.restarts += 1
             else:
                 stats.gaps += 1
+            with self._cond:
+                self._expected_clears = 0
             if listener is not None:
                 listener.on_all_blocks_cleared()
         for event in events:
@@ -374,7 +405,9 @@ class KVEventSync:
                     stats.nodes_removed += listener.on_blocks_removed(event.hashes)
             else:
                 stats.clears += 1
-                if listener is not None:
+                if self._own_clear():
+                    stats.own_clears += 1  # already applied at reset time (module doc)
+                elif listener is not None:
                     listener.on_all_blocks_cleared()
         # Advance the sequence only once the batch is applied: wait_through relies on it.
         with self._cond:

@@ -344,13 +344,15 @@ class ServerBackend:
 
     def reset_prefix_cache(self) -> bool:
         """``POST /reset_prefix_cache`` (a dev-mode endpoint: ``craft-rag serve --dev`` or
-        ``VLLM_SERVER_DEV_MODE=1``). ``RuntimeError`` naming that fix when it is missing."""
+        ``VLLM_SERVER_DEV_MODE=1``). ``RuntimeError`` naming that fix when it is missing.
+        False when the server answers ``{"success": false}`` (running requests hold blocks:
+        nothing was reset); an answer without that field counts as success."""
 
         def call() -> Any:
             return self._checked(self._client.post("/reset_prefix_cache"), "reset")
 
         try:
-            self._retrying("POST /reset_prefix_cache", call)
+            response = self._retrying("POST /reset_prefix_cache", call)
         except ServerRejected as exc:
             msg = (
                 f"the server at {self.settings.base_url} has no /reset_prefix_cache; start it "
@@ -358,7 +360,11 @@ class ServerBackend:
                 "cache_salt for a cold cache"
             )
             raise RuntimeError(msg) from exc
-        return True
+        try:
+            answer = response.json()
+        except ValueError:  # an empty or non-JSON body: older servers answered 200 alone
+            return True
+        return not (isinstance(answer, dict) and answer.get("success") is False)
 
     def published_batches(self) -> int | None:
         """Not countable over the network: the engine's event barrier is skipped."""
