@@ -105,10 +105,14 @@ def test_conversation_check_refuses_a_stale_turn_and_adds_nothing(
 def test_conversation_record_expires_after_its_ttl(make_store: StoreFactory) -> None:
     store = make_store()
     store.attach("ns", FP)
-    store.append("ns", "1", since=0, conversation="chat", not_after=0, ttl_s=0.2)
+    # The conflicting append must land inside the TTL: 1 s, not 0.2 s, so one scheduler stall
+    # on a loaded 2-core CI machine cannot expire the record before it (a flaky pass/fail).
+    ttl = 1.0
+    store.append("ns", "1", since=0, conversation="chat", not_after=0, ttl_s=ttl)
+    written = time.monotonic()  # the record expires at most ttl after this
     with pytest.raises(ConversationConflict):
-        store.append("ns", "2", since=1, conversation="chat", not_after=0, ttl_s=0.2)
-    time.sleep(0.35)
+        store.append("ns", "2", since=1, conversation="chat", not_after=0, ttl_s=ttl)
+    time.sleep(max(0.0, written + ttl + 0.15 - time.monotonic()))
     assert store.append("ns", "2", since=1, conversation="chat", not_after=0).head == 2
 
 
