@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import random
 import threading
+import time
 from collections.abc import AsyncIterator, Callable, Sequence
 
 import pytest
@@ -333,10 +334,11 @@ def test_one_turn_in_flight_per_conversation(make_fake_engine: Factory) -> None:
     worker = threading.Thread(target=lambda: list(stream))
     worker.start()
     try:
-        for _ in range(100):
-            if engine._driver.in_flight():
-                break
+        # The worker thread may start late on a loaded machine: wait for it (10 s, not 1 s).
+        deadline = time.monotonic() + 10
+        while not engine._driver.in_flight() and time.monotonic() < deadline:
             threading.Event().wait(0.01)
+        assert engine._driver.in_flight()
         with pytest.raises(RuntimeError, match="in flight"):
             engine.generate([], "next?", conversation_id="busy")
     finally:
