@@ -16,7 +16,8 @@ if TYPE_CHECKING:
 
 def rows(ttfts: list[float], f1: float) -> list[dict[str, Any]]:
     return [
-        {"turn": i + 1, "ttft_ms": t, "computed_tokens": 10 * (i + 1), "prompt_tokens": 100,
+        {"turn": i + 1, "ttft_ms": t, "ttft_cpu_ms": 2 * t, "computed_tokens": 10 * (i + 1),
+         "prompt_tokens": 100,
          "f1": f1, "minilm_cosine": f1, "requests": 1}
         for i, t in enumerate(ttfts)
     ]
@@ -35,10 +36,12 @@ def test_summary_compares_craft_with_the_fastest_baseline_on_turns_after_the_fir
     assert craft["mean_ttft_ms_turn1"] == pytest.approx(900.0)
     assert craft["p99_ttft_ms"] == pytest.approx(110.0)
     assert craft["mean_computed_tokens"] == pytest.approx(30.0)
+    assert craft["mean_ttft_cpu_ms"] == pytest.approx(200.0)
     vs = out["vs_best"]
     assert vs["best_baseline"] == "lc_history"
     assert vs["speedup_mean_ttft_turns_ge2"] == pytest.approx(2.0)
     assert vs["target_1_3x_met"] is True
+    assert vs["speedup_mean_ttft_cpu_turns_ge2"] == pytest.approx(2.0)
     assert vs["ttft_paired"]["n"] == 3 and vs["ttft_paired"]["mean_diff_ms"] == pytest.approx(100)
     quality = vs["quality_paired_craft_minus_baseline"]
     assert quality["lc_history:f1"]["mean_diff"] == pytest.approx(0.1)
