@@ -30,6 +30,7 @@ from dataclasses import replace
 from pathlib import Path
 
 import craft_rag.ordering as O
+from craft_rag.files import write_atomic
 from craft_rag.metrics import prefix_overlap
 from craft_rag.planner import CraftPlanner, PlannerConfig
 from craft_rag.replay import replay
@@ -55,7 +56,7 @@ def peer_orders(
     out = {name: [[c.key for c in o] for o in run_peer(name, [r.chunks for r in trace])]
            for name in PEERS}
     cache_dir.mkdir(parents=True, exist_ok=True)
-    cache.write_text(json.dumps(out))
+    write_atomic(cache, json.dumps(out))
     return out
 
 
