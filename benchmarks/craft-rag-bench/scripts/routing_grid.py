@@ -10,8 +10,10 @@ stdout) through ``craft_rag.files.write_atomic``.
 
 ``--replica-test`` instead predicts the real two-replica test
 (``tests/test_routing_replicas.py``): its 60 requests one at a time (each finished before the
-next is routed) through 2 simulated replicas of ``REPLICA_TEST_KV_TOKENS``; prints each
+next is routed) through 2 simulated replicas of ``REPLICA_TEST_KV_MIB`` of KV each; prints each
 policy's cached tokens and the ratios the test asserts (seconds; no engine).
+``--replica-sweep`` runs the same prediction over KV sizes (``--sizes``, MiB) and trace lengths
+(``--lengths``): the table behind the test's KV size in docs/routing.md (~10 s).
 """
 
 from __future__ import annotations
@@ -31,39 +33,94 @@ from craft_rag_bench.bench.context import BenchContext
 
 REPLICAS = (2, 8, 32, 128)
 REPLICA_TEST_REQUESTS = 60
-REPLICA_TEST_KV_TOKENS = 4320
-"""The real test's servers: 96 MiB of SmolLM2-135M KV (30 layers x 3 KV heads x 64 dims x 2
-(K, V) x 2 bytes = 23,040 bytes a token) = 136 blocks of 32, one of them vLLM's null block:
-135 usable blocks. This reproduces the real run's cached tokens exactly for round_robin,
-least_loaded and prefix_fixed_order and within 64 tokens for craft_joint (KV events reach
-the real router asynchronously)."""
+REPLICA_TEST_KV_MIB = 48
+"""The real test's ``KV_BYTES`` (keep the two equal): 48 MiB per server."""
+KV_BYTES_PER_TOKEN = 23_040
+"""SmolLM2-135M: 30 layers x 3 KV heads x 64 dims x 2 (K, V) x 2 bytes."""
+SWEEP_SIZES_MIB = (46, 48, 50, 52, 56, 64, 72, 80, 96, 112, 128)
+SWEEP_LENGTHS = (60, 100, 150)
 
 
-def replica_test_prediction(ctx: BenchContext) -> dict[str, Any]:
+def kv_tokens(kv_bytes: int, block_size: int = 32) -> int:
+    """Usable prefix-cache tokens of a vLLM server given ``kv_bytes`` of KV: whole blocks of
+    ``block_size`` tokens, less vLLM's null block. 96 MiB -> 136 blocks -> 4,320 tokens, which
+    reproduced the real run of 2026-11-24 01:00 UTC exactly for round_robin, least_loaded and
+    prefix_fixed_order and within 64 tokens for craft_joint (KV events reach the real router
+    asynchronously); 48 MiB -> 68 blocks -> 2,144 tokens."""
+    return (kv_bytes // (KV_BYTES_PER_TOKEN * block_size) - 1) * block_size
+
+
+REPLICA_TEST_KV_TOKENS = kv_tokens(REPLICA_TEST_KV_MIB << 20)
+
+
+def replica_test_prediction(
+    ctx: BenchContext,
+    *,
+    requests: int = REPLICA_TEST_REQUESTS,
+    kv_tokens_per_replica: int = REPLICA_TEST_KV_TOKENS,
+    trace: list[Any] | None = None,
+) -> dict[str, Any]:
     """Cached tokens per policy of the real two-replica test, simulated: its trace, order and
     KV size; sequential (a negligible offered load: every request finishes before the next
-    arrives, so the load term is 0 as in the real test)."""
+    arrives, so the load term is 0 as in the real test). ``mean_ttft_ms``: through the
+    quiet-machine prefill model (``DEFAULT_TTFT_MODEL``). ``trace``: the full lexical trace, if
+    built already (its first ``requests`` are used)."""
     from craft_rag.routing.queueing import DEFAULT_TTFT_MODEL
 
-    trace = bench.lexical_trace(("squad", "hotpotqa"), requests=REPLICA_TEST_REQUESTS,
-                                seed=ctx.seed)
-    prepared = prepare_trace(trace, ctx.tokenizer(), ctx.prompt_format())
+    if trace is None:
+        trace = bench.lexical_trace(("squad", "hotpotqa"), requests=requests, seed=ctx.seed)
+    prepared = prepare_trace(trace[:requests], ctx.tokenizer(), ctx.prompt_format())
     prompt = sum(prepared.prompt_tokens)
     rows: dict[str, Any] = {}
     for policy in bench.POLICIES:
         result = simulate(prepared, SimConfig(
-            replicas=2, policy=policy, capacity_tokens=REPLICA_TEST_KV_TOKENS,
+            replicas=2, policy=policy, capacity_tokens=kv_tokens_per_replica,
             block_size=ctx.block_size, load=1e-6, seed=ctx.seed, ttft_model=DEFAULT_TTFT_MODEL,
         ))
+        row = result.row()
         rows[policy] = {"cached_tokens": round(result.cached_token_fraction * prompt),
+                        "mean_ttft_ms": row["mean_ttft_ms"],
                         "requests_per_replica": list(result.requests_per_replica)}
     joint, rr = rows["craft_joint"]["cached_tokens"], rows["round_robin"]["cached_tokens"]
     fixed = rows["prefix_fixed_order"]["cached_tokens"]
-    return {"requests": len(trace), "kv_tokens_per_replica": REPLICA_TEST_KV_TOKENS,
+    return {"requests": len(prepared.requests), "kv_tokens_per_replica": kv_tokens_per_replica,
             "prompt_tokens": prompt, "policies": rows,
             "craft_joint_vs_round_robin": round(joint / rr, 3) if rr else None,
             "craft_joint_vs_prefix_fixed_order": round(joint / fixed, 3) if fixed else None,
             "target_1_3x_met": joint >= 1.3 * rr, "more_than_fixed": joint > fixed}
+
+
+def replica_sweep(
+    ctx: BenchContext, sizes_mib: tuple[int, ...], lengths: tuple[int, ...]
+) -> list[dict[str, Any]]:
+    """:func:`replica_test_prediction` for every KV size (MiB per server) and trace length:
+    one row each with the cached tokens per policy and the two ratios the test asserts."""
+    trace = bench.lexical_trace(("squad", "hotpotqa"), requests=max(lengths), seed=ctx.seed)
+    out: list[dict[str, Any]] = []
+    for n in lengths:
+        for mib in sizes_mib:
+            p = replica_test_prediction(ctx, requests=n, trace=trace,
+                                        kv_tokens_per_replica=kv_tokens(mib << 20))
+            out.append({"requests": n, "kv_mib": mib,
+                        "kv_tokens_per_replica": p["kv_tokens_per_replica"],
+                        "cached_tokens": {k: v["cached_tokens"] for k, v in p["policies"].items()},
+                        "mean_ttft_ms": {k: v["mean_ttft_ms"] for k, v in p["policies"].items()},
+                        "craft_joint_vs_round_robin": p["craft_joint_vs_round_robin"],
+                        "craft_joint_vs_prefix_fixed_order":
+                            p["craft_joint_vs_prefix_fixed_order"]})
+    return out
+
+
+def _ints(text: str) -> tuple[int, ...]:
+    try:
+        values = tuple(int(x) for x in text.split(",") if x.strip())
+    except ValueError:
+        msg = f"expected comma-separated integers, got {text!r}"
+        raise argparse.ArgumentTypeError(msg) from None
+    if not values or min(values) < 1:
+        msg = f"expected positive integers, got {text!r}"
+        raise argparse.ArgumentTypeError(msg)
+    return values
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -73,14 +130,23 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--latency-only", action="store_true")
     parser.add_argument("--replica-test", action="store_true",
                         help="predict the real two-replica test's cached tokens (seconds)")
+    parser.add_argument("--replica-sweep", action="store_true",
+                        help="the --replica-test prediction over --sizes x --lengths")
+    parser.add_argument("--sizes", type=_ints, default=SWEEP_SIZES_MIB,
+                        help="KV MiB per server for --replica-sweep (comma-separated)")
+    parser.add_argument("--lengths", type=_ints, default=SWEEP_LENGTHS,
+                        help="trace lengths for --replica-sweep (comma-separated)")
     parser.add_argument("--out", type=Path, default=None)
     parser.add_argument("--write-results", action="store_true",
                         help="also replace the rows, latency and targets in --model's JSON "
                              "(its fitted model, points and machine kept; 'recomputed' added) "
                              "and redraw its PNG beside it")
     args = parser.parse_args(argv)
-    if args.replica_test:
-        text = json.dumps(replica_test_prediction(BenchContext(progress=False)), indent=1)
+    if args.replica_test or args.replica_sweep:
+        ctx = BenchContext(progress=False)
+        result: Any = (replica_sweep(ctx, args.sizes, args.lengths) if args.replica_sweep
+                       else replica_test_prediction(ctx))
+        text = json.dumps(result, indent=1)
         if args.out is None:
             sys.stdout.write(text + "\n")
         else:
