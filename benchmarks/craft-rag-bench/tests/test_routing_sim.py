@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from dataclasses import replace
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -207,3 +208,41 @@ def test_kv_events_keep_the_trees_true() -> None:
     assert abs(with_events.predicted_cached_fraction - with_events.cached_token_fraction) < 0.02
     assert without.predicted_cached_fraction - without.cached_token_fraction > 0.05
     assert with_events.cached_token_fraction > without.cached_token_fraction
+
+
+def _load_script(path: Path, name: str) -> Any:
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location(name, path)
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_replica_test_prediction_meets_the_real_target() -> None:
+    """The simulator's reproduction of the real two-replica test (its 60 requests, one at a
+    time, 2 servers of the test's KV size; `routing_grid.py --replica-test`) meets the target
+    the real test asserts: craft_joint caches >= 1.3x round_robin's tokens and more than
+    prefix_fixed_order's, within the balance bound. Runs without servers (~6 s), so a routing
+    change that loses the real target fails here first."""
+    from craft_rag.tokenizer import HFTokenizer
+
+    here = Path(__file__).resolve().parent
+    grid = _load_script(here.parent / "scripts" / "routing_grid.py", "routing_grid_script")
+    real = _load_script(here / "test_routing_replicas.py", "routing_replicas_test")
+    assert grid.REPLICA_TEST_KV_MIB << 20 == real.KV_BYTES
+    assert grid.REPLICA_TEST_REQUESTS == real.REQUESTS
+    assert grid.kv_tokens(96 << 20) == 4320  # the size that reproduced the real run exactly
+    ctx = BenchContext(progress=False)
+    if not isinstance(ctx.tokenizer(), HFTokenizer):
+        pytest.skip("the embedded model's tokenizer is not prepared (token counts differ)")
+    p = grid.replica_test_prediction(ctx)
+    cached = {name: row["cached_tokens"] for name, row in p["policies"].items()}
+    assert p["requests"] == real.REQUESTS and p["kv_tokens_per_replica"] == 2144
+    assert cached["craft_joint"] >= 1.3 * cached["round_robin"], cached
+    assert cached["craft_joint"] > cached["prefix_fixed_order"], cached
+    joint = p["policies"]["craft_joint"]
+    assert max(joint["requests_per_replica"]) <= 1.15 * real.REQUESTS / 2 + 2
+    assert joint["mean_ttft_ms"] < min(p["policies"]["round_robin"]["mean_ttft_ms"],
+                                       p["policies"]["prefix_fixed_order"]["mean_ttft_ms"])
