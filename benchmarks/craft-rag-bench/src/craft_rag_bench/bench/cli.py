@@ -113,6 +113,10 @@ def add_bench_parser(subparsers: Any) -> None:
                    help="cache-sizes: KV cache sizes, names computed from the trace's working set "
                    "(whole, medium, small) or block counts, e.g. whole,medium,small (default) "
                    "or 64,256,4096")
+    p.add_argument("--ttft-passes", type=int_range(1, 8), default=None,
+                   help="ttft: serve every system N times in mirrored order (A B .. B A), each "
+                   "pass from an empty cache, TTFT over all passes (default 1; 2 against load "
+                   "drift on a shared machine)")
     p.add_argument("--seed", type=seed_int, default=0)
     p.add_argument("--block-size", type=int_range(1, 1 << 16), default=32,
                    help="engine KV block size")
@@ -169,6 +173,8 @@ def run_bench(args: argparse.Namespace) -> int:
         cache_sizes = parse_cache_sizes(args.cache_sizes)
     if args.distinct is not None:
         ctx.with_sizes(overhead_distinct=args.distinct)
+    if getattr(args, "ttft_passes", None) is not None:
+        ctx.with_sizes(ttft_passes=args.ttft_passes)
     if replicas is not None:
         ctx.with_sizes(routing_replicas=replicas)
     if cache_sizes is not None:

@@ -52,6 +52,9 @@ class BenchSizes:
     ttft_requests: int = 48
     mtrag_turns: int = 16
     ttft_max_tokens: int = 4
+    ttft_passes: int = 1
+    """``ttft`` suite: serve every system this many times, in mirrored order (A B .. B A ..),
+    each pass from an empty cache; TTFT statistics are over every pass (``--ttft-passes``)."""
     load_requests: int = 16
     load_rates: tuple[float, ...] = (0.5, 1.0, 2.0, 4.0)
     topk_requests: int = 12

@@ -88,12 +88,34 @@ def _ttft(r: Mapping[str, Any]) -> list[str]:
                          "-", "-", "-", "-", "-",
                          f"{_f(bound['estimated_speedup_mean'], 2)}x",
                          _pct(bound["cached_token_fraction"]), "-"])
+        passes = w.get("passes", 1)
         out += [f"**{workload}** ({w['requests']} requests, max_tokens {r['max_tokens']}, "
-                f"block {r['block_size']}):", "",
+                f"block {r['block_size']}"
+                + (f", {passes} passes in mirrored order" if passes > 1 else "") + "):", "",
                 *_table(["system", "mean ms", "p50 ms", "p99 ms", "norm. mean", "norm. p50",
                          "norm. p99", "speed-up (mean)", "cached tokens", "dedup removed"],
-                        rows), ""]
+                        rows), "", *_ttft_pairs(w)]
     return out
+
+
+def _ttft_pairs(w: Mapping[str, Any]) -> list[str]:
+    """``craft_tree`` against every other system, request by request (absent in old JSON)."""
+    pairs = w.get("tree_vs") or {}
+    if not pairs:
+        return []
+    rows = [
+        [f"craft_tree vs {other}", _f(p["mean_ttft_diff_ms"]), _f(p["fit_ttft_diff_ms"]),
+         _f(p["unexplained_ms"]), str(p["requests_fewer_computed"]),
+         str(p["requests_more_computed"]),
+         ", ".join(f"#{g['request']} {_f(g['ttft_diff_ms'])} ms / {g['computed_tokens_diff']:+.0f}"
+                   for g in p["largest_gaps"])]
+        for other, p in pairs.items()
+    ]
+    return ["Paired by request (TTFT differences in ms per request, tree minus the other; "
+            "'by tokens' is what the fit TTFT = a + b x computed tokens predicts from the "
+            "computed-token difference):", "",
+            *_table(["pair", "mean diff", "by tokens", "unexplained", "tree computes fewer",
+                     "tree computes more", "largest gaps (ms / computed tokens)"], rows), ""]
 
 
 def _kv(r: Mapping[str, Any]) -> list[str]:

@@ -118,21 +118,36 @@ def served(
 ) -> list[GenerationResult]:
     """The results of ``system_name`` on the first ``requests`` requests of ``workload``,
     served once per process (the ttft, kv and quality suites share runs)."""
-    system = SYSTEMS[system_name]
     key = (workload, str(requests), str(top_k), system_name, str(max_tokens))
 
     def run() -> list[GenerationResult]:
-        trace = ctx.trace(workload, requests, top_k)
-        demo_system = _DEMO_SYSTEMS.get(system_name)
-        if demo_system is not None:
-            # The side-by-side systems go through the demo's own loop (one definition).
-            return run_system(
-                ctx.get_engine(), demo_system, trace, max_tokens=max_tokens,
-                progress=ctx.progress,
-            )
-        return serve(
-            ctx.get_engine(), system, trace, max_tokens=max_tokens,
-            desc=f"{workload}/{system_name}", ctx=ctx,
-        )
+        return serve_fresh(ctx, workload, requests, system_name, max_tokens=max_tokens,
+                           top_k=top_k)
 
     return ctx.cached_run(key, run)
+
+
+def serve_fresh(
+    ctx: BenchContext,
+    workload: str,
+    requests: int,
+    system_name: str,
+    *,
+    max_tokens: int,
+    top_k: int | None = None,
+) -> list[GenerationResult]:
+    """Serve ``system_name`` on the first ``requests`` requests of ``workload`` now (from an
+    empty cache, after a warm-up), not cached in ``ctx``: :func:`served` without the sharing
+    (the ``ttft`` suite's later passes)."""
+    system = SYSTEMS[system_name]
+    trace = ctx.trace(workload, requests, top_k)
+    demo_system = _DEMO_SYSTEMS.get(system_name)
+    if demo_system is not None:
+        # The side-by-side systems go through the demo's own loop (one definition).
+        return run_system(
+            ctx.get_engine(), demo_system, trace, max_tokens=max_tokens, progress=ctx.progress,
+        )
+    return serve(
+        ctx.get_engine(), system, trace, max_tokens=max_tokens,
+        desc=f"{workload}/{system_name}", ctx=ctx,
+    )
