@@ -68,10 +68,13 @@ def _by_frequency_then_rank(chunks: Sequence[Chunk], table: ChunkAccessTable) ->
     # follow-up question keeps its top-ranked chunks far more often than its tail, so rank
     # order puts the chunks most likely to recur first (measured on HotpotQA: +1.1 points of
     # Prefix overlap over ties by key; docs/benchmarks.md).
-    if len(chunks) < 2:
+    n = len(chunks)
+    if n < 2:
         return list(chunks)
-    negated = [-n for n in table.counts([c.key for c in chunks])]
-    rank = sorted(range(len(chunks)), key=negated.__getitem__)  # stable: rank among ties
+    get = table._counts.get  # chunk keys are strings (checked when each Chunk was built)
+    counts = [get(c.key, 0) for c in chunks]
+    # Descending count; ``reverse`` keeps equal counts in their original (rank) order.
+    rank = sorted(range(n), key=counts.__getitem__, reverse=True)
     return [chunks[i] for i in rank]
 
 
@@ -90,15 +93,22 @@ class TreeOrder:
     name = "tree"
 
     def order(self, chunks: Sequence[Chunk], context: OrderingContext) -> list[Chunk]:
-        if not isinstance(chunks, Sequence):  # a one-shot iterable: read it once
-            chunks = list(chunks)
+        if type(chunks) is not list and not isinstance(chunks, Sequence):
+            chunks = list(chunks)  # a one-shot iterable: read it once
         by_key = {c.key: c for c in chunks}
-        path = context.prefix_tree.match_subset(by_key).keys
+        path = context.prefix_tree._subset_path(by_key)
         if not path:
             return _by_frequency_then_rank(chunks, context.access_table)
-        head = [by_key[k] for k in path]
-        chosen = set(path)
-        rest = [c for c in chunks if c.key not in chosen]
+        if len(by_key) == len(chunks):  # distinct keys (as plan() passes them)
+            pop = by_key.pop
+            head = [pop(node.key) for node in path]  # type: ignore[arg-type]  # never root
+            if not by_key:
+                return head
+            rest = list(by_key.values())  # the others, in input (rank) order
+        else:
+            head = [by_key[node.key] for node in path]  # type: ignore[index]  # never root
+            chosen = {node.key for node in path}
+            rest = [c for c in chunks if c.key not in chosen]
         return head + _by_frequency_then_rank(rest, context.access_table)
 
 

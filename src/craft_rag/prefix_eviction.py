@@ -1,14 +1,24 @@
-"""The CP-Tree's LRU-leaf eviction (:meth:`ChunkPrefixTree._evict_over_bound`) and its heap.
+"""The CP-Tree's LRU-leaf eviction (:meth:`ChunkPrefixTree._evict_over_bound`) and its queue.
 
-Leaves sit in a lazy min-heap keyed by ``(last_access, stamp)``; a leaf re-pushed, grown or
-removed leaves a stale entry behind, skipped when popped, and the heap is rebuilt from the
-leaves when stale entries outnumber live ones 4 to 1. Stamps are unique (push order), so the
-pop order is fully determined by the keys, not by the heap's layout. Owner: the tree.
+Leaves wait in a lazy priority queue keyed by ``(last_access, stamp)``: a leaf re-pushed, grown
+or removed leaves a stale entry behind, skipped when popped, and the queue is rebuilt from the
+leaves when entries outnumber live leaves 4 to 1. Stamps are unique (push order), so the pop
+order is fully determined by the keys, not by the queue's layout.
+
+The queue is two parts (issue 16's planner cost): ``_leaf_fifo``, a deque of entries in
+increasing key order, and ``_leaf_heap``, a min-heap of the entries that arrived out of order.
+Almost every push is a leaf just touched or inserted (key ``(now, fresh stamp)``, the largest
+yet with a monotonic clock): an O(1) append. A parent left childless keeps its older access
+time and a clock may step back: those go to the heap. Popping takes the smaller of the two
+heads, O(1) when the heap is empty, instead of an O(log n) sift through a heap of every leaf
+(65,536 at the default bound, scattered in memory). The entries and keys are exactly those one
+heap would hold, so every pop, hence every eviction, is the same. Owner: the tree.
 """
 
 from __future__ import annotations
 
 import heapq
+from collections import deque
 from typing import TYPE_CHECKING
 
 from craft_rag.prefix_nodes import PrefixNode, drop_child
@@ -16,10 +26,33 @@ from craft_rag.prefix_nodes import PrefixNode, drop_child
 if TYPE_CHECKING:
     from craft_rag.prefix_tree import ChunkPrefixTree
 
+Entry = tuple[float, int, PrefixNode]
+"""A leaf-queue entry: ``(last_access, stamp, node)``; live while ``node.heap_stamp == stamp``."""
+
+
+def push_entry(fifo: deque[Entry], heap: list[Entry], entry: Entry) -> None:
+    """Queue ``entry``: appended to ``fifo`` if it sorts after its last entry, else into
+    ``heap``. O(1), or O(log heap) out of order."""
+    if not fifo or fifo[-1] < entry:
+        fifo.append(entry)
+    else:
+        heapq.heappush(heap, entry)
+
+
+def pop_entry(fifo: deque[Entry], heap: list[Entry]) -> Entry | None:
+    """The queue's smallest entry, removed (None when empty). O(1) from ``fifo``, else
+    O(log heap)."""
+    if fifo:
+        if heap and heap[0] < fifo[0]:
+            return heapq.heappop(heap)
+        return fifo.popleft()
+    return heapq.heappop(heap) if heap else None
+
 
 def rebuild_heap(tree: ChunkPrefixTree) -> None:
-    """The leaf heap from the leaves alone (drops stale entries). O(size)."""
-    heap: list[tuple[float, int, PrefixNode]] = []
+    """The leaf queue from the leaves alone (drops stale entries), all in ``fifo``, sorted.
+    O(size log size); runs after >= 3 pushes per live leaf."""
+    entries: list[Entry] = []
     stack = list(tree.root.children.values())
     while stack:
         cur = stack.pop()
@@ -31,30 +64,41 @@ def rebuild_heap(tree: ChunkPrefixTree) -> None:
             if cur.heap_stamp < 0:
                 cur.heap_stamp = tree._next_stamp
                 tree._next_stamp += 1
-            heap.append((cur.last_access, cur.heap_stamp, cur))
-    heapq.heapify(heap)
-    tree._leaf_heap = heap
+            entries.append((cur.last_access, cur.heap_stamp, cur))
+    entries.sort()
+    tree._leaf_heap.clear()
+    fifo = tree._leaf_fifo
+    fifo.clear()
+    fifo.extend(entries)
 
 
 def evict_over_bound(tree: ChunkPrefixTree, protect: PrefixNode | None) -> None:
     """Evict least recently accessed leaves (by ``(last_access, stamp)``) until the bound
     holds, never ``protect`` (the path just inserted) unless nothing else is left. A leaf's
-    parent left childless becomes a leaf: its heap entry is stamped at once (same stamps as
-    pushing it) and goes in with the next pop (``heappushpop``: one sift, and none when it
-    is itself the oldest, as along an evicted chain). Entries have distinct keys, so the
-    pop order, hence every eviction, is that of push-then-pop."""
+    parent left childless becomes a leaf: its entry is stamped at once (same stamps as
+    pushing it) and is the next one popped when nothing queued is older (as along an evicted
+    chain), else it is queued. Entries have distinct keys, so the pop order, hence every
+    eviction, is that of one heap holding every entry."""
     if tree._size <= tree.max_nodes:
         return
-    heap = tree._leaf_heap
+    fifo, heap = tree._leaf_fifo, tree._leaf_heap
     root, by_block = tree.root, tree._by_block
-    skipped: list[tuple[float, int, PrefixNode]] = []
-    pending: tuple[float, int, PrefixNode] | None = None
+    heappop = heapq.heappop
+    skipped: list[Entry] = []
+    pending: Entry | None = None
     while tree._size > tree.max_nodes:
         if pending is not None:
-            entry = heapq.heappushpop(heap, pending)
+            entry = pending
             pending = None
+            if (fifo and fifo[0] < entry) or (heap and heap[0] < entry):
+                older = pop_entry(fifo, heap)  # not None: an entry older than ``entry``
+                push_entry(fifo, heap, entry)
+                assert older is not None
+                entry = older
+        elif fifo:
+            entry = heappop(heap) if heap and heap[0] < fifo[0] else fifo.popleft()
         elif heap:
-            entry = heapq.heappop(heap)
+            entry = heappop(heap)
         else:
             break
         _, stamp, node = entry
@@ -79,10 +123,10 @@ def evict_over_bound(tree: ChunkPrefixTree, protect: PrefixNode | None) -> None:
             parent.heap_stamp = stamp
             pending = (parent.last_access, stamp, parent)
     if pending is not None:
-        heapq.heappush(heap, pending)
+        push_entry(fifo, heap, pending)
     for entry in skipped:
-        heapq.heappush(heap, entry)
-    if len(heap) > 4 * tree._size + 64:
+        push_entry(fifo, heap, entry)
+    if len(fifo) + len(heap) > 4 * tree._size + 64:
         rebuild_heap(tree)
     # Only the path just inserted is left above the bound: trim it from its leaf end.
     while tree._size > tree.max_nodes and protect is not None and protect.alive:

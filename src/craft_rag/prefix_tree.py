@@ -8,12 +8,12 @@ A sub-prefix of a cached path is reusable too ("prefix slicing"): matching just 
 
 from __future__ import annotations
 
-import heapq
 import time
+from collections import deque
 from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
-from craft_rag.prefix_eviction import evict_over_bound, rebuild_heap
+from craft_rag.prefix_eviction import Entry, evict_over_bound, push_entry, rebuild_heap
 from craft_rag.prefix_nodes import (
     NO_CHILDREN,
     KVLocation,
@@ -49,7 +49,8 @@ class ChunkPrefixTree:
     length; ``len(self)`` counts live non-root nodes and is <= ``max_nodes``; the block index maps
     exactly the block hashes held by live nodes; a child's span starts where its parent's ends
     when both are known. When the bound is exceeded the least recently accessed *leaf* is evicted
-    first (a lazy min-heap keyed by ``last_access``), so inner nodes of hot paths survive.
+    first (a lazy priority queue keyed by ``(last_access, stamp)``, see
+:mod:`craft_rag.prefix_eviction`), so inner nodes of hot paths survive.
     Time comes from the injected ``clock``.
     """
 
@@ -67,8 +68,10 @@ class ChunkPrefixTree:
         self.root = PrefixNode(key=None, parent=None, depth=0)
         self._size = 0
         self._by_block: dict[BlockHash, PrefixNode] = {}
-        self._leaf_heap: list[tuple[float, int, PrefixNode]] = []
-        self._next_stamp = 0  # push order of leaf-heap entries; persisted with the tree
+        # The leaf queue (prefix_eviction.py): entries in key order, and the out-of-order ones.
+        self._leaf_fifo: deque[Entry] = deque()
+        self._leaf_heap: list[Entry] = []
+        self._next_stamp = 0  # push order of leaf-queue entries; persisted with the tree
         self.evictions = 0
 
     def __len__(self) -> int:
@@ -105,42 +108,52 @@ class ChunkPrefixTree:
         except TypeError:
             msg = "keys: must be an iterable of chunk keys (strings)"
             raise ValueError(msg) from None
-        best_node = self.root
-        best_depth, best_time = 0, float("-inf")
+        return PrefixMatch(tuple(self._subset_path(wanted)))
+
+    def _subset_path(
+        self, wanted: set[ChunkKey] | frozenset[ChunkKey] | dict[ChunkKey, Any]
+    ) -> list[PrefixNode]:
+        """:meth:`match_subset` for a set (or a dict keyed by chunk key): the path's nodes,
+        root side first ([] for none). Breadth first, one level per chunk of the path: the
+        best node is the best (latest access, then smaller path) of the deepest level that
+        has a node, so only that level is compared. Same nodes visited as depth first."""
         # A path never repeats a key (insert() refuses that), so no visited-set is needed.
         wanted_keys = wanted.keys() if isinstance(wanted, dict) else wanted
-        # The best node is the maximum of a total order (depth, last access, smaller path), so
-        # the order candidates are visited in does not change it. Only inner nodes are stacked.
-        stack = [self.root]
-        pop, push = stack.pop, stack.append
-        while stack:
-            children = pop().children
-            if type(children) is OneChild:  # a chain link: one membership test, no set
-                only = children.child
-                if only.key not in wanted_keys:
+        level: list[PrefixNode] = [self.root]
+        while True:
+            below: list[PrefixNode] = []
+            for node in level:
+                children = node.children
+                if children is NO_CHILDREN:
                     continue
-                found: Iterable[PrefixNode] = (only,)
-            else:
-                found = map(children.__getitem__, children.keys() & wanted_keys)  # C-level
-            for child in found:
-                depth, seen = child.depth, child.last_access
-                if depth > best_depth or (
-                    depth == best_depth
-                    and (
-                        seen > best_time or (seen == best_time and child.path() < best_node.path())
-                    )
+                if type(children) is OneChild:  # a chain link: one membership test, no set
+                    only = children.child
+                    if only.key in wanted_keys:
+                        below.append(only)
+                else:
+                    below.extend(map(children.__getitem__, children.keys() & wanted_keys))
+            if not below:
+                break
+            level = below
+        best = level[0]
+        if best is self.root:
+            return []
+        if len(level) > 1:
+            best_time = best.last_access
+            for node in level:
+                seen = node.last_access
+                if seen > best_time or (
+                    seen == best_time and node is not best and node.path() < best.path()
                 ):
-                    best_node, best_depth, best_time = child, depth, seen
-                if child.children:
-                    push(child)
-        if best_node is self.root:
-            return PrefixMatch(())
+                    best, best_time = node, seen
         path: list[PrefixNode] = []
-        cur: PrefixNode | None = best_node
-        while cur is not None and cur is not self.root:
+        cur: PrefixNode | None = best
+        root = self.root
+        while cur is not root and cur is not None:
             path.append(cur)
             cur = cur.parent
-        return PrefixMatch(tuple(reversed(path)))
+        path.reverse()
+        return path
 
     def _matched(self, keys: Sequence[ChunkKey]) -> list[PrefixNode]:
         """:meth:`match` for keys the caller already checked (the planner's commit): the matched
@@ -385,6 +398,7 @@ class ChunkPrefixTree:
         self.root.children = NO_CHILDREN
         self._size = 0
         self._by_block.clear()
+        self._leaf_fifo.clear()
         self._leaf_heap.clear()
 
     # ---- internals ----------------------------------------------------------------------------
@@ -414,11 +428,18 @@ class ChunkPrefixTree:
             by_block[h] = node
 
     def _push_leaf(self, node: PrefixNode) -> None:
+        """Queue ``node`` (a leaf) under a fresh stamp: an O(1) append when its access time
+        is no older than the newest entry's (a fresh stamp sorts after every other)."""
         stamp = self._next_stamp
-        self._next_stamp += 1
+        self._next_stamp = stamp + 1
         node.heap_stamp = stamp
-        heapq.heappush(self._leaf_heap, (node.last_access, stamp, node))
-        if len(self._leaf_heap) > 4 * self._size + 64:
+        seen = node.last_access
+        fifo = self._leaf_fifo
+        if fifo and not fifo[-1][0] <= seen:
+            push_entry(fifo, self._leaf_heap, (seen, stamp, node))
+        else:
+            fifo.append((seen, stamp, node))
+        if len(fifo) + len(self._leaf_heap) > 4 * self._size + 64:
             self._rebuild_heap()
 
     def _rebuild_heap(self) -> None:

@@ -5,6 +5,7 @@
 from __future__ import annotations
 
 from collections.abc import Sequence
+from itertools import pairwise
 from typing import TYPE_CHECKING
 
 from craft_rag.prefix_nodes import NO_CHILDREN, NodeMetadata, OneChild, PrefixNode
@@ -53,10 +54,13 @@ def check_tree(tree: ChunkPrefixTree) -> None:
     assert blocks.keys() == tree._by_block.keys()
     for h, node in tree._by_block.items():
         assert node.alive and h in node.block_hashes
-    # Every leaf has exactly one valid heap entry, keyed by its current last access.
+    # Every leaf has exactly one valid queue entry, keyed by its current last access; the
+    # queue's deque part is in key order.
+    fifo = tree._leaf_fifo
+    assert all(a < b for a, b in pairwise(fifo)), "leaf queue out of order"
     valid = {
         id(node): seen
-        for seen, stamp, node in tree._leaf_heap
+        for seen, stamp, node in (*fifo, *tree._leaf_heap)
         if node.alive and not node.children and node.heap_stamp == stamp
     }
     assert len(valid) == len(leaves), "a leaf is missing from the eviction heap"
