@@ -383,7 +383,8 @@ class CraftPlanner(KVFeedback, StateRecorder, SharedSync):
                 raise ValueError(msg)
             self._leases.finish(plan.plan_id)
             seen = pending.seen
-            removed_keys = tuple(c.key for c in plan.removed_duplicates)
+            removed = plan.removed_duplicates
+            removed_keys = tuple([c.key for c in removed]) if removed else ()
             applied: tuple[int, int, int] | None = None
             if self._shared is not None:
                 metadata = node_metadata(spans, hashes, len(keys))

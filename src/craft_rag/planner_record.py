@@ -18,7 +18,7 @@ from craft_rag.access_table import ChunkAccessTable
 from craft_rag.conversation import ConversationStore
 from craft_rag.plans import Hashes, PlannerConfig, Spans
 from craft_rag.prefix_tree import ChunkPrefixTree, KVLocation, NodeMetadata
-from craft_rag.promotion import PromotionInput, PromotionRule
+from craft_rag.promotion import PromotionInput, PromotionRule, ServedPromotion
 from craft_rag.types import ChunkKey, ConversationId
 
 _LOCAL = KVLocation()  # where a commit's KV lives when it names no location (frozen: shared)
@@ -115,8 +115,9 @@ class StateRecorder:
             del nodes[reused_chunks:]
             reused = reused_chunks
         tree._touch(nodes)
-        depth = self._promotion.promote(
-            PromotionInput(keys, reused, self.access_table, self.config.threshold)
-        )
+        rule = self._promotion
+        if type(rule) is ServedPromotion:  # the whole served order; no input object to build
+            return reused, stale, len(keys)
+        depth = rule.promote(PromotionInput(keys, reused, self.access_table, self.config.threshold))
         return reused, stale, depth
 

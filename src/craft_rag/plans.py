@@ -235,8 +235,10 @@ def commit_spans(
     if not made_here and len(set(plan.keys)) != k:
         msg = "plan: its ordered chunks repeat a key; commit the Plan that plan() returned"
         raise ValueError(msg)
-    if prefix_tokens is not None:
-        check_int(prefix_tokens, "prefix_tokens", minimum=0)
+    if prefix_tokens is not None and not (
+        type(prefix_tokens) is int and 0 <= prefix_tokens <= MAX_INT
+    ):
+        check_int(prefix_tokens, "prefix_tokens", minimum=0)  # int subclasses pass; else why
     counts: Sequence[int] | None = None
     if chunk_token_counts is not None:
         counts = materialise(chunk_token_counts, "chunk_token_counts")

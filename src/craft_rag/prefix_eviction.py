@@ -19,9 +19,10 @@ from __future__ import annotations
 
 import heapq
 from collections import deque
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, cast
 
-from craft_rag.prefix_nodes import PrefixNode, drop_child
+from craft_rag.prefix_nodes import NO_CHILDREN, OneChild, PrefixNode
+from craft_rag.types import ChunkKey
 
 if TYPE_CHECKING:
     from craft_rag.prefix_tree import ChunkPrefixTree
@@ -86,7 +87,10 @@ def evict_over_bound(tree: ChunkPrefixTree, protect: PrefixNode | None) -> None:
     heappop = heapq.heappop
     skipped: list[Entry] = []
     pending: Entry | None = None
-    while tree._size > tree.max_nodes:
+    over = tree._size - tree.max_nodes
+    evicted = 0
+    stamp_next = tree._next_stamp
+    while evicted < over:
         if pending is not None:
             entry = pending
             pending = None
@@ -107,21 +111,28 @@ def evict_over_bound(tree: ChunkPrefixTree, protect: PrefixNode | None) -> None:
         if node is protect:
             skipped.append(entry)
             continue
-        # _unlink() of a leaf, inline (one per evicted node)
+        # _unlink() of a leaf, inline (one per evicted node), drop_child() inline too
         parent = node.parent
-        assert parent is not None and node.key is not None
-        drop_child(parent, node.key)
+        assert parent is not None
+        siblings = parent.children
+        if type(siblings) is OneChild:
+            parent.children = NO_CHILDREN
+        else:
+            del cast("dict[ChunkKey | None, PrefixNode]", siblings)[node.key]
+            if len(siblings) == 1:
+                parent.children = OneChild(next(iter(siblings.values())))
         node.alive = False
         for h in node.block_hashes:
             if by_block.get(h) is node:
                 del by_block[h]
-        tree._size -= 1
-        tree.evictions += 1
-        if parent is not root and not parent.children:
-            stamp = tree._next_stamp
-            tree._next_stamp += 1
-            parent.heap_stamp = stamp
-            pending = (parent.last_access, stamp, parent)
+        evicted += 1
+        if parent is not root and parent.children is NO_CHILDREN:
+            parent.heap_stamp = stamp_next
+            pending = (parent.last_access, stamp_next, parent)
+            stamp_next += 1
+    tree._next_stamp = stamp_next
+    tree._size -= evicted
+    tree.evictions += evicted
     if pending is not None:
         push_entry(fifo, heap, pending)
     for entry in skipped:

@@ -130,8 +130,8 @@ class ChunkPrefixTree:
                     only = children.child
                     if only.key in wanted_keys:
                         below.append(only)
-                else:
-                    below.extend(map(children.__getitem__, children.keys() & wanted_keys))
+                else:  # C-level: the children named by a wanted key
+                    below += filter(None, map(children.get, wanted_keys))
             if not below:
                 break
             level = below
