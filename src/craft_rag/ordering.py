@@ -13,7 +13,7 @@ from typing import Protocol
 
 from craft_rag.access_table import ChunkAccessTable
 from craft_rag.chunk import Chunk
-from craft_rag.prefix_tree import ChunkPrefixTree
+from craft_rag.prefix_tree import ChunkPrefixTree, PrefixNode
 
 
 @dataclass(frozen=True, slots=True)
@@ -72,6 +72,9 @@ def _by_frequency_then_rank(chunks: Sequence[Chunk], table: ChunkAccessTable) ->
     if n < 2:
         return list(chunks)
     get = table._counts.get  # chunk keys are strings (checked when each Chunk was built)
+    if n == 2:
+        first, second = chunks
+        return [second, first] if get(second.key, 0) > get(first.key, 0) else [first, second]
     counts = [get(c.key, 0) for c in chunks]
     # Descending count; ``reverse`` keeps equal counts in their original (rank) order.
     rank = sorted(range(n), key=counts.__getitem__, reverse=True)
@@ -93,23 +96,32 @@ class TreeOrder:
     name = "tree"
 
     def order(self, chunks: Sequence[Chunk], context: OrderingContext) -> list[Chunk]:
+        return self.order_matched(chunks, context)[0]
+
+    def order_matched(
+        self, chunks: Sequence[Chunk], context: OrderingContext
+    ) -> tuple[list[Chunk], list[PrefixNode]]:
+        """:meth:`order` and the CP-Tree nodes of its set-matched head. For distinct keys
+        these are also ``prefix_tree.match(order)``'s nodes: a child of the head's last node
+        under a chunk of the rest would be a longer path inside the set (the planner's
+        ``plan`` reads them instead of walking the tree again)."""
         if type(chunks) is not list and not isinstance(chunks, Sequence):
             chunks = list(chunks)  # a one-shot iterable: read it once
         by_key = {c.key: c for c in chunks}
         path = context.prefix_tree._subset_path(by_key)
         if not path:
-            return _by_frequency_then_rank(chunks, context.access_table)
+            return _by_frequency_then_rank(chunks, context.access_table), path
         if len(by_key) == len(chunks):  # distinct keys (as plan() passes them)
             pop = by_key.pop
             head = [pop(node.key) for node in path]  # type: ignore[arg-type]  # never root
             if not by_key:
-                return head
+                return head, path
             rest = list(by_key.values())  # the others, in input (rank) order
         else:
             head = [by_key[node.key] for node in path]  # type: ignore[index]  # never root
             chosen = {node.key for node in path}
             rest = [c for c in chunks if c.key not in chosen]
-        return head + _by_frequency_then_rank(rest, context.access_table)
+        return head + _by_frequency_then_rank(rest, context.access_table), path
 
 
 ORDERING_POLICIES: Mapping[str, Callable[[], OrderingPolicy]] = {

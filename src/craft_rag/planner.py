@@ -29,7 +29,7 @@ from craft_rag.access_table import ChunkAccessTable
 from craft_rag.chunk import Chunk
 from craft_rag.conversation import ConversationStore
 from craft_rag.files import check_writable, write_atomic
-from craft_rag.ordering import OrderingContext, get_policy
+from craft_rag.ordering import OrderingContext, TreeOrder, get_policy
 from craft_rag.plan_lease import PlanLease, PlanLeases
 from craft_rag.planner_events import KVFeedback
 from craft_rag.planner_io import PlannerState, read_state_file, state_from_json
@@ -48,7 +48,7 @@ from craft_rag.plans import (
     node_metadata,
     parse_plan_ref,
 )
-from craft_rag.prefix_tree import ChunkPrefixTree, KVLocation
+from craft_rag.prefix_tree import ChunkPrefixTree, KVLocation, PrefixNode
 from craft_rag.promotion import get_promotion_rule
 from craft_rag.stores import DEFAULT_NAMESPACE, StateStore, StoreUnavailable, as_store
 from craft_rag.stores.shared import (
@@ -192,11 +192,17 @@ class CraftPlanner(KVFeedback, StateRecorder, SharedSync):
                 or context.prefix_tree is not self.prefix_tree
             ):  # state replaced (a load, a store snapshot)
                 context = self._context = OrderingContext(self.access_table, self.prefix_tree)
-            ordered = self._policy.order(fresh, context)
+            policy = self._policy
+            nodes: list[PrefixNode] | None = None
+            if type(policy) is TreeOrder:  # its set match's nodes are the order's match
+                ordered, nodes = policy.order_matched(fresh, context)
+            else:
+                ordered = policy.order(fresh, context)
             matched_chunks, matched_tokens = 0, None
             keys = [c.key for c in ordered]
             if turn == 1:
-                nodes = self.prefix_tree._matched(keys)
+                if nodes is None:
+                    nodes = self.prefix_tree._matched(keys)
                 matched_chunks = len(nodes)
                 matched_tokens = nodes[-1].token_end if nodes else 0
             plan = made_plan(
