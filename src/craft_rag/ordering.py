@@ -14,6 +14,7 @@ from typing import Protocol
 from craft_rag.access_table import ChunkAccessTable
 from craft_rag.chunk import Chunk
 from craft_rag.prefix_tree import ChunkPrefixTree, PrefixNode
+from craft_rag.types import ChunkKey
 
 
 @dataclass(frozen=True, slots=True)
@@ -99,15 +100,20 @@ class TreeOrder:
         return self.order_matched(chunks, context)[0]
 
     def order_matched(
-        self, chunks: Sequence[Chunk], context: OrderingContext
+        self,
+        chunks: Sequence[Chunk],
+        context: OrderingContext,
+        by_key: dict[ChunkKey, Chunk] | None = None,
     ) -> tuple[list[Chunk], list[PrefixNode]]:
         """:meth:`order` and the CP-Tree nodes of its set-matched head. For distinct keys
         these are also ``prefix_tree.match(order)``'s nodes: a child of the head's last node
         under a chunk of the rest would be a longer path inside the set (the planner's
-        ``plan`` reads them instead of walking the tree again)."""
-        if type(chunks) is not list and not isinstance(chunks, Sequence):
-            chunks = list(chunks)  # a one-shot iterable: read it once
-        by_key = {c.key: c for c in chunks}
+        ``plan`` reads them instead of walking the tree again). ``by_key``: the caller's
+        ``{c.key: c for c in chunks}`` when it has one (it is consumed)."""
+        if by_key is None:
+            if type(chunks) is not list and not isinstance(chunks, Sequence):
+                chunks = list(chunks)  # a one-shot iterable: read it once
+            by_key = {c.key: c for c in chunks}
         path = context.prefix_tree._subset_path(by_key)
         if not path:
             return _by_frequency_then_rank(chunks, context.access_table), path

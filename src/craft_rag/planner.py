@@ -195,7 +195,9 @@ class CraftPlanner(KVFeedback, StateRecorder, SharedSync):
             policy = self._policy
             nodes: list[PrefixNode] | None = None
             if type(policy) is TreeOrder:  # its set match's nodes are the order's match
-                ordered, nodes = policy.order_matched(fresh, context)
+                # ``unique`` maps ``fresh`` unless the conversation removed some (then None)
+                by_key = None if removed else unique
+                ordered, nodes = policy.order_matched(fresh, context, by_key)
             else:
                 ordered = policy.order(fresh, context)
             matched_chunks, matched_tokens = 0, None

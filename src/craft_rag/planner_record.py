@@ -17,7 +17,7 @@ from collections.abc import Sequence
 from craft_rag.access_table import ChunkAccessTable
 from craft_rag.conversation import ConversationStore
 from craft_rag.plans import Hashes, PlannerConfig, Spans
-from craft_rag.prefix_tree import ChunkPrefixTree, KVLocation, NodeMetadata
+from craft_rag.prefix_tree import ChunkPrefixTree, KVLocation, NodeMetadata, PrefixNode
 from craft_rag.promotion import PromotionInput, PromotionRule, ServedPromotion
 from craft_rag.types import ChunkKey, ConversationId
 
@@ -84,7 +84,8 @@ class StateRecorder:
         self.access_table._add(keys + removed if removed else keys)
         reused = inserted = stale = 0
         if turn == 1:
-            reused, stale, depth = self._reuse_and_promote(keys, reused_chunks)
+            nodes = self.prefix_tree._matched(keys)
+            reused, stale, depth = self._reuse_and_promote(keys, reused_chunks, nodes)
             if depth > 0:
                 whole = depth == len(keys)
                 self.prefix_tree._extend(
@@ -92,6 +93,7 @@ class StateRecorder:
                     spans if whole or spans is None else spans[:depth],
                     hashes if whole or hashes is None else hashes[:depth],
                     location or _LOCAL,
+                    nodes if len(nodes) <= depth else nodes[:depth],  # walked: not again
                 )
                 inserted = depth
         if conversation_id is not None:
@@ -100,13 +102,18 @@ class StateRecorder:
         return reused, inserted, stale
 
     def _reuse_and_promote(
-        self, keys: tuple[ChunkKey, ...], reused_chunks: int | None
+        self,
+        keys: tuple[ChunkKey, ...],
+        reused_chunks: int | None,
+        nodes: list[PrefixNode] | None = None,
     ) -> tuple[int, int, int]:
         """A first turn's CP-Tree bookkeeping before its insert: the cached prefix it reused
         (cut to what the engine actually had: the nodes past that are stale and removed), its
-        hits recorded, and the promotion rule's depth. ``(reused, stale, depth)``."""
+        hits recorded, and the promotion rule's depth. ``(reused, stale, depth)``. ``nodes``:
+        the tree's match of ``keys`` if the caller has it (cut here to the reused prefix)."""
         tree = self.prefix_tree
-        nodes = tree._matched(keys)
+        if nodes is None:
+            nodes = tree._matched(keys)
         reused = len(nodes)
         stale = 0
         if reused_chunks is not None and reused_chunks < reused:

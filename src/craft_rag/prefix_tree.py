@@ -248,27 +248,34 @@ class ChunkPrefixTree:
         spans: Sequence[tuple[int, int] | None] | None,
         hashes: Sequence[tuple[BlockHash, ...] | None] | None,
         location: KVLocation | None,
+        matched: Sequence[PrefixNode] = (),
     ) -> None:
         """:meth:`insert` for arguments already checked: distinct non-empty string ``keys``,
         ``spans[i]`` / ``hashes[i]`` (None: keep the node's) of the same length, spans
         contiguous. The planner's commit checks its arguments once and calls this (issue 16:
-        no second pass over them). O(len(keys) + evictions * log(heap) + stale nodes)."""
+        no second pass over them). ``matched``: the nodes of a leading part of ``keys`` the
+        caller has just walked (:meth:`_matched`, nothing changed since): not looked up
+        again. O(len(keys) + evictions + stale nodes)."""
         now = self._clock()
         node = self.root
         n = len(keys)
+        known = len(matched)
         i = 0
         while i < n:  # the part of the path already cached
-            key = keys[i]
-            children = node.children
-            if type(children) is OneChild:
-                child = children.child
-                if child.key != key:
-                    break
+            if i < known:
+                child = matched[i]
             else:
-                found = children.get(key)
-                if found is None:
-                    break
-                child = found
+                key = keys[i]
+                children = node.children
+                if type(children) is OneChild:
+                    child = children.child
+                    if child.key != key:
+                        break
+                else:
+                    found = children.get(key)
+                    if found is None:
+                        break
+                    child = found
             child.last_access = now
             if location is not None:
                 child.location = location
@@ -285,6 +292,7 @@ class ChunkPrefixTree:
             # hot chunk's node has thousands of children (issue 16's planner cost).
             if child.children and child.token_end != old_end:
                 self._remove_stale_children(child)
+                known = 0  # the nodes below may be gone: look them up
             node = child
             i += 1
         if i < n:  # the new part: every node below a new one is new
