@@ -118,20 +118,28 @@ class ChunkPrefixTree:
         best node is the best (latest access, then smaller path) of the deepest level that
         has a node, so only that level is compared. Same nodes visited as depth first."""
         # A path never repeats a key (insert() refuses that), so no visited-set is needed.
-        wanted_keys = wanted.keys() if isinstance(wanted, dict) else wanted
+        k = len(wanted)
         level: list[PrefixNode] = [self.root]
         while True:
             below: list[PrefixNode] = []
+            add = below.append
             for node in level:
                 children = node.children
-                if children is NO_CHILDREN:
-                    continue
-                if type(children) is OneChild:  # a chain link: one membership test, no set
-                    only = children.child
-                    if only.key in wanted_keys:
-                        below.append(only)
-                else:  # C-level: the children named by a wanted key
-                    below += filter(None, map(children.get, wanted_keys))
+                if type(children) is dict:  # a fork: walk the smaller side
+                    if len(children) > k:
+                        get = children.get
+                        for key in wanted:
+                            child = get(key)
+                            if child is not None:
+                                add(child)
+                    else:
+                        for key, child in children.items():
+                            if key in wanted:
+                                add(child)
+                elif children is not NO_CHILDREN:  # a chain link: one membership test
+                    only = children.child  # type: ignore[attr-defined]  # a OneChild
+                    if only.key in wanted:
+                        add(only)
             if not below:
                 break
             level = below
