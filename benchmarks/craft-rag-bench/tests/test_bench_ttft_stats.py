@@ -104,6 +104,11 @@ def test_fit_recovers_the_line_and_the_pairing_splits_tokens_from_noise() -> Non
     assert got["fit_ttft_diff_ms"] == pytest.approx(-32 / 4)
     assert got["mean_ttft_diff_ms"] == pytest.approx((300 - 32) / 4)
     assert got["unexplained_ms"] == pytest.approx(300 / 4)  # the slow request, not the order
+    diffs = [0.0, -64.0, 300.0, 32.0]
+    mean = sum(diffs) / 4
+    se = (sum((d - mean) ** 2 for d in diffs) / 3 / 4) ** 0.5
+    assert got["mean_ttft_diff_se_ms"] == pytest.approx(se)
+    assert got["mean_ttft_diff_ms_per_pass"] == pytest.approx([mean])
     assert got["largest_gaps"][0] == {"request": 2, "ttft_diff_ms": 300.0,
                                       "computed_tokens_diff": 0}
     with pytest.raises(ValueError, match="same trace"):
@@ -117,7 +122,13 @@ def test_pairing_averages_passes() -> None:
     rows = per_request([first, second])
     assert rows["ttft_ms"] == [[450.0, 350.0], [250.0, 350.0]]
     base = per_request([run_of(prompts, [0, 0], [0, 0])])
-    assert paired(rows, base, (50.0, 1.0))["mean_ttft_diff_ms"] == pytest.approx(0.0)
+    got = paired(rows, base, (50.0, 1.0))
+    assert got["mean_ttft_diff_ms"] == pytest.approx(0.0)
+    # one pass of base: pass 1 against pass 1 only; the drift shows between passes
+    assert got["mean_ttft_diff_ms_per_pass"] == pytest.approx([50.0])
+    both = per_request([run_of(prompts, [0, 0], [0, 0]), run_of(prompts, [0, 0], [0, 0])])
+    assert paired(rows, both, (50.0, 1.0))["mean_ttft_diff_ms_per_pass"] == pytest.approx(
+        [50.0, -50.0])
 
 
 def test_serve_passes_mirrors_and_counts_collections() -> None:

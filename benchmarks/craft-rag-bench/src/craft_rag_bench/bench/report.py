@@ -104,7 +104,11 @@ def _ttft_pairs(w: Mapping[str, Any]) -> list[str]:
     if not pairs:
         return []
     rows = [
-        [f"craft_tree vs {other}", _f(p["mean_ttft_diff_ms"]), _f(p["fit_ttft_diff_ms"]),
+        [f"craft_tree vs {other}",
+         _f(p["mean_ttft_diff_ms"]) + (f" ± {_f(p['mean_ttft_diff_se_ms'])}"
+                                      if "mean_ttft_diff_se_ms" in p else ""),
+         " / ".join(_f(x) for x in p.get("mean_ttft_diff_ms_per_pass", [])) or "-",
+         _f(p["fit_ttft_diff_ms"]),
          _f(p["unexplained_ms"]), str(p["requests_fewer_computed"]),
          str(p["requests_more_computed"]),
          ", ".join(f"#{g['request']} {_f(g['ttft_diff_ms'])} ms / {g['computed_tokens_diff']:+.0f}"
@@ -113,9 +117,10 @@ def _ttft_pairs(w: Mapping[str, Any]) -> list[str]:
     ]
     return ["Paired by request (TTFT differences in ms per request, tree minus the other; "
             "'by tokens' is what the fit TTFT = a + b x computed tokens predicts from the "
-            "computed-token difference):", "",
-            *_table(["pair", "mean diff", "by tokens", "unexplained", "tree computes fewer",
-                     "tree computes more", "largest gaps (ms / computed tokens)"], rows), ""]
+            "computed-token difference; ± one standard error over requests):", "",
+            *_table(["pair", "mean diff", "per pass", "by tokens", "unexplained",
+                     "tree computes fewer", "tree computes more",
+                     "largest gaps (ms / computed tokens)"], rows), ""]
 
 
 def _kv(r: Mapping[str, Any]) -> list[str]:

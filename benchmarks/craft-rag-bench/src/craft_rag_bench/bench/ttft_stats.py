@@ -171,8 +171,11 @@ def paired(
     """System ``a`` against ``b`` request by request (same trace): how many requests ``a``
     computes more / fewer tokens for, the total computed-token difference, the mean TTFT
     difference (``a`` - ``b``), the part of it the fit explains by tokens, the rest
-    (``unexplained_ms``: noise, or a cost the tokens miss) and the ``top`` requests with the
-    largest TTFT gap. ``ValueError`` when the two rows are not the same trace."""
+    (``unexplained_ms``: noise, or a cost the tokens miss), the standard error of the mean
+    difference over requests (``mean_ttft_diff_se_ms``: request-level noise only; a load that
+    shifts a whole pass shows in ``mean_ttft_diff_ms_per_pass``, pass i against pass i) and the
+    ``top`` requests with the largest TTFT gap. ``ValueError`` when the two rows are not the
+    same trace."""
     if a["prompt_tokens"] != b["prompt_tokens"]:
         msg = "paired rows must come from the same trace (prompt_tokens differ)"
         raise ValueError(msg)
@@ -184,6 +187,11 @@ def paired(
         raise ValueError(msg)
     ttft_diff = (sum(ta) - sum(tb)) / n
     fit_diff = fit[1] * (sum(ca) - sum(cb)) / n
+    diffs = [x - y for x, y in zip(ta, tb, strict=True)]
+    var = sum((d - ttft_diff) ** 2 for d in diffs) / (n - 1) if n > 1 else 0.0
+    per_pass = [
+        (sum(pa) - sum(pb)) / n for pa, pb in zip(a["ttft_ms"], b["ttft_ms"], strict=False)
+    ]
     gaps = sorted(range(n), key=lambda i: tb[i] - ta[i])[:top]
     return {
         "requests_more_computed": sum(x > y for x, y in zip(ca, cb, strict=True)),
@@ -192,6 +200,8 @@ def paired(
         "mean_ttft_diff_ms": ttft_diff,
         "fit_ttft_diff_ms": fit_diff,
         "unexplained_ms": ttft_diff - fit_diff,
+        "mean_ttft_diff_se_ms": (var / n) ** 0.5,
+        "mean_ttft_diff_ms_per_pass": per_pass,
         "largest_gaps": [
             {"request": i, "ttft_diff_ms": round(ta[i] - tb[i], 1),
              "computed_tokens_diff": ca[i] - cb[i]}
