@@ -383,7 +383,7 @@ class CraftPlanner(KVFeedback, StateRecorder, SharedSync):
                     "commit"
                 )
                 raise RuntimeError(msg)
-            if not pending.matches(plan):
+            if pending.plan is not plan and not pending.matches(plan):
                 msg = (
                     f"plan: plan {plan.plan_id} was altered after planning; commit the Plan "
                     "object that plan() returned"
@@ -411,9 +411,10 @@ class CraftPlanner(KVFeedback, StateRecorder, SharedSync):
 
             s = self.stats
             s.commits += 1
-            s.chunks_retrieved += plan.retrieved_count
-            s.chunks_removed_by_dedup += len(plan.removed_duplicates)
-            s.chunks_repeated_in_request += len(plan.repeated_in_request)
+            repeated = len(plan.repeated_in_request)
+            s.chunks_retrieved += len(keys) + len(removed) + repeated  # plan.retrieved_count
+            s.chunks_removed_by_dedup += len(removed)
+            s.chunks_repeated_in_request += repeated
             s.predicted_chunks += plan.matched_chunks
             s.reused_chunks += reused
         return made_result(reused, inserted, stale, plan.turn)

@@ -322,9 +322,10 @@ class ChunkPrefixTree:
                 node = child
             self._size += n - i
         last = node if n else None
-        if last is not None and not last.children:
+        if last is not None and last.children is NO_CHILDREN:
             self._push_leaf(last)
-        self._evict_over_bound(protect=last)
+        if self._size > self.max_nodes:
+            evict_over_bound(self, last)
 
     def remove(self, node: PrefixNode) -> int:
         """Remove ``node`` and its whole subtree (their KV prefixes depend on it). Returns the
