@@ -208,7 +208,8 @@ class CraftPlanner(KVFeedback, StateRecorder, SharedSync):
                 matched_chunks = len(nodes)
                 matched_tokens = nodes[-1].token_end if nodes else 0
             plan = made_plan(
-                next(self._plan_ids), tuple(ordered), tuple(removed), tuple(repeated),
+                next(self._plan_ids), tuple(ordered), tuple(removed) if removed else (),
+                tuple(repeated) if repeated else (),
                 matched_chunks, matched_tokens, conv, turn, self._policy.name, self._token,
                 tuple(keys),
             )

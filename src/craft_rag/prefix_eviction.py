@@ -19,10 +19,9 @@ from __future__ import annotations
 
 import heapq
 from collections import deque
-from typing import TYPE_CHECKING, cast
+from typing import TYPE_CHECKING
 
 from craft_rag.prefix_nodes import NO_CHILDREN, OneChild, PrefixNode
-from craft_rag.types import ChunkKey
 
 if TYPE_CHECKING:
     from craft_rag.prefix_tree import ChunkPrefixTree
@@ -112,13 +111,12 @@ def evict_over_bound(tree: ChunkPrefixTree, protect: PrefixNode | None) -> None:
             skipped.append(entry)
             continue
         # _unlink() of a leaf, inline (one per evicted node), drop_child() inline too
-        parent = node.parent
-        assert parent is not None
+        parent: PrefixNode = node.parent  # type: ignore[assignment]  # a leaf: never the root
         siblings = parent.children
         if type(siblings) is OneChild:
             parent.children = NO_CHILDREN
         else:
-            del cast("dict[ChunkKey | None, PrefixNode]", siblings)[node.key]
+            del siblings[node.key]  # type: ignore[attr-defined]  # a dict (no cast call: hot)
             if len(siblings) == 1:
                 parent.children = OneChild(next(iter(siblings.values())))
         node.alive = False
@@ -141,7 +139,7 @@ def evict_over_bound(tree: ChunkPrefixTree, protect: PrefixNode | None) -> None:
         rebuild_heap(tree)
     # Only the path just inserted is left above the bound: trim it from its leaf end.
     while tree._size > tree.max_nodes and protect is not None and protect.alive:
-        parent = protect.parent
+        above = protect.parent
         tree._unlink(protect)
         tree.evictions += 1
-        protect = parent if parent is not tree.root else None
+        protect = above if above is not tree.root else None

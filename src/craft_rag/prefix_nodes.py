@@ -111,9 +111,9 @@ def add_child(parent: PrefixNode, key: ChunkKey, child: PrefixNode) -> None:
         parent.children = OneChild(child)
     elif type(children) is OneChild:
         only = children.child
-        parent.children = {cast("ChunkKey", only.key): only, key: child}
+        parent.children = {only.key: only, key: child}  # type: ignore[dict-item]  # never root
     else:
-        cast("dict[ChunkKey, PrefixNode]", children)[key] = child
+        children[key] = child  # type: ignore[index]  # a dict (no typing.cast call: hot path)
 
 
 def drop_child(parent: PrefixNode, key: ChunkKey) -> None:
@@ -123,7 +123,7 @@ def drop_child(parent: PrefixNode, key: ChunkKey) -> None:
     if type(children) is OneChild:
         parent.children = NO_CHILDREN
         return
-    del cast("dict[ChunkKey, PrefixNode]", children)[key]
+    del children[key]  # type: ignore[attr-defined]  # a dict (no typing.cast call: hot path)
     if len(children) == 1:
         for only in children.values():
             parent.children = OneChild(only)
