@@ -63,6 +63,7 @@ from craft_rag.validation import materialise, validate_conversation_id
 __all__ = ["CommitResult", "CraftPlanner", "Plan", "PlannerConfig", "PlannerStats"]
 
 _MAX_PENDING = 65_536
+_ONLY_CHUNKS = frozenset({Chunk})
 _config_from_json = config_from_json  # the name older code imported
 
 
@@ -160,17 +161,21 @@ class CraftPlanner(KVFeedback, StateRecorder, SharedSync):
         """
         if type(chunks) is not list and type(chunks) is not tuple:
             chunks = materialise(chunks, "chunks")
-        # One pass checks the items (a Chunk checked its fields when it was built) and splits
-        # off keys repeated within the request (the first occurrence is kept).
+        # The items must be Chunks (a Chunk checked its fields when it was built); keys
+        # repeated within the request are split off (the first occurrence is kept).
         unique: dict[ChunkKey, Chunk] = {}
         repeated: list[Chunk] = []
-        for chunk in chunks:
-            if type(chunk) is not Chunk and not isinstance(chunk, Chunk):
-                raise _not_a_chunk(chunks)
-            if chunk.key in unique:
-                repeated.append(chunk)
-            else:
-                unique[chunk.key] = chunk
+        if set(map(type, chunks)) <= _ONLY_CHUNKS:  # C-level check: plain Chunks only
+            unique = {c.key: c for c in chunks}
+        if len(unique) != len(chunks):  # a repeated key, a Chunk subclass or not a Chunk
+            unique = {}
+            for chunk in chunks:
+                if type(chunk) is not Chunk and not isinstance(chunk, Chunk):
+                    raise _not_a_chunk(chunks)
+                if chunk.key in unique:
+                    repeated.append(chunk)
+                else:
+                    unique[chunk.key] = chunk
         conv = None if conversation_id is None else validate_conversation_id(conversation_id)
         fresh = list(unique.values())
 
