@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import json
-from collections import deque
+from collections import _count_elements, deque  # type: ignore[attr-defined]
 from collections.abc import Iterable, Sequence
 from typing import Any
 
@@ -60,9 +60,7 @@ class ChunkAccessTable:
         """:meth:`record` for a request the caller already checked (distinct non-empty string
         keys, as the planner's commit holds them): no second pass over it. O(k)."""
         counts = self._counts
-        get = counts.get
-        for key in request:
-            counts[key] = get(key, 0) + 1
+        _count_elements(counts, request)  # +1 each, at C level (what Counter.update runs)
         self._keys.extend(request)
         lengths = self._lengths
         lengths.append(len(request))
