@@ -76,6 +76,16 @@ def _by_frequency_then_rank(chunks: Sequence[Chunk], table: ChunkAccessTable) ->
     if n == 2:
         first, second = chunks
         return [second, first] if get(second.key, 0) > get(first.key, 0) else [first, second]
+    if n == 3:  # a stable three-element sort, descending (ties keep rank order)
+        a, b, c = chunks
+        ca, cb, cc = get(a.key, 0), get(b.key, 0), get(c.key, 0)
+        if cb > ca:
+            a, b, ca, cb = b, a, cb, ca
+        if cc > cb:
+            if cc > ca:
+                return [c, a, b]
+            return [a, c, b]
+        return [a, b, c]
     counts = [get(c.key, 0) for c in chunks]
     # Descending count; ``reverse`` keeps equal counts in their original (rank) order.
     rank = sorted(range(n), key=counts.__getitem__, reverse=True)
