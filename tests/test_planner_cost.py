@@ -1,0 +1,162 @@
+"""Issue 16's planner-cost cuts keep every decision: the CP-Tree's two-part leaf queue pops what
+one heap would, eviction takes the least recently used leaf (checked by brute force on a copy,
+with a clock that steps back and one that stands still), the tree order's set-matched nodes are
+its order's match, and plan()'s one-comprehension key map splits repeats like the item loop."""
+
+from __future__ import annotations
+
+import heapq
+import random
+from collections import deque
+from typing import Any
+
+import pytest
+
+import craft_rag.prefix_tree as prefix_tree_module
+from craft_rag.access_table import ChunkAccessTable
+from craft_rag.chunk import Chunk
+from craft_rag.ordering import OrderingContext, TreeOrder
+from craft_rag.planner import CraftPlanner, PlannerConfig
+from craft_rag.prefix_eviction import Entry, pop_entry, push_entry
+from craft_rag.prefix_tree import ChunkPrefixTree, PrefixNode
+from craft_rag.types import ChunkKey
+
+
+class SteppingClock:
+    """Moves forward, stands still or steps back (``time.time`` under NTP) at random."""
+
+    def __init__(self, rng: random.Random) -> None:
+        self.rng = rng
+        self.now = 1000.0
+
+    def __call__(self) -> float:
+        self.now += self.rng.choice([0.0, 0.0, 1.0, 1.0, 1.0, -2.5])
+        return self.now
+
+
+def test_leaf_queue_pops_like_one_heap() -> None:
+    rng = random.Random(7)
+    fifo: deque[Entry] = deque()
+    heap: list[Entry] = []
+    reference: list[Entry] = []
+    node = PrefixNode(key=None, parent=None, depth=0)
+    now, stamp = 0.0, 0
+    for _ in range(20_000):
+        if rng.random() < 0.55:
+            now += rng.choice([0.0, 1.0])
+            seen = now if rng.random() < 0.8 else now - rng.randrange(50)  # an older leaf
+            entry = (seen, stamp, node)
+            stamp += 1
+            push_entry(fifo, heap, entry)
+            heapq.heappush(reference, entry)
+        else:
+            want = heapq.heappop(reference) if reference else None
+            assert pop_entry(fifo, heap) == want
+        assert all(a < b for a, b in zip(fifo, list(fifo)[1:], strict=False))
+    assert sorted([*fifo, *heap]) == sorted(reference)
+
+
+def _reference_evict(tree: ChunkPrefixTree, protect: tuple[ChunkKey, ...] | None) -> None:
+    """The bound's rule by brute force: the leaf with the least ``(last_access, stamp)`` goes
+    first, never the path just inserted while another leaf is left (then it is trimmed from its
+    leaf end); a parent left childless is stamped at once (``_unlink`` pushes it)."""
+    while len(tree) > tree.max_nodes:
+        leaves = [n for n in tree._walk() if not n.children and n.path() != protect]
+        if not leaves:
+            break
+        victim = min(leaves, key=lambda n: (n.last_access, n.heap_stamp))
+        tree._unlink(victim)
+        tree.evictions += 1
+    node = tree.root
+    for key in protect or ():
+        node = node.children[key]
+    while len(tree) > tree.max_nodes and node is not tree.root:
+        parent = node.parent
+        assert parent is not None
+        tree._unlink(node)
+        node = parent
+
+
+def _copy(tree: ChunkPrefixTree) -> ChunkPrefixTree:
+    data = tree.to_json()
+    data["max_nodes"] = max(tree.max_nodes, len(tree))  # over the bound while it evicts
+    copy = ChunkPrefixTree.from_json(data, clock=tree._clock)
+    copy.max_nodes = tree.max_nodes
+    return copy
+
+
+@pytest.mark.parametrize(("seed", "max_nodes", "k"), [(1, 12, 4), (2, 40, 6), (3, 5, 3)])
+def test_eviction_takes_the_least_recently_used_leaf_with_any_clock(
+    seed: int, max_nodes: int, k: int, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    rng = random.Random(seed)
+    tree = ChunkPrefixTree(max_nodes, clock=SteppingClock(rng))
+    real = prefix_tree_module.evict_over_bound
+    checked = [0]
+
+    def evict_and_compare(target: ChunkPrefixTree, protect: PrefixNode | None) -> None:
+        expected = _copy(target)
+        _reference_evict(expected, protect.path() if protect is not None else None)
+        real(target, protect)
+        assert target.to_json() == expected.to_json()
+        checked[0] += 1
+
+    monkeypatch.setattr(prefix_tree_module, "evict_over_bound", evict_and_compare)
+    for _ in range(600):
+        keys = rng.sample([ChunkKey(f"c{i}") for i in range(12)], rng.randint(1, k))
+        if rng.random() < 0.3:  # a reuse: hits and a fresh access time on a cached prefix
+            tree.touch(tree.match(keys))
+        tree.insert(keys)
+        if rng.random() < 0.05 and len(tree):
+            tree.remove(rng.choice(tree._walk()))
+        tree._check_invariants()
+    assert checked[0] > 100
+
+
+def test_tree_order_matched_nodes_are_its_orders_match() -> None:
+    rng = random.Random(3)
+    tree = ChunkPrefixTree(200)
+    table = ChunkAccessTable(50)
+    context = OrderingContext(table, tree)
+    policy = TreeOrder()
+    chunks = [Chunk(key=ChunkKey(f"c{i}"), text="", num_tokens=4) for i in range(15)]
+    for _ in range(800):
+        request = rng.sample(chunks, rng.randint(1, 7))
+        ordered, nodes = policy.order_matched(request, context)
+        keys = [c.key for c in ordered]
+        assert ordered == policy.order(request, context)
+        assert sorted(keys) == sorted(c.key for c in request)
+        assert nodes == list(tree.match(keys).nodes)
+        assert nodes == list(tree.match_subset(keys).nodes)
+        table.record(keys)
+        tree.insert(keys[: rng.randint(1, len(keys))])
+
+
+class TaggedChunk(Chunk):
+    """A Chunk subclass (plan() accepts any Chunk)."""
+
+    __slots__ = ()
+
+
+def _plan_fields(plan: Any) -> tuple[Any, ...]:
+    return (
+        [c.key for c in plan.ordered],
+        plan.repeated_in_request,
+        plan.matched_chunks,
+    )
+
+
+def test_plan_key_map_splits_repeats_and_accepts_subclasses() -> None:
+    planner = CraftPlanner(PlannerConfig(policy="tree", window=10))
+    a, b, c = (Chunk(key=ChunkKey(k), text=k, num_tokens=3) for k in "abc")
+    a2 = Chunk(key=ChunkKey("a"), text="other text", num_tokens=3)
+    plan = planner.plan([a, b, a2, c, b])
+    assert set(plan.ordered) == {a, b, c}  # the first occurrence of each key is kept
+    assert plan.repeated_in_request == (a2, b)
+    planner.commit(plan, prefix_tokens=0)
+    tagged = TaggedChunk(key=ChunkKey("t"), text="t", num_tokens=3)
+    plan = planner.plan([tagged, a, b])
+    assert tagged in plan.ordered and plan.repeated_in_request == ()
+    assert _plan_fields(plan)[2] == 2  # a, b: the path served before
+    with pytest.raises(ValueError, match=r"chunks\[1\] is a str"):
+        planner.plan([a, "b"])  # type: ignore[list-item]
