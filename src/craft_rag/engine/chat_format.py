@@ -7,12 +7,19 @@ around the sentinels gives the constant pieces:
   followed by the instructions;
 * ``tail``: the end of the user turn plus the assistant opening (the generation prompt);
 * ``answer``: ``{answer}`` followed by the end of the assistant turn and the next user opening,
-  so turn 2's chunks follow it directly.
+  so turn 2's chunks follow it directly;
+* ``question`` (default, ``question_message=True``): the end of the documents' user message
+  plus the opening of a new user message, then ``{question}``: the question is its own user
+  message after the one holding the documents. On MTRAG this made the 135M model answer rather
+  than copy a passage (+0.025 F1, +0.138 MiniLM over 75 paired turns; docs/benchmarks.md) for
+  ~6 more prompt tokens per turn. ``question_message=False`` keeps the question in the
+  documents' message (``Question: {question}``), the earlier default rendering.
 
 :func:`derive_chat_format` checks that the template is *append-only*: the rendering of a
 two-turn conversation must equal the one-turn rendering plus the answer piece plus turn 2's
-user content plus the tail. Templates that rewrite earlier turns (e.g. strip reasoning) fail
-that check with a ``ValueError``; pass a hand-written ``PromptFormat`` for those.
+user content plus the tail (and, with question messages, two user messages in a row must
+render as the pieces say, turn after turn). Templates that rewrite earlier turns (e.g. strip
+reasoning) fail that check with a ``ValueError``; pass a hand-written ``PromptFormat`` for those.
 
 Token exactness comes from :class:`craft_rag.prompt.PromptAssembler` (each segment tokenized on
 its own); :func:`chat_format_matches_template` checks that the assembled ids decode to exactly
@@ -23,7 +30,7 @@ from __future__ import annotations
 
 import os
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -35,6 +42,8 @@ _USER_1 = "CRAFTUSERONESENTINEL"
 _ANSWER_1 = "CRAFTANSWERONESENTINEL"
 _USER_2 = "CRAFTUSERTWOSENTINEL"
 _SYSTEM = "CRAFTSYSTEMSENTINEL"
+_QUESTION_1 = "CRAFTQUESTIONONESENTINEL"
+_QUESTION_2 = "CRAFTQUESTIONTWOSENTINEL"
 
 Message = Mapping[str, str]
 RenderFn = Callable[[Sequence[Message], bool], str]
@@ -51,6 +60,9 @@ class ChatPieces:
     """End of the user turn plus the assistant opening."""
     assistant_close_user_open: str
     """End of the assistant turn plus the next user opening."""
+    user_close_user_open: str | None = None
+    """End of a user turn plus the opening of the next user turn (two user messages in a row);
+    ``None`` when not extracted (``extract_chat_pieces(..., question_message=False)``)."""
 
 
 def _escape_format(text: str) -> str:
@@ -69,11 +81,16 @@ def _split_once(text: str, sentinel: str, what: str) -> tuple[str, str]:
     return before, after
 
 
-def extract_chat_pieces(render: RenderFn, system_prompt: str | None = None) -> ChatPieces:
+def extract_chat_pieces(
+    render: RenderFn, system_prompt: str | None = None, *, question_message: bool = True
+) -> ChatPieces:
     """Render sentinel conversations with ``render`` and cut out the constant pieces.
 
     ``system_prompt=None`` sends no system message (the template's default system turn, if any,
-    stays in). Raises ``ValueError`` when the template is not append-only. Cost: 2 renders.
+    stays in). Raises ``ValueError`` when the template is not append-only, and, with
+    ``question_message`` (the default), when it refuses, merges or rewrites two user messages
+    in a row (the error names ``question_message=False``). Cost: 2 renders (4 with
+    ``question_message``).
     """
     system: list[Message] = (
         [{"role": "system", "content": system_prompt}] if system_prompt is not None else []
@@ -103,7 +120,70 @@ def extract_chat_pieces(render: RenderFn, system_prompt: str | None = None) -> C
             "hand-written craft_rag.prompt.PromptFormat for this model"
         )
         raise ValueError(msg)
-    return pieces
+    if not question_message:
+        return pieces
+    return replace(pieces, user_close_user_open=_user_close_user_open(render, system, pieces))
+
+
+def _common_suffix(a: str, b: str) -> str:
+    n = 0
+    while n < min(len(a), len(b)) and a[len(a) - 1 - n] == b[len(b) - 1 - n]:
+        n += 1
+    return a[len(a) - n :]
+
+
+def _user_close_user_open(
+    render: RenderFn, system: Sequence[Message], pieces: ChatPieces
+) -> str:
+    """The text between two consecutive user messages' contents, checked append-only over two
+    turns (``[docs][question][answer][docs][question]``). ``ValueError`` naming
+    ``question_message=False`` when the template refuses, merges or rewrites them."""
+    fix = (
+        "; pass question_message=False (the question then closes the documents' message) or a "
+        "hand-written craft_rag.prompt.PromptFormat for this model"
+    )
+    try:
+        pair = render([*system, {"role": "user", "content": _USER_1},
+                       {"role": "user", "content": _QUESTION_1}], True)
+    except Exception as exc:  # templates refuse with raise_exception (jinja2 TemplateError)
+        msg = f"the chat template refuses two user messages in a row ({exc})" + fix
+        raise ValueError(msg) from exc
+    before, after = _split_once(pair, _USER_1, "first of two user messages")
+    between, after_question = _split_once(after, _QUESTION_1, "second of two user messages")
+    # The user opening: what precedes a user content both at the start and after an answer.
+    opening = _common_suffix(pieces.user_open, pieces.assistant_close_user_open)
+    if not opening.strip() or not between.endswith(opening):
+        msg = (
+            "the chat template merges two user messages in a row into one turn (no user "
+            f"opening between them: {between!r})" + fix
+        )
+        raise ValueError(msg)
+    if before != pieces.user_open or after_question != pieces.user_close_assistant_open:
+        msg = "the chat template renders two user messages in a row not append-only" + fix
+        raise ValueError(msg)
+    two_turns = render(
+        [
+            *system,
+            {"role": "user", "content": _USER_1},
+            {"role": "user", "content": _QUESTION_1},
+            {"role": "assistant", "content": _ANSWER_1},
+            {"role": "user", "content": _USER_2},
+            {"role": "user", "content": _QUESTION_2},
+        ],
+        True,
+    )
+    expected = (
+        pieces.user_open + _USER_1 + between + _QUESTION_1 + pieces.user_close_assistant_open
+        + _ANSWER_1 + pieces.assistant_close_user_open + _USER_2 + between + _QUESTION_2
+        + pieces.user_close_assistant_open
+    )
+    if two_turns != expected:
+        msg = (
+            "the chat template is not append-only with the question as its own user message "
+            "(turn 1 renders differently once turn 2 follows)" + fix
+        )
+        raise ValueError(msg)
+    return between
 
 
 def format_from_pieces(
@@ -111,15 +191,34 @@ def format_from_pieces(
     *,
     instructions: str = DEFAULT_INSTRUCTIONS,
     chunk: str = "Document: {text}\n\n",
-    question: str = "Question: {question}",
+    question: str | None = None,
+    question_message: bool = True,
 ) -> PromptFormat:
-    """A :class:`PromptFormat` whose prompts render exactly as the chat template would for
-    one user message ``instructions + chunks + question`` (and, for later turns, the assistant
-    reply followed by a user message ``chunks + question``)."""
+    """A :class:`PromptFormat` whose prompts render exactly as the chat template would for a
+    user message ``instructions + chunks`` followed by a user message ``question`` (and, for
+    later turns, the assistant reply, a user message ``chunks``, a user message ``question``).
+
+    ``question`` defaults to ``"{question}"``. ``question_message=False``: one user message
+    ``instructions + chunks + question`` per turn, ``question`` defaulting to
+    ``"Question: {question}"`` (the rendering before question messages). ``ValueError`` when
+    ``question_message`` is set but ``pieces`` has no ``user_close_user_open``.
+    """
+    if question_message:
+        if pieces.user_close_user_open is None:
+            msg = (
+                "pieces has no user_close_user_open: extract them with question_message=True, "
+                "or pass question_message=False"
+            )
+            raise ValueError(msg)
+        question_text = _escape_format(pieces.user_close_user_open) + (
+            "{question}" if question is None else question
+        )
+    else:
+        question_text = "Question: {question}" if question is None else question
     return PromptFormat(
         head=pieces.user_open + instructions,
         chunk=chunk,
-        question=question,
+        question=question_text,
         tail=pieces.user_close_assistant_open,
         answer="{answer}" + _escape_format(pieces.assistant_close_user_open),
     )
@@ -222,31 +321,46 @@ def derive_chat_format(
     system_prompt: str | None = None,
     instructions: str = DEFAULT_INSTRUCTIONS,
     chunk: str = "Document: {text}\n\n",
-    question: str = "Question: {question}",
+    question: str | None = None,
+    question_message: bool = True,
 ) -> PromptFormat:
     """The chat-correct :class:`PromptFormat` of the model in ``model_dir``.
 
-    ``system_prompt`` and ``instructions`` become part of the trusted head (tokenized with the
-    template's control tokens), so they may not spell a control token of the model's
-    tokenizer (``ValueError`` naming them; likewise for lone surrogates).
+    By default the question is its own user message after the documents' one
+    (``question_message=False``: the question closes the documents' message; see
+    :func:`format_from_pieces`).
+
+    ``system_prompt``, ``instructions``, ``chunk`` and ``question`` are trusted format text
+    (tokenized with the template's control tokens), so they may not spell a control token of
+    the model's tokenizer (``ValueError`` naming them; likewise for lone surrogates).
 
     Reads the folder's chat template (no tokenizer or model is loaded). ``FileNotFoundError``
     when there is none, ``ValueError`` when it is not append-only. Cost: milliseconds.
     """
     controls = _control_strings(Path(model_dir))
-    for name, text in (("system_prompt", system_prompt), ("instructions", instructions)):
+    checked = (("system_prompt", system_prompt), ("instructions", instructions),
+               ("chunk", chunk), ("question", question))
+    for name, text in checked:
         if text is None:
             continue
         check_text(text, name)
         spelled = [c for c in controls if c in text]
         if spelled:
             msg = (
-                f"{name} spells the control token {spelled[0]!r}; it is rendered into the "
-                "prompt's trusted head, so remove control-token strings from it"
+                f"{name} spells the control token {spelled[0]!r}; it is rendered as the "
+                "prompt's trusted text, so remove control-token strings from it"
             )
             raise ValueError(msg)
-    pieces = extract_chat_pieces(model_renderer(model_dir), system_prompt)
-    return format_from_pieces(pieces, instructions=instructions, chunk=chunk, question=question)
+    pieces = extract_chat_pieces(
+        model_renderer(model_dir), system_prompt, question_message=question_message
+    )
+    return format_from_pieces(
+        pieces,
+        instructions=instructions,
+        chunk=chunk,
+        question=question,
+        question_message=question_message,
+    )
 
 
 def render_reference(
@@ -258,15 +372,28 @@ def render_reference(
 ) -> str:
     """What the chat template itself renders for ``turns`` = ``[(chunk texts, question,
     answer or None), ...]`` (only the last turn may lack an answer) using ``fmt``'s chunk and
-    question pieces as user content. Used to check that assembled prompts are chat-correct."""
-    messages: list[Message] = (
+    question pieces as user content. When ``fmt.question`` opens with the template's text
+    between two user messages (a ``question_message`` format), the question is sent as its
+    own user message after the chunks' one. Used to check that assembled prompts are
+    chat-correct."""
+    system: list[Message] = (
         [{"role": "system", "content": system_prompt}] if system_prompt is not None else []
     )
+    pieces = extract_chat_pieces(render, system_prompt, question_message=False)
+    try:
+        separator: str | None = _user_close_user_open(render, system, pieces)
+    except ValueError:  # the template has no consecutive user messages: fmt cannot use them
+        separator = None
+    messages = list(system)
     for i, (texts, question, answer) in enumerate(turns):
-        body = "".join(fmt.chunk.format(text=t) for t in texts) + fmt.question.format(
-            question=question
-        )
-        messages.append({"role": "user", "content": ("\x00" if i == 0 else "") + body})
+        body = "".join(fmt.chunk.format(text=t) for t in texts)
+        asked = fmt.question.format(question=question)
+        marker = "\x00" if i == 0 else ""
+        if separator is not None and asked.startswith(separator):
+            messages.append({"role": "user", "content": marker + body})
+            messages.append({"role": "user", "content": asked[len(separator) :]})
+        else:
+            messages.append({"role": "user", "content": marker + body + asked})
         if answer is not None:
             messages.append({"role": "assistant", "content": answer})
     rendered = render(messages, True)
