@@ -379,10 +379,9 @@ def render_reference(
     system: list[Message] = (
         [{"role": "system", "content": system_prompt}] if system_prompt is not None else []
     )
-    pieces = extract_chat_pieces(render, system_prompt, question_message=False)
     try:
-        separator: str | None = _user_close_user_open(render, system, pieces)
-    except ValueError:  # the template has no consecutive user messages: fmt cannot use them
+        separator = extract_chat_pieces(render, system_prompt).user_close_user_open
+    except ValueError:  # no (append-only) consecutive user messages: fmt cannot use them
         separator = None
     messages = list(system)
     for i, (texts, question, answer) in enumerate(turns):
