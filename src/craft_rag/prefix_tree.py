@@ -217,7 +217,8 @@ class ChunkPrefixTree:
         spans no longer start where it ends are removed (with their subtrees), so spans stay
         contiguous. ``ValueError`` before any change for repeated or non-string keys, a
         metadata length mismatch, or a span that would not start where its parent's ends.
-        O(len(keys) + evictions * log(heap) + removed stale nodes).
+        O(len(keys) + evictions + removed stale nodes) (an eviction is O(1) from the leaf
+        queue's in-order part, O(log) for an entry that arrived out of order).
         """
         keys = materialise(keys, "keys")
         if not all(type(key) is str and key for key in keys):  # one pass; str subclasses below
