@@ -154,6 +154,15 @@ def test_serve_passes_mirrors_and_counts_collections() -> None:
     assert stats["collections"] == 0
 
 
+def test_one_pass_collects_nothing_before_serving(monkeypatch: pytest.MonkeyPatch) -> None:
+    collected: list[int] = []
+    monkeypatch.setattr(gc, "collect", lambda generation=2: collected.append(generation) or 0)
+    serve_passes(["a", "b"], 1, lambda name, index: [result(10, 0, 1.0)])
+    assert collected == []  # bench all's cost unchanged
+    serve_passes(["a", "b"], 2, lambda name, index: [result(10, 0, 1.0)])
+    assert collected == [2, 2, 2, 2]  # one full collection before each pass
+
+
 def test_cli_flag_sets_the_passes() -> None:
     args = build_parser().parse_args(["bench", "ttft", "--ttft-passes", "2"])
     assert args.ttft_passes == 2
