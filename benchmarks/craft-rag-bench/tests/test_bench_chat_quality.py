@@ -3,6 +3,7 @@ run is the module's CLI, documented in docs/benchmarks.md) and the paired compar
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -41,7 +42,7 @@ def test_question_message_closes_the_documents_message() -> None:
     system = render(variant_format(CHATML, "context_system"), ["ALPHA"], "Q?")
     assert system.startswith("<|im_start|>system\nAnswer the question using the context.")
     assert "Context:\nALPHA\n\n<|im_end|>\n<|im_start|>user\nQ?" in system
-    assert variant_format(CHATML, "current") is CHATML
+    assert variant_format(CHATML, "current") == CHATML
 
 
 def test_unknown_variant_or_non_chatml_format_is_refused() -> None:
@@ -63,3 +64,14 @@ def test_compare_pairs_each_system_with_the_reference() -> None:
     assert diff["mean_diff"] == pytest.approx(0.4 / 3)
     assert diff["n"] == 3 and 0 < diff["p"] < 1
     assert out["a"]["minilm_cosine_vs_ref"]["mean_diff"] == pytest.approx(0.2 / 3)
+
+
+def test_current_is_the_old_rendering_whatever_the_engine_default(model_dir: Path) -> None:
+    """The engine now renders the question as its own message; ``current`` stays the
+    rendering measured as "current" (question closing the documents' message)."""
+    from craft_rag.engine.chat_format import derive_chat_format
+
+    new = derive_chat_format(model_dir)
+    old = derive_chat_format(model_dir, question_message=False)
+    assert variant_format(new, "current") == old
+    assert variant_format(old, "question_message") == new

@@ -6,10 +6,12 @@ keeps what makes CRAFT's prompts reusable: ``[head][chunks][question]`` with the
 the question and the same pieces every turn (append-only), so KV reuse is unchanged; only the
 text around the chunks and the question differs:
 
-* ``current``: the engine's default (:func:`craft_rag.engine.chat_format.derive_chat_format`):
-  one user message ``instructions + "Document: ..."* + "Question: q"``;
+* ``current``: the engine's default until question messages
+  (``derive_chat_format(..., question_message=False)``): one user message
+  ``instructions + "Document: ..."* + "Question: q"``;
 * ``question_message``: the same, but the question is its own user message after the one
-  holding the documents (what the frameworks send: context, then the human message);
+  holding the documents (what the frameworks send: context, then the human message); the
+  engine's default since (:func:`craft_rag.engine.chat_format.derive_chat_format`);
 * ``context_system``: the frameworks' turn-1 layout: the instructions and documents in the
   system message (``Context:`` then the passages), the question as the user message;
 * ``instructions_after``: the instruction repeated right before the question
@@ -62,8 +64,8 @@ def variant_format(base: PromptFormat, variant: str) -> PromptFormat:
         msg = "variant_format needs a ChatML prompt format (<|im_start|>user ... <|im_end|>)"
         raise ValueError(msg)
     new_user = f"{IM_END}\n{user_open}"
-    if variant == "current":
-        return base
+    if variant == "current":  # the rendering before question messages became the default
+        return replace(base, question="Question: {question}")
     if variant == "question_message":
         return replace(base, question=new_user + "{question}")
     if variant == "context_system":
