@@ -73,6 +73,11 @@ def test_question_message_false_skips_the_consecutive_user_render() -> None:
     with pytest.raises(ValueError, match="question_message=False"):
         format_from_pieces(pieces)
     assert format_from_pieces(pieces, question_message=False).question == "Question: {question}"
+    for bad in ("no", 0, None):
+        with pytest.raises(ValueError, match="question_message must be True or False"):
+            format_from_pieces(pieces, question_message=bad)  # type: ignore[arg-type]
+        with pytest.raises(ValueError, match="question_message must be True or False"):
+            extract_chat_pieces(jinja_renderer(CHATML), question_message=bad)  # type: ignore[arg-type]
 
 
 # Mistral/Llama-2 style: roles must alternate user/assistant.

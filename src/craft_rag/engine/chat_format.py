@@ -92,6 +92,7 @@ def extract_chat_pieces(
     in a row (the error names ``question_message=False``). Cost: 2 renders (4 with
     ``question_message``).
     """
+    _check_bool(question_message)
     system: list[Message] = (
         [{"role": "system", "content": system_prompt}] if system_prompt is not None else []
     )
@@ -123,6 +124,15 @@ def extract_chat_pieces(
     if not question_message:
         return pieces
     return replace(pieces, user_close_user_open=_user_close_user_open(render, system, pieces))
+
+
+def _check_bool(question_message: object) -> None:
+    if not isinstance(question_message, bool):
+        msg = (
+            f"question_message must be True or False, got {question_message!r}: True renders "
+            "the question as its own user message, False inside the documents' message"
+        )
+        raise ValueError(msg)
 
 
 def _common_suffix(a: str, b: str) -> str:
@@ -203,6 +213,7 @@ def format_from_pieces(
     ``"Question: {question}"`` (the rendering before question messages). ``ValueError`` when
     ``question_message`` is set but ``pieces`` has no ``user_close_user_open``.
     """
+    _check_bool(question_message)
     if question_message:
         if pieces.user_close_user_open is None:
             msg = (
