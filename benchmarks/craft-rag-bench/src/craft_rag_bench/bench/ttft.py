@@ -43,7 +43,7 @@ from craft_rag_bench.bench.ttft_stats import (
 )
 
 if TYPE_CHECKING:
-    from craft_rag.engine import CraftEngine, GenerationResult
+    from craft_rag.engine import CraftEngine
 
 WORKLOADS: tuple[str, ...] = ("squad", "mtrag")
 MULTI_TURN_BASELINES: tuple[str, ...] = ("no_cache_nodedup", "prefix_cache_nodedup")
@@ -75,19 +75,6 @@ def total_overlap_bound(engine: CraftEngine, trace: list[TraceRequest]) -> tuple
         prompt += total
         seen.update(c.key for c in request.chunks)
     return cached, prompt
-
-
-def fit_ttft(results: list[GenerationResult]) -> tuple[float, float]:
-    """Least-squares ``ttft_ms = a + b * computed_tokens`` over ``results``."""
-    xs = [float(r.report.uncached_tokens) for r in results]
-    ys = [r.report.ttft_ms for r in results]
-    n = len(xs)
-    if n < 2:
-        return (ys[0] if ys else 0.0), 0.0
-    mx, my = sum(xs) / n, sum(ys) / n
-    var = sum((x - mx) ** 2 for x in xs)
-    b = sum((x - mx) * (y - my) for x, y in zip(xs, ys, strict=True)) / var if var else 0.0
-    return my - b * mx, b
 
 
 def run(ctx: BenchContext) -> dict[str, Any]:

@@ -14,7 +14,9 @@ have nothing to do with its order. Three things separate the order's effect from
   every request of the run; a system's ``fit_mean_ttft_ms`` is what its token counts alone
   predict, and the residual is what they do not explain (noise, or a cost the tokens miss).
 
-All functions are pure (lists in, dicts out) and O(requests x passes).
+Besides :func:`serve_passes` (serves, reads the load average) and :func:`gc_pauses`
+(collects garbage, hooks ``gc.callbacks``), the functions are pure (lists in, dicts out);
+all are O(requests x passes).
 """
 
 from __future__ import annotations
