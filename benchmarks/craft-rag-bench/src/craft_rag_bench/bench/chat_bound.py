@@ -36,9 +36,12 @@ import sys
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from craft_rag_bench.bench.chat import ChatConversation, ChatTurn
+
+if TYPE_CHECKING:
+    from craft_rag.engine.turn_layout import TurnLayoutPolicy
 
 SYSTEMS: tuple[str, ...] = (
     "lc_history", "append", "restart", "craft", "chunks_first", "craft3", "oracle"
@@ -56,6 +59,7 @@ class TtftFit:
     b: float
 
     def ms(self, cached: int, new: int) -> float:
+        """Predicted TTFT of computing ``new`` tokens behind ``cached`` ones (``o`` if none)."""
         if new <= 0:
             return self.o
         return self.o + self.a * new + self.b * new * (cached + new / 2)
@@ -146,7 +150,7 @@ def simulate(
     close: int,
     reply_tokens: int,
     block: int = 32,
-    policy: Any = None,
+    policy: TurnLayoutPolicy | None = None,
 ) -> BoundResult:
     """Predicted TTFT per system for every turn >= 2 (see the module docstring); each system
     runs the conversation with its own state (what it sent is what is cached). ``policy``:
@@ -261,7 +265,8 @@ def main(argv: Sequence[str] = ()) -> None:
         "hotpotqa (bench: 2 conv x 3 turns)": hotpot_conversations(2, 3, 5, 0),
         "hotpotqa (50 conv x 3 turns)": hotpot_conversations(50, 3, 5, 0),
     }
-    print("| workload | turns>=2 | new-chunk share | " + " | ".join(SYSTEMS) + " |")
+    print("| workload | turns>=2 | new-chunk share | " + " | ".join(SYSTEMS) + " | craft3 picks |")
+    print("|---|---:|---:|" + "---:|" * len(SYSTEMS) + "---|")
     for name, convs in cases.items():
         tokens, head, close = turn_tokens(convs)
         res = simulate(tokens, fit, head=head, close=close,
