@@ -103,12 +103,13 @@ def replica_sweep(
     one row each with the cached tokens per policy and the two ratios the test asserts.
     ``offset_blocks``: added to every size's usable blocks (the +-1 block of the mapping)."""
     trace = bench.lexical_trace(("squad", "hotpotqa"), requests=max(lengths), seed=ctx.seed)
+    block = ctx.block_size  # the same block size for the byte count and the offset
     out: list[dict[str, Any]] = []
     for n in lengths:
         for mib in sizes_mib:
             p = replica_test_prediction(ctx, requests=n, trace=trace,
-                                        kv_tokens_per_replica=kv_tokens(mib << 20)
-                                        + offset_blocks * ctx.block_size)
+                                        kv_tokens_per_replica=kv_tokens(mib << 20, block)
+                                        + offset_blocks * block)
             out.append({"requests": n, "kv_mib": mib,
                         "kv_tokens_per_replica": p["kv_tokens_per_replica"],
                         "cached_tokens": {k: v["cached_tokens"] for k, v in p["policies"].items()},
