@@ -1,11 +1,14 @@
 """Issue 16's planner-cost cuts keep every decision: the CP-Tree's two-part leaf queue pops what
 one heap would, eviction takes the least recently used leaf (checked by brute force on a copy,
 with a clock that steps back and one that stands still), the tree order's set-matched nodes are
-its order's match, and plan()'s one-comprehension key map splits repeats like the item loop."""
+its order's match, plan()'s one-comprehension key map splits repeats like the item loop, and a
+saved and reloaded planner (its leaf queue rebuilt in one sorted part) decides what the original
+does for hundreds of requests after."""
 
 from __future__ import annotations
 
 import heapq
+import json
 import random
 from collections import deque
 from typing import Any
@@ -138,14 +141,6 @@ class TaggedChunk(Chunk):
     __slots__ = ()
 
 
-def _plan_fields(plan: Any) -> tuple[Any, ...]:
-    return (
-        [c.key for c in plan.ordered],
-        plan.repeated_in_request,
-        plan.matched_chunks,
-    )
-
-
 def test_plan_key_map_splits_repeats_and_accepts_subclasses() -> None:
     planner = CraftPlanner(PlannerConfig(policy="tree", window=10))
     a, b, c = (Chunk(key=ChunkKey(k), text=k, num_tokens=3) for k in "abc")
@@ -157,6 +152,58 @@ def test_plan_key_map_splits_repeats_and_accepts_subclasses() -> None:
     tagged = TaggedChunk(key=ChunkKey("t"), text="t", num_tokens=3)
     plan = planner.plan([tagged, a, b])
     assert tagged in plan.ordered and plan.repeated_in_request == ()
-    assert _plan_fields(plan)[2] == 2  # a, b: the path served before
+    assert plan.matched_chunks == 2  # a, b: the path served before
     with pytest.raises(ValueError, match=r"chunks\[1\] is a str"):
         planner.plan([a, "b"])  # type: ignore[list-item]
+
+
+class SteeredClock:
+    """Reads ``now``; only the test moves it (so ``to_json`` reads change nothing)."""
+
+    def __init__(self, now: float = 100.0) -> None:
+        self.now = now
+
+    def __call__(self) -> float:
+        return self.now
+
+
+_STEPS = {"still": (0.0,), "back": (0.0, 1.0, 1.0, -2.0), "tick": (1.0,)}
+
+
+def _drive(
+    planner: CraftPlanner, clock: SteeredClock, rng: random.Random, n: int, mode: str
+) -> list[Any]:
+    """``n`` seeded requests (empty ones, k=1, repeated keys, conversations, stale reuse)."""
+    out: list[Any] = []
+    for _ in range(n):
+        clock.now += rng.choice(_STEPS[mode])
+        ids = [rng.randrange(30) for _ in range(rng.randint(0, 6))]
+        conv = f"c{rng.randrange(3)}" if rng.random() < 0.2 else None
+        plan = planner.plan([Chunk(key=ChunkKey(f"k{i}"), text="", num_tokens=4) for i in ids],
+                            conv)
+        stale = plan.turn == 1 and rng.random() < 0.1  # the engine had less than planned
+        reused = rng.randint(0, len(plan.ordered)) if stale else None
+        result = planner.commit(plan, prefix_tokens=rng.choice([None, 0, 8]), reused_chunks=reused)
+        out.append((plan.keys, plan.matched_chunks, plan.matched_tokens, result))
+        planner._check_invariants()
+    return out
+
+
+@pytest.mark.parametrize("mode", ["still", "back", "tick"])
+@pytest.mark.parametrize("max_nodes", [1, 3, 17, 60])
+def test_reloaded_planner_keeps_deciding_like_the_original(mode: str, max_nodes: int) -> None:
+    config = PlannerConfig(policy="tree", window=20, max_tree_nodes=max_nodes)
+    clock = SteeredClock()
+    planner = CraftPlanner(config, clock=clock)
+    _drive(planner, clock, random.Random(1), 300, mode)
+    if mode == "back" and max_nodes >= 17:  # out-of-order entries: the reload re-lays them
+        assert planner.prefix_tree._leaf_heap
+    evicted_before = planner.prefix_tree.evictions
+    twin_clock = SteeredClock(clock.now)
+    twin = CraftPlanner.from_json(json.loads(json.dumps(planner.to_json())), clock=twin_clock)
+    assert twin.to_json() == planner.to_json()
+    mine = _drive(planner, clock, random.Random(2), 400, mode)
+    theirs = _drive(twin, twin_clock, random.Random(2), 400, mode)
+    assert mine == theirs
+    assert twin.to_json() == planner.to_json()
+    assert planner.prefix_tree.evictions - evicted_before == twin.prefix_tree.evictions > 0
