@@ -156,7 +156,9 @@ def main(argv: Sequence[str] | None = None) -> None:
     p.add_argument("--variants", default=",".join(VARIANTS))
     p.add_argument("--out", type=Path, required=True)
     args = p.parse_args(argv)
-    variants = [v for v in args.variants.split(",") if v]
+    variants = list(dict.fromkeys(v for v in args.variants.split(",") if v))  # once each
+    if not variants:
+        p.error(f"--variants: name at least one of {','.join(VARIANTS)}")
     for v in variants:
         if v not in VARIANTS:
             p.error(f"--variants: unknown {v!r}; choose from {','.join(VARIANTS)}")

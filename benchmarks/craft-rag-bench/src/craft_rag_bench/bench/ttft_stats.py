@@ -179,8 +179,8 @@ def paired(
     (``unexplained_ms``: noise, or a cost the tokens miss), the standard error of the mean
     difference over requests (``mean_ttft_diff_se_ms``: request-level noise only; a load that
     shifts a whole pass shows in ``mean_ttft_diff_ms_per_pass``, pass i against pass i) and the
-    ``top`` requests with the largest TTFT gap. ``ValueError`` when the two rows are not the
-    same trace."""
+    ``top`` requests where ``a`` is slowest against ``b`` (largest ``a - b`` TTFT, the tail
+    to explain). ``ValueError`` when the two rows are not the same trace."""
     if a["prompt_tokens"] != b["prompt_tokens"]:
         msg = "paired rows must come from the same trace (prompt_tokens differ)"
         raise ValueError(msg)
