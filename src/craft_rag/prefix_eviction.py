@@ -13,6 +13,10 @@ time and a clock may step back: those go to the heap. Popping takes the smaller 
 heads, O(1) when the heap is empty, instead of an O(log n) sift through a heap of every leaf
 (65,536 at the default bound, scattered in memory). The entries and keys are exactly those one
 heap would hold, so every pop, hence every eviction, is the same. Owner: the tree.
+
+Not thread-safe, like the tree itself: the two parts, the nodes' stamps and the tree's
+``_next_stamp`` change together, so callers serialise the tree's calls (a shared
+:class:`~craft_rag.planner.CraftPlanner` makes each of its own under its one lock).
 """
 
 from __future__ import annotations
