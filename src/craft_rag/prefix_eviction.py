@@ -1,4 +1,4 @@
-"""The CP-Tree's LRU-leaf eviction (:meth:`ChunkPrefixTree._evict_over_bound`) and its queue.
+"""The CP-Tree's LRU-leaf eviction (:func:`evict_over_bound`, past the bound) and leaf queue.
 
 Leaves wait in a lazy priority queue keyed by ``(last_access, stamp)``: a leaf re-pushed, grown
 or removed leaves a stale entry behind, skipped when popped, and the queue is rebuilt from the

@@ -50,7 +50,7 @@ class ChunkPrefixTree:
     exactly the block hashes held by live nodes; a child's span starts where its parent's ends
     when both are known. When the bound is exceeded the least recently accessed *leaf* is evicted
     first (a lazy priority queue keyed by ``(last_access, stamp)``, see
-:mod:`craft_rag.prefix_eviction`), so inner nodes of hot paths survive.
+    :mod:`craft_rag.prefix_eviction`), so inner nodes of hot paths survive.
     Time comes from the injected ``clock``.
     """
 
@@ -462,9 +462,6 @@ class ChunkPrefixTree:
 
     def _rebuild_heap(self) -> None:
         rebuild_heap(self)
-
-    def _evict_over_bound(self, protect: PrefixNode | None) -> None:
-        evict_over_bound(self, protect)
 
     # ---- persistence --------------------------------------------------------------------------
 
