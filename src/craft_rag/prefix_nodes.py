@@ -151,7 +151,7 @@ class PrefixNode:
     hit_count: int
     last_access: float
     alive: bool
-    heap_stamp: int  # stamp of this node's current entry in the leaf heap
+    heap_stamp: int  # stamp of this node's current entry in the leaf queue (prefix_eviction)
 
     def __init__(
         self,

@@ -350,7 +350,7 @@ class ChunkPrefixTree:
 
     def _unlink(self, node: PrefixNode) -> int:
         """:meth:`remove` for a live non-root node known to be this tree's (one the tree found
-        itself: the eviction heap, a node's children, the block index): no O(depth) ownership
+        itself: the leaf queue, a node's children, the block index): no O(depth) ownership
         walk. Returns the number of nodes removed."""
         parent = node.parent
         assert parent is not None and node.key is not None

@@ -63,13 +63,13 @@ def check_tree(tree: ChunkPrefixTree) -> None:
         for seen, stamp, node in (*fifo, *tree._leaf_heap)
         if node.alive and not node.children and node.heap_stamp == stamp
     }
-    assert len(valid) == len(leaves), "a leaf is missing from the eviction heap"
+    assert len(valid) == len(leaves), "a leaf is missing from the leaf queue"
     for leaf in leaves:
-        assert valid.get(id(leaf)) == leaf.last_access, "stale eviction-heap entry"
+        assert valid.get(id(leaf)) == leaf.last_access, "stale leaf-queue entry"
         assert 0 <= leaf.heap_stamp < tree._next_stamp
     _check_no_repeated_key_on_a_path(tree)
     stamps = [n.heap_stamp for n in tree._walk() if n.heap_stamp >= 0]
-    assert len(set(stamps)) == len(stamps), "two nodes share a heap stamp"
+    assert len(set(stamps)) == len(stamps), "two nodes share a leaf-queue stamp"
     assert len(set(map(id, blocks.values()))) <= count
 
 
