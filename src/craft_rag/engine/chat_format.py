@@ -12,8 +12,9 @@ around the sentinels gives the constant pieces:
   plus the opening of a new user message, then ``{question}``: the question is its own user
   message after the one holding the documents. On MTRAG this made the 135M model answer rather
   than copy a passage (+0.025 F1, +0.138 MiniLM over 75 paired turns; docs/benchmarks.md) for
-  3 more prompt tokens per question with SmolLM2. ``question_message=False`` keeps the
-  question in the documents' message (``Question: {question}``), the earlier default.
+  3 more prompt tokens per question with SmolLM2; on single-turn SQuAD it cost F1 (-0.05 to
+  -0.07). ``question_message=False`` keeps the question in the documents' message
+  (``Question: {question}``), the earlier default.
 
 :func:`derive_chat_format` checks that the template is *append-only*: the rendering of a
 two-turn conversation must equal the one-turn rendering plus the answer piece plus turn 2's
