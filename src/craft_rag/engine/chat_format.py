@@ -8,13 +8,13 @@ around the sentinels gives the constant pieces:
 * ``tail``: the end of the user turn plus the assistant opening (the generation prompt);
 * ``answer``: ``{answer}`` followed by the end of the assistant turn and the next user opening,
   so turn 2's chunks follow it directly;
-* ``question`` (default, ``question_message=True``): the end of the documents' user message
-  plus the opening of a new user message, then ``{question}``: the question is its own user
-  message after the one holding the documents. On MTRAG this made the 135M model answer rather
-  than copy a passage (+0.025 F1, +0.138 MiniLM over 75 paired turns; docs/benchmarks.md) for
-  3 more prompt tokens per question with SmolLM2; on single-turn SQuAD it cost F1 (-0.05 to
-  -0.07). ``question_message=False`` keeps the question in the documents' message
-  (``Question: {question}``), the earlier default.
+* ``question`` (default, ``question_message=False``): ``Question: {question}`` closing the
+  documents' user message. Opt-in ``question_message=True``: the end of the documents' user
+  message plus the opening of a new user message, then ``{question}``: the question is its own
+  user message. On MTRAG chat this made the 135M model answer rather than copy a passage
+  (+0.025 F1, +0.138 MiniLM over 75 paired turns; docs/benchmarks.md) for 3 more prompt tokens
+  per question with SmolLM2, but on single-turn SQuAD it cost F1 (-0.05 to -0.07), and some
+  templates refuse two user messages in a row, so it is not the default.
 
 :func:`derive_chat_format` checks that the template is *append-only*: the rendering of a
 two-turn conversation must equal the one-turn rendering plus the answer piece plus turn 2's
@@ -83,13 +83,13 @@ def _split_once(text: str, sentinel: str, what: str) -> tuple[str, str]:
 
 
 def extract_chat_pieces(
-    render: RenderFn, system_prompt: str | None = None, *, question_message: bool = True
+    render: RenderFn, system_prompt: str | None = None, *, question_message: bool = False
 ) -> ChatPieces:
     """Render sentinel conversations with ``render`` and cut out the constant pieces.
 
     ``system_prompt=None`` sends no system message (the template's default system turn, if any,
     stays in). Raises ``ValueError`` when the template is not append-only, and, with
-    ``question_message`` (the default), when it refuses, merges or rewrites two user messages
+    ``question_message=True``, when it refuses, merges or rewrites two user messages
     in a row (the error names ``question_message=False``). Cost: 2 renders (4 with
     ``question_message``).
     """
@@ -203,16 +203,16 @@ def format_from_pieces(
     instructions: str = DEFAULT_INSTRUCTIONS,
     chunk: str = "Document: {text}\n\n",
     question: str | None = None,
-    question_message: bool = True,
+    question_message: bool = False,
 ) -> PromptFormat:
-    """A :class:`PromptFormat` whose prompts render exactly as the chat template would for a
-    user message ``instructions + chunks`` followed by a user message ``question`` (and, for
-    later turns, the assistant reply, a user message ``chunks``, a user message ``question``).
+    """A :class:`PromptFormat` whose prompts render exactly as the chat template would for one
+    user message ``instructions + chunks + question`` per turn (and, for later turns, the
+    assistant reply followed by a user message ``chunks + question``); ``question`` defaults to
+    ``"Question: {question}"``.
 
-    ``question`` defaults to ``"{question}"``. ``question_message=False``: one user message
-    ``instructions + chunks + question`` per turn, ``question`` defaulting to
-    ``"Question: {question}"`` (the rendering before question messages). ``ValueError`` when
-    ``question_message`` is set but ``pieces`` has no ``user_close_user_open``.
+    ``question_message=True`` (opt-in): a user message ``instructions + chunks`` followed by a
+    user message ``question`` (``question`` defaulting to ``"{question}"``). ``ValueError`` when
+    it is set but ``pieces`` has no ``user_close_user_open``.
     """
     _check_bool(question_message)
     if question_message:
@@ -334,13 +334,13 @@ def derive_chat_format(
     instructions: str = DEFAULT_INSTRUCTIONS,
     chunk: str = "Document: {text}\n\n",
     question: str | None = None,
-    question_message: bool = True,
+    question_message: bool = False,
 ) -> PromptFormat:
     """The chat-correct :class:`PromptFormat` of the model in ``model_dir``.
 
-    By default the question is its own user message after the documents' one
-    (``question_message=False``: the question closes the documents' message; see
-    :func:`format_from_pieces`).
+    By default the question closes the documents' user message; ``question_message=True``
+    (opt-in, better MTRAG chat answers from the 135M model, worse single-turn SQuAD ones) sends
+    it as its own user message (see :func:`format_from_pieces`).
 
     ``system_prompt``, ``instructions``, ``chunk`` and ``question`` are trusted format text
     (tokenized with the template's control tokens), so they may not spell a control token of
