@@ -52,7 +52,7 @@ def test_restart_on_vllm_compacts_predicts_and_is_reused_next_turn(engine: Craft
     layout = second.report.layout
     assert layout is not None and layout.restart and layout.compacted_turns == 1
     assert second.text.strip()
-    a, ids = engine.assembler, second.prompt_token_ids
+    a, ids = engine.conversations.chat_assembler, second.prompt_token_ids  # conversation format
     assert count(ids, a.question_ids("Which district keeps tables?")) == 1  # turn 1's question
     reply = [t for t in first.token_ids if t not in engine._backend.eos_token_ids]
     assert count(ids, reply) == 1  # and its answer stay

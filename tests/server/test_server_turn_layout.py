@@ -67,7 +67,7 @@ def test_restart_over_the_server_compacts_predicts_records_and_is_reused(
     # other chunks are not, its question and reply are.
     assert set(second.report.chunk_order) == {c[1].key, c[3].key}
     assert second.report.removed_duplicates == ()
-    a, ids = client.assembler, second.prompt_token_ids
+    a, ids = client.conversations.chat_assembler, second.prompt_token_ids  # conversation format
     assert count(ids, a.chunk_ids(c[1])) == count(ids, a.chunk_ids(c[3])) == 1
     assert count(ids, a.chunk_ids(c[0])) == count(ids, a.chunk_ids(c[2])) == 0
     reply = tuple(t for t in first.token_ids if t not in client._backend.eos_token_ids)

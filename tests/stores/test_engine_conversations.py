@@ -241,6 +241,7 @@ def test_real_engine_turn_continues_on_another_worker(
         backend=backend,
         tokenizer=craft_engine.assembler.tokenizer,
         prompt_format=craft_engine.prompt_format,
+        chat_prompt_format=craft_engine.chat_prompt_format,  # the workers render alike
         block_hasher=backend.hasher,
         chat_renderer=jinja_renderer(CHATML),
         store=url,
@@ -260,7 +261,7 @@ def test_real_engine_turn_continues_on_another_worker(
         r1 = craft_engine.generate(chunks[:3], "what is w1?", conversation_id=conv, max_tokens=4)
         r2 = b.generate(chunks[1:4], "and w2?", conversation_id=conv, max_tokens=4)
         assert set(r2.report.removed_duplicates) == {chunks[1].key, chunks[2].key}
-        b_part = b.conversations.turn_token_count([chunks[3]], "and w2?")
+        b_part = b.conversations.turn_token_count([chunks[3]], "and w2?", conv)
         assert r2.prompt_token_ids[: len(stored(r1))] == stored(r1)
         assert len(r2.prompt_token_ids) == len(stored(r1)) + b_part
         r3 = craft_engine.generate(

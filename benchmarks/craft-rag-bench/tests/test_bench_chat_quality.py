@@ -9,7 +9,7 @@ from typing import Any
 import pytest
 
 from craft_rag.prompt import PromptFormat
-from craft_rag_bench.bench.chat_quality import VARIANTS, compare, variant_format
+from craft_rag_bench.bench.chat_quality import CHOICES, VARIANTS, compare, main, variant_format
 
 CHATML = PromptFormat(
     head="<|im_start|>system\nYou are helpful<|im_end|>\n<|im_start|>user\nAnswer briefly.\n\n",
@@ -75,3 +75,14 @@ def test_current_is_the_old_rendering_whatever_the_engine_default(model_dir: Pat
     old = derive_chat_format(model_dir)
     assert variant_format(new, "current") == old
     assert variant_format(old, "question_message") == new
+
+
+def test_default_is_a_variants_choice_but_not_a_format(tmp_path: Path) -> None:
+    """``default`` (the engine's own per-path formats) is accepted by ``--variants`` and is
+    no prompt format of its own; unknown names are usage errors before anything is served."""
+    assert CHOICES[0] == "default" and set(CHOICES[1:]) == set(VARIANTS)
+    with pytest.raises(ValueError, match="variant must be one of"):
+        variant_format(CHATML, "default")
+    with pytest.raises(SystemExit):
+        main(["--variants", "default,nope", "--out", str(tmp_path)])
+    assert not any(tmp_path.iterdir())

@@ -9,12 +9,15 @@ around the sentinels gives the constant pieces:
 * ``answer``: ``{answer}`` followed by the end of the assistant turn and the next user opening,
   so turn 2's chunks follow it directly;
 * ``question`` (default, ``question_message=False``): ``Question: {question}`` closing the
-  documents' user message. Opt-in ``question_message=True``: the end of the documents' user
+  documents' user message. ``question_message=True``: the end of the documents' user
   message plus the opening of a new user message, then ``{question}``: the question is its own
   user message. On MTRAG chat this made the 135M model answer rather than copy a passage
   (+0.025 F1, +0.138 MiniLM over 75 paired turns; docs/benchmarks.md) for 3 more prompt tokens
   per question with SmolLM2, but on single-turn SQuAD it cost F1 (-0.05 to -0.07), and some
-  templates refuse two user messages in a row, so it is not the default.
+  templates refuse two user messages in a row. So the function's default stays ``False``, and
+  :class:`~craft_rag.engine.engine.CraftEngine` chooses per path: single requests ``False``,
+  conversation turns ``True`` where the template accepts it
+  (:func:`craft_rag.engine.wiring.conversation_format`).
 
 :func:`derive_chat_format` checks that the template is *append-only*: the rendering of a
 two-turn conversation must equal the one-turn rendering plus the answer piece plus turn 2's
@@ -210,9 +213,10 @@ def format_from_pieces(
     assistant reply followed by a user message ``chunks + question``); ``question`` defaults to
     ``"Question: {question}"``.
 
-    ``question_message=True`` (opt-in): a user message ``instructions + chunks`` followed by a
-    user message ``question`` (``question`` defaulting to ``"{question}"``). ``ValueError`` when
-    it is set but ``pieces`` has no ``user_close_user_open``.
+    ``question_message=True`` (the engine's conversation default): a user message
+    ``instructions + chunks`` followed by a user message ``question`` (``question`` defaulting
+    to ``"{question}"``). ``ValueError`` when it is set but ``pieces`` has no
+    ``user_close_user_open``.
     """
     _check_bool(question_message)
     if question_message:
@@ -339,8 +343,8 @@ def derive_chat_format(
     """The chat-correct :class:`PromptFormat` of the model in ``model_dir``.
 
     By default the question closes the documents' user message; ``question_message=True``
-    (opt-in, better MTRAG chat answers from the 135M model, worse single-turn SQuAD ones) sends
-    it as its own user message (see :func:`format_from_pieces`).
+    (better MTRAG chat answers from the 135M model, worse single-turn SQuAD ones: the engine's
+    conversation default) sends it as its own user message (see :func:`format_from_pieces`).
 
     ``system_prompt``, ``instructions``, ``chunk`` and ``question`` are trusted format text
     (tokenized with the template's control tokens), so they may not spell a control token of
@@ -392,7 +396,8 @@ def render_reference(
         [{"role": "system", "content": system_prompt}] if system_prompt is not None else []
     )
     try:
-        separator = extract_chat_pieces(render, system_prompt).user_close_user_open
+        pieces = extract_chat_pieces(render, system_prompt, question_message=True)
+        separator = pieces.user_close_user_open
     except ValueError:  # no (append-only) consecutive user messages: fmt cannot use them
         separator = None
     messages = list(system)

@@ -7,6 +7,9 @@ turn's prompt therefore starts with the previous turn's prompt and reply, token 
 vLLM's prefix cache reuses all of it. Replies are kept as the token ids the model generated
 (trailing stop tokens replaced by the template's close), so even the reply's KV is reusable.
 
+**Two renderings.** Single requests use ``assembler``; conversation turns and their side prompts
+``chat_assembler`` (an engine's: :func:`craft_rag.engine.wiring.conversation_format`).
+
 **History budget.** On this engine TTFT grows with the cached length too (attention over the
 whole prefix), so an ever-growing history makes later turns slower even when they are mostly
 cached. A :class:`~craft_rag.engine.history_budget.HistoryBudget` bounds the stored history
@@ -103,7 +106,7 @@ class ConversationPrompts:
     history budget. Holds no conversation state (see the module docstring).
 
     A conversation lives in one salt's store: a request with another ``cache_salt`` is refused
-    (``ValueError``). Thread-safe (one lock guards the assembler's chunk cache; the stores
+    (``ValueError``). Thread-safe (one lock guards the assemblers' chunk caches; the stores
     lock themselves). Cost of ``render``: O(prompt tokens) to concatenate plus tokenizing
     uncached segments; finding a conversation's salt is O(salts held).
     """
@@ -117,11 +120,12 @@ class ConversationPrompts:
         history_budget: HistoryBudget | None = None,
         stores: ConversationStores | None = None,
         turn_layout: TurnLayoutPolicy = APPEND_ONLY,
+        chat_assembler: PromptAssembler | None = None,
     ) -> None:
         """``stores``: where conversations live (default: :class:`LocalStores` bounded by
         ``max_conversations``; an engine passes its planners, whose config bounds them).
-        ``turn_layout``: append-only (default here; replay) or the cost-model restart (the
-        engine's default, :data:`~craft_rag.engine.turn_layout.DEFAULT_TURN_LAYOUT`)."""
+        ``turn_layout``: append-only (default here; replay) or the engine's cost-model restart.
+        ``chat_assembler``: renders conversation turns (default ``assembler``; same tokenizer)."""
         if max_conversations < 1:
             msg = f"max_conversations must be >= 1, got {max_conversations}"
             raise ValueError(msg)
@@ -129,6 +133,7 @@ class ConversationPrompts:
             msg = f"history_budget must be a HistoryBudget or None, got {history_budget!r}"
             raise ValueError(msg)
         self.assembler = assembler
+        self.chat_assembler = chat_assembler or assembler  # the stored turns are its tokens
         self.max_model_len = max_model_len
         self.max_conversations = max_conversations
         self.history_budget = history_budget
@@ -139,7 +144,11 @@ class ConversationPrompts:
         self.spans = ChunkSpanMemo()
         self.stores: ConversationStores = stores or LocalStores(max_conversations)
         self._lock = threading.Lock()
-        self._close_ids = assembler.answer_ids("")
+        self._close_ids = self.chat_assembler.answer_ids("")
+
+    def assembler_for(self, conversation_id: str | None) -> PromptAssembler:
+        """The assembler of a request of ``conversation_id`` (``None``: a single request)."""
+        return self.assembler if conversation_id is None else self.chat_assembler
 
     # ---- reading the store ---------------------------------------------------------------
 
@@ -225,7 +234,7 @@ class ConversationPrompts:
             return None
         with self._lock:
             return predict_layout(
-                self.turn_layout, self.assembler, history, chunks, question,
+                self.turn_layout, self.chat_assembler, history, chunks, question,
                 block_size=block_size, memo=self.spans,
             )
 
@@ -256,7 +265,7 @@ class ConversationPrompts:
         or a live turn's tokens are not known here (another worker's, not loaded).
         """
         with self._lock:
-            a = self.assembler
+            a = self.assembler_for(conversation_id)
             segment: list[int] = []
             spans_rel: list[tuple[int, int]] = []
             for chunk in chunks:
@@ -434,7 +443,7 @@ class ConversationPrompts:
         if owner is None or owner[0] != cache_salt or (owner[1].in_flight and not planned):
             return frozenset()
         history = owner[1]
-        budget = self.max_model_len - max_tokens - len(self.assembler.head_ids) - turn_tokens
+        budget = self.max_model_len - max_tokens - len(self.chat_assembler.head_ids) - turn_tokens
         n, left = 0, history.tokens
         while n < len(history.turns) and left > budget:
             left -= len(history.turns[n] or ())
@@ -446,10 +455,13 @@ class ConversationPrompts:
         self.stores.forget_turns(cache_salt, conversation_id, n)
         return frozenset(dropped - kept)
 
-    def turn_token_count(self, chunks: Sequence[Chunk], question: str) -> int:
-        """Tokens of one turn's segment (chunks, question, tail) as :meth:`render` builds it."""
+    def turn_token_count(
+        self, chunks: Sequence[Chunk], question: str, conversation_id: str | None = None
+    ) -> int:
+        """Tokens of one turn's segment (chunks, question, tail) as :meth:`render` builds it
+        for ``conversation_id``."""
         with self._lock:
-            a = self.assembler
+            a = self.assembler_for(conversation_id)
             return sum(len(a.chunk_ids(c)) for c in chunks) + len(a.question_ids(question))
 
     def side_prompt(
@@ -457,18 +469,20 @@ class ConversationPrompts:
     ) -> tuple[int, ...]:
         """``[head][stored turns][text as a user question][assistant opener]``: a one-off
         request (e.g. condensing a follow-up) that continues the conversation's cached prefix
-        without becoming part of it (nothing is stored). ``text`` is tokenized as plain text.
-        An unknown conversation gives ``[head][text]``. ``ValueError`` when a known
-        conversation has another ``cache_salt``. O(prompt tokens)."""
+        without becoming part of it (nothing is stored), rendered as a chunk-free turn of it
+        (:meth:`assembler_for`). ``text`` is tokenized as plain text. An unknown conversation
+        gives ``[head][text]``. ``ValueError`` when a known conversation has another
+        ``cache_salt``. O(prompt tokens)."""
         if not isinstance(text, str) or not text.strip():
             msg = "text must be a non-empty string"
             raise ValueError(msg)
         history = self._history(conversation_id, cache_salt)
-        ids = list(self.assembler.head_ids)
+        a = self.assembler_for(conversation_id)
+        ids = list(a.head_ids)
         for turn in history.turns if history is not None else ():
             ids.extend(turn or ())
         with self._lock:
-            ids.extend(self.assembler.question_ids(text))
+            ids.extend(a.question_ids(text))
         return tuple(ids)
 
     def end(self, conversation_id: str) -> bool:

@@ -75,7 +75,13 @@ from craft_rag.engine.results import (
 from craft_rag.engine.server_backend import ServerSettings
 from craft_rag.engine.turn_layout import DEFAULT_TURN_LAYOUT, TurnLayoutPolicy
 from craft_rag.engine.vllm_backend import EngineSettings, EngineStartError
-from craft_rag.engine.wiring import ManagedBackend, prompt_pieces, wire_backend
+from craft_rag.engine.wiring import (
+    ChatRendering,
+    ManagedBackend,
+    conversation_format,
+    prompt_pieces,
+    wire_backend,
+)
 from craft_rag.planner import CraftPlanner
 from craft_rag.prompt import DEFAULT_INSTRUCTIONS, PromptAssembler, PromptFormat
 from craft_rag.stores.base import StateStore
@@ -125,6 +131,7 @@ class CraftEngine(RequestForms):
         server: str | ServerSettings | None = None,
         store: StateStore | str | None = None,
         turn_layout: TurnLayoutPolicy = DEFAULT_TURN_LAYOUT,
+        chat_prompt_format: PromptFormat | None = None,
     ) -> None:
         """Start the engine. ``backend``/``tokenizer``/``block_hasher``/``chat_renderer``
         replace the vLLM and model pieces (tests use fakes); by default the model is resolved
@@ -157,6 +164,14 @@ class CraftEngine(RequestForms):
         default planner uses the store's ``default`` namespace and each cache salt its own
         namespace (:func:`craft_rag.stores.namespace_for_salt`), so tenants share no state.
         Not combined with ``planner``/``salt_planner_factory`` (give your planner ``store=``).
+
+        ``prompt_format`` renders requests without a conversation (default: derived from the
+        model's chat template, the question closing the documents' user message);
+        ``chat_prompt_format`` renders conversation turns (default: ``prompt_format`` when
+        that is given, else derived with the question as its own user message where the
+        template accepts two user messages in a row: better multi-turn answers, worse
+        single-turn ones, docs/benchmarks.md). :attr:`chat_rendering` says which was chosen.
+        ``ValueError`` for either when it is not a ``PromptFormat``.
 
         ``ImportError`` (vLLM or converter missing) and :class:`EngineStartError` name the fix.
         """
@@ -191,6 +206,20 @@ class CraftEngine(RequestForms):
             instructions=instructions,
         )
         self.assembler = PromptAssembler(tokenizer, self.prompt_format)
+        chat = conversation_format(
+            model_path,
+            self.prompt_format,
+            prompt_format=prompt_format,
+            chat_prompt_format=chat_prompt_format,
+            system_prompt=system_prompt,
+            instructions=instructions,
+        )
+        self._chat_rendering = chat.rendering
+        chat_assembler = (
+            self.assembler
+            if chat.format is self.prompt_format
+            else PromptAssembler(tokenizer, chat.format)
+        )
         wiring = wire_backend(
             self.settings,
             model_path,
@@ -211,6 +240,7 @@ class CraftEngine(RequestForms):
             history_budget=history_budget,
             stores=self._namespaces,
             turn_layout=turn_layout,  # each salt's planner's one conversation store
+            chat_assembler=chat_assembler,
         )
         self._driver = wiring.driver(on_server_lost=self._namespaces.on_all_blocks_cleared)
         self._rag = RagTurns(
@@ -246,6 +276,20 @@ class CraftEngine(RequestForms):
         planner's are served from now on). Call :meth:`reset_prefix_cache` too for a cold
         start."""
         self._namespaces.reset(planner)
+
+    @property
+    def chat_prompt_format(self) -> PromptFormat:
+        """The format of conversation turns (:attr:`prompt_format` renders single requests;
+        see :attr:`chat_rendering`). Read-only."""
+        return self.conversations.chat_assembler.format
+
+    @property
+    def chat_rendering(self) -> ChatRendering:
+        """Why conversations render with :attr:`chat_prompt_format`: ``"question_message"``
+        (derived, the question as its own user message), ``"single_turn"`` (derived; the chat
+        template refuses two user messages in a row, so the single-turn rendering),
+        ``"prompt_format"`` or ``"chat_prompt_format"`` (the caller's). Read-only."""
+        return self._chat_rendering
 
     @property
     def max_model_len(self) -> int:

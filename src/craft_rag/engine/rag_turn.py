@@ -144,7 +144,7 @@ class RagTurns:
         fit_id = conversation_id or (given.conversation_id if given is not None else None)
         # Shared store: another worker may have served the last turn; render after it.
         load_history(planner, fit_id)
-        need = self.conversations.turn_token_count(request.chunks, question)
+        need = self.conversations.turn_token_count(request.chunks, question, fit_id)
         # Before planning: dedup may only count chunks of turns that stay in the prompt.
         lost = self.conversations.fit(
             fit_id, need, sampling.max_tokens, salt, planned=given is not None
@@ -300,7 +300,7 @@ class RagTurns:
         """See :meth:`craft_rag.engine.CraftEngine.fit_turn`; ``where``: ``(conversation_id,
         max_tokens, cache_salt)``."""
         conversation_id, max_tokens, cache_salt = where
-        need = self.conversations.turn_token_count(chunks, question)
+        need = self.conversations.turn_token_count(chunks, question, conversation_id)
         salt = self._check_salt(cache_salt)
         load_history(self.namespaces.get(salt), conversation_id)
         return self.conversations.fit(conversation_id, need, max_tokens, salt)

@@ -1,7 +1,8 @@
 """What a :class:`~craft_rag.engine.engine.CraftEngine` talks to, set up once at start-up.
 
-:func:`prompt_pieces` derives the prompt format and tokenizer from the model folder (cheap,
-checked first so a bad argument fails before vLLM takes seconds and RAM); :func:`wire_backend`
+:func:`prompt_pieces` derives the prompt format and tokenizer from the model folder, and
+:func:`conversation_format` the format of conversation turns (both cheap, checked first so a bad
+argument fails before vLLM takes seconds and RAM); :func:`wire_backend`
 picks the backend (a vLLM server, the in-process vLLM engine, or a caller's backend such as a
 test fake), subscribes to its KV events and makes the block hasher; :meth:`Wiring.driver` makes
 the driver that steps it (:class:`~craft_rag.engine.driver.EngineDriver`) or streams to it
@@ -14,12 +15,12 @@ import inspect
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Protocol
+from typing import Literal, Protocol
 
 from craft_rag.engine.chat_format import derive_chat_format
 from craft_rag.engine.driver import EngineBackend, EngineDriver
 from craft_rag.engine.kv_events import BlockHasher, KVEventSync
-from craft_rag.engine.logs import align_vllm_logging, start_progress
+from craft_rag.engine.logs import LOGGER, align_vllm_logging, start_progress
 from craft_rag.engine.planners import PlannerNamespaces
 from craft_rag.engine.server_backend import ServerBackend, ServerSettings, connect_server
 from craft_rag.engine.server_driver import ServerDriver
@@ -27,7 +28,23 @@ from craft_rag.engine.vllm_backend import EngineSettings, VLLMBackend
 from craft_rag.prompt import PromptFormat
 from craft_rag.tokenizer import HFTokenizer, Tokenizer
 
-__all__ = ["ManagedBackend", "Wiring", "prompt_pieces", "wire_backend"]
+__all__ = [
+    "ChatFormatChoice",
+    "ChatRendering",
+    "ManagedBackend",
+    "Wiring",
+    "check_prompt_format",
+    "conversation_format",
+    "prompt_pieces",
+    "wire_backend",
+]
+
+ChatRendering = Literal["question_message", "single_turn", "prompt_format", "chat_prompt_format"]
+"""How conversation turns are rendered (:attr:`ChatFormatChoice.rendering`):
+``"question_message"`` (derived: the question is its own user message after the documents'
+one), ``"single_turn"`` (derived: the template refuses, merges or rewrites two user messages in
+a row, so conversations use the single-turn rendering), ``"prompt_format"`` (the caller's
+``prompt_format``, given without a chat format) or ``"chat_prompt_format"`` (the caller's)."""
 
 
 class ManagedBackend(EngineBackend, Protocol):
@@ -63,6 +80,24 @@ class Wiring:
         return EngineDriver(self.backend)
 
 
+@dataclass(frozen=True, slots=True)
+class ChatFormatChoice:
+    """The format of conversation turns and why it was chosen (see :data:`ChatRendering`)."""
+
+    format: PromptFormat
+    rendering: ChatRendering
+
+
+def check_prompt_format(value: object, name: str) -> None:
+    """``ValueError`` naming ``name`` unless ``value`` is a ``PromptFormat`` or ``None``."""
+    if value is not None and not isinstance(value, PromptFormat):
+        msg = (
+            f"{name} must be a craft_rag.prompt.PromptFormat or None (derived from the model's "
+            f"chat template), got {type(value).__name__}"
+        )
+        raise ValueError(msg)
+
+
 def prompt_pieces(
     model_path: str | None,
     prompt_format: PromptFormat | None,
@@ -73,7 +108,8 @@ def prompt_pieces(
 ) -> tuple[PromptFormat, Tokenizer]:
     """The prompt format (from the model's chat template unless given) and the tokenizer
     (the model folder's ``tokenizer.json`` unless given). ``ValueError`` when a custom backend
-    (no ``model_path``) comes without them."""
+    (no ``model_path``) comes without them, or for a ``prompt_format`` that is not one."""
+    check_prompt_format(prompt_format, "prompt_format")
     if prompt_format is None:
         if model_path is None:
             msg = "pass prompt_format= when passing a custom backend"
@@ -87,6 +123,41 @@ def prompt_pieces(
             raise ValueError(msg)
         tokenizer = _model_tokenizer(model_path)
     return prompt_format, tokenizer
+
+
+def conversation_format(
+    model_path: str | None,
+    single_turn: PromptFormat,
+    *,
+    prompt_format: PromptFormat | None,
+    chat_prompt_format: PromptFormat | None,
+    system_prompt: str | None,
+    instructions: str,
+) -> ChatFormatChoice:
+    """The format of conversation turns. Explicit choices win: ``chat_prompt_format``, else
+    the caller's ``prompt_format`` (``single_turn``, the same format for every request, as
+    before there were two). Otherwise derived from the model's chat template with the question
+    as its own user message (better multi-turn answers: docs/benchmarks.md), unless the
+    template refuses, merges or rewrites two user messages in a row: then ``single_turn``
+    (logged once at INFO on ``craft_rag.engine``). ``ValueError`` for a ``chat_prompt_format``
+    that is not a ``PromptFormat``. Cost: milliseconds (a few template renders)."""
+    check_prompt_format(chat_prompt_format, "chat_prompt_format")
+    if chat_prompt_format is not None:
+        return ChatFormatChoice(chat_prompt_format, "chat_prompt_format")
+    if prompt_format is not None or model_path is None:
+        return ChatFormatChoice(single_turn, "prompt_format")
+    try:
+        derived = derive_chat_format(
+            model_path, system_prompt=system_prompt, instructions=instructions,
+            question_message=True,
+        )
+    except ValueError as exc:
+        LOGGER.info(
+            "conversation prompts use the single-turn rendering (the question closes the "
+            "documents' message): %s", exc,
+        )
+        return ChatFormatChoice(single_turn, "single_turn")
+    return ChatFormatChoice(derived, "question_message")
 
 
 def wire_backend(

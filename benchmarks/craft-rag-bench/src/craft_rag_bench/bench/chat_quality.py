@@ -6,16 +6,20 @@ keeps what makes CRAFT's prompts reusable: ``[head][chunks][question]`` with the
 the question and the same pieces every turn (append-only), so KV reuse is unchanged; only the
 text around the chunks and the question differs:
 
-* ``current``: the engine's default until question messages
+* ``current``: the single-turn rendering
   (``derive_chat_format(..., question_message=False)``): one user message
-  ``instructions + "Document: ..."* + "Question: q"``;
+  ``instructions + "Document: ..."* + "Question: q"``; the engine's only rendering before
+  it chose per path;
 * ``question_message``: the same, but the question is its own user message after the one
-  holding the documents (what the frameworks send: context, then the human message); the
-  engine's default since (:func:`craft_rag.engine.chat_format.derive_chat_format`);
+  holding the documents (what the frameworks send: context, then the human message); what
+  the engine's conversations use by default (:func:`craft_rag.engine.wiring.conversation_format`);
 * ``context_system``: the frameworks' turn-1 layout: the instructions and documents in the
   system message (``Context:`` then the passages), the question as the user message;
 * ``instructions_after``: the instruction repeated right before the question
-  (``Answer ... using the documents above. Be brief. Question: q``).
+  (``Answer ... using the documents above. Be brief. Question: q``);
+* ``default``: the engine as users get it (no ``prompt_format``): conversation turns render
+  with the question as its own user message where the template allows it, single requests
+  the single-turn way (``engine.chat_rendering`` is recorded in the JSON).
 
 The pieces are written for ChatML templates (the embedded SmolLM2); another template would
 need them derived like :func:`~craft_rag.engine.chat_format.format_from_pieces` does.
@@ -50,6 +54,10 @@ if TYPE_CHECKING:
     from craft_rag_bench.bench.context import BenchContext
 
 VARIANTS = ("current", "question_message", "context_system", "instructions_after")
+"""Variants given to the engine as its ``prompt_format`` (every request renders with it)."""
+ENGINE_DEFAULT = "default"
+"""The engine's own per-path choice (no ``prompt_format``)."""
+CHOICES = (ENGINE_DEFAULT, *VARIANTS)
 IM_END, IM_START = "<|im_end|>", "<|im_start|>"
 
 
@@ -110,20 +118,24 @@ def run_variants(
     reference: str = "lc_history",
 ) -> dict[str, Any]:
     """Serve every conversation with CRAFT chat under each variant (a fresh engine per
-    variant, closed after) and once with ``reference``; score and compare."""
+    variant, closed after; ``default``: the engine's own formats) and once with
+    ``reference``; score and compare."""
     from craft_rag.engine import CraftEngine, EngineSettings
     from craft_rag.planner import CraftPlanner, PlannerConfig
 
     runs: dict[str, list[dict[str, Any]]] = {}
+    renderings: dict[str, str] = {}
     for k, variant in enumerate(variants):
         probe = ctx.prompt_format()
         if probe is None:
             msg = "the embedded model's tokenizer is not prepared (craft-rag model prepare)"
             raise RuntimeError(msg)
+        fmt = None if variant == ENGINE_DEFAULT else variant_format(probe, variant)
         engine = CraftEngine(
             EngineSettings(block_size=ctx.block_size, max_model_len=ctx.max_model_len),
-            prompt_format=variant_format(probe, variant),
+            prompt_format=fmt,
         )
+        renderings[variant] = engine.chat_rendering
         try:
             engine.set_planner(CraftPlanner(PlannerConfig(policy="tree")))
             systems = _systems(engine, max_tokens)
@@ -140,7 +152,7 @@ def run_variants(
             engine.close()
     for rows in runs.values():
         _score(ctx, rows)
-    return {"max_tokens": max_tokens, "reference": reference,
+    return {"max_tokens": max_tokens, "reference": reference, "chat_rendering": renderings,
             "summary": compare(runs, reference), "rows": runs}
 
 
@@ -153,15 +165,15 @@ def main(argv: Sequence[str] | None = None) -> None:
     p.add_argument("--turns", type=int, default=3)
     p.add_argument("--top-k", type=int, default=5)
     p.add_argument("--max-tokens", type=int, default=16)
-    p.add_argument("--variants", default=",".join(VARIANTS))
+    p.add_argument("--variants", default=",".join(CHOICES))
     p.add_argument("--out", type=Path, required=True)
     args = p.parse_args(argv)
     variants = list(dict.fromkeys(v for v in args.variants.split(",") if v))  # once each
     if not variants:
-        p.error(f"--variants: name at least one of {','.join(VARIANTS)}")
+        p.error(f"--variants: name at least one of {','.join(CHOICES)}")
     for v in variants:
-        if v not in VARIANTS:
-            p.error(f"--variants: unknown {v!r}; choose from {','.join(VARIANTS)}")
+        if v not in CHOICES:
+            p.error(f"--variants: unknown {v!r}; choose from {','.join(CHOICES)}")
     ctx = BenchContext.create(quick=False)
     convs = mtrag_conversations(args.conversations, args.turns, args.top_k)
     started = time.perf_counter()
