@@ -18,7 +18,7 @@ the earlier one is recorded). Cost: every operation O(1) amortised.
 
 from __future__ import annotations
 
-from collections import OrderedDict
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
@@ -26,6 +26,7 @@ from craft_rag.types import ConversationId
 
 if TYPE_CHECKING:
     from craft_rag.plans import Plan
+    from craft_rag.prefix_tree import ChunkPrefixTree, PrefixNode
 
 
 def fingerprint(plan: Plan) -> int:
@@ -48,6 +49,9 @@ class PlanLease:
     ``seen``: the store seq the plan was made at (0 without a store); ``made_at``: the planner
     clock when it was made (a conversation's plan in flight longer than the conversation TTL
     is abandoned by the next plan of that conversation); ``claimed``: an engine serves it now.
+    ``tree`` / ``version`` / ``nodes``: a first turn's CP-Tree match as ``plan()`` found it
+    (``tree._matched(plan.keys)``) and that tree's version then; while the version is
+    unchanged the match is too, and ``commit`` reads it instead of walking the tree again.
     """
 
     plan: Plan
@@ -55,6 +59,16 @@ class PlanLease:
     made_at: float
     claimed: bool = field(default=False)
     reserved: bool = field(default=False)
+    tree: ChunkPrefixTree | None = field(default=None)
+    version: int = field(default=0)
+    nodes: list[PrefixNode] | None = field(default=None)
+
+    def match(self, tree: ChunkPrefixTree) -> list[PrefixNode] | None:
+        """The nodes ``plan()`` matched if ``tree`` has not changed since (None otherwise:
+        walk it again). O(1)."""
+        if self.tree is tree and self.version == tree._version:
+            return self.nodes
+        return None
 
     @property
     def fingerprint(self) -> int:
@@ -78,7 +92,11 @@ class PlanLeases:
     ``limit`` leases after :meth:`add` (the oldest are dropped: too old to commit)."""
 
     def __init__(self) -> None:
-        self._leases: OrderedDict[int, PlanLease] = OrderedDict()
+        # A plain dict keeps insertion order (oldest first; a lease is never re-inserted) and
+        # sets / pops faster than an OrderedDict (issue 16's planner cost).
+        self._leases: dict[int, PlanLease] = {}
+        # ``get(plan_id)``: the lease or None, the dict's own C method (no Python frame).
+        self.get: Callable[[int], PlanLease | None] = self._leases.get
         self._by_conversation: dict[ConversationId, int] = {}
         # (conversation, planned keys) -> plan ids, oldest first: what an adapter that passes
         # plain node lists can find a plan by (an index over _leases, not a second owner).
@@ -97,9 +115,6 @@ class PlanLeases:
             self._by_keys.setdefault(_keys_of(lease), []).append(plan_id)
         while len(self._leases) > limit:
             self._drop(next(iter(self._leases)))
-
-    def get(self, plan_id: int) -> PlanLease | None:
-        return self._leases.get(plan_id)
 
     def claim(self, plan_id: int) -> PlanLease:
         """planned -> claimed. ``RuntimeError`` for an unknown (committed, aborted, too old)
@@ -148,10 +163,12 @@ class PlanLeases:
         return sum(1 for lease in self._leases.values() if not lease.reserved and not lease.claimed)
 
     def finish(self, plan_id: int) -> PlanLease | None:
-        """planned or claimed -> gone (commit, abort). None if there was no lease."""
-        lease = self._leases.get(plan_id)
-        if lease is not None:
-            self._drop(plan_id)
+        """planned or claimed -> gone (commit, abort). None if there was no lease. O(1)."""
+        lease = self._leases.pop(plan_id, None)
+        if lease is not None and (
+            self._by_keys is not None or lease.plan.conversation_id is not None
+        ):
+            self._unindex(plan_id, lease)
         return lease
 
     def of_conversation(self, conversation_id: ConversationId) -> PlanLease | None:
@@ -185,7 +202,10 @@ class PlanLeases:
         return [plan_id for plan_id, lease in self._leases.items() if lease.claimed]
 
     def _drop(self, plan_id: int) -> None:
-        lease = self._leases.pop(plan_id)
+        self._unindex(plan_id, self._leases.pop(plan_id))
+
+    def _unindex(self, plan_id: int, lease: PlanLease) -> None:
+        """Drop the indexes' entries of ``lease`` (already out of ``_leases``)."""
         if self._by_keys is not None:
             key = _keys_of(lease)
             same = self._by_keys[key]

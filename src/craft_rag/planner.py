@@ -163,21 +163,17 @@ class CraftPlanner(KVFeedback, StateRecorder, SharedSync):
             chunks = materialise(chunks, "chunks")
         # The items must be Chunks (a Chunk checked its fields when it was built); keys
         # repeated within the request are split off (the first occurrence is kept).
-        unique: dict[ChunkKey, Chunk] = {}
-        repeated: list[Chunk] = []
+        repeated: Sequence[Chunk] = ()
+        fresh: Sequence[Chunk] = chunks  # the distinct chunks, in input (rank) order
         if set(map(type, chunks)) <= _ONLY_CHUNKS:  # C-level check: plain Chunks only
             unique = {c.key: c for c in chunks}
-        if len(unique) != len(chunks):  # a repeated key, a Chunk subclass or not a Chunk
-            unique = {}
-            for chunk in chunks:
-                if type(chunk) is not Chunk and not isinstance(chunk, Chunk):
-                    raise _not_a_chunk(chunks)
-                if chunk.key in unique:
-                    repeated.append(chunk)
-                else:
-                    unique[chunk.key] = chunk
+            if len(unique) != len(chunks):  # a repeated key
+                unique, repeated = _split_repeats(chunks)
+                fresh = list(unique.values())
+        else:  # a Chunk subclass or not a Chunk
+            unique, repeated = _split_repeats(chunks)
+            fresh = list(unique.values())
         conv = None if conversation_id is None else validate_conversation_id(conversation_id)
-        fresh = list(unique.values())
 
         with self._lock:
             if self._shared is not None:
@@ -185,7 +181,7 @@ class CraftPlanner(KVFeedback, StateRecorder, SharedSync):
             if conv is not None:
                 ttl = self.config.conversation_ttl_s
                 self._leases.check_not_in_flight(conv, self._clock(), ttl)
-            removed: list[Chunk] = []
+            removed: Sequence[Chunk] = ()
             turn = 1
             if conv is not None:
                 turn = self.conversations.turn_count(conv) + 1
@@ -206,20 +202,23 @@ class CraftPlanner(KVFeedback, StateRecorder, SharedSync):
             else:
                 ordered = policy.order(fresh, context)
             matched_chunks, matched_tokens = 0, None
-            keys = [c.key for c in ordered]
+            keys = tuple([c.key for c in ordered])
+            tree = self.prefix_tree
             if turn == 1:
                 if nodes is None:
-                    nodes = self.prefix_tree._matched(keys)
+                    nodes = tree._matched(keys)
                 matched_chunks = len(nodes)
                 matched_tokens = nodes[-1].token_end if nodes else 0
+            else:
+                nodes = None  # a later turn leaves the tree as it is
             plan = made_plan(
                 next(self._plan_ids), tuple(ordered), tuple(removed) if removed else (),
-                tuple(repeated) if repeated else (),
-                matched_chunks, matched_tokens, conv, turn, self._policy.name, self._token,
-                tuple(keys),
+                tuple(repeated), matched_chunks, matched_tokens, conv, turn, policy.name,
+                self._token, keys,
             )
             seen = self._shared.applied if self._shared is not None else 0
-            lease = PlanLease(plan, seen, self._clock())
+            # The first turn's match, which commit reads while the tree is unchanged.
+            lease = PlanLease(plan, seen, self._clock(), False, False, tree, tree._version, nodes)
             self._leases.add(lease, _MAX_PENDING)
             if conv is not None and turn > 1:  # never evicted until its commit or abort:
                 self.conversations.hold(conv)
@@ -412,6 +411,7 @@ class CraftPlanner(KVFeedback, StateRecorder, SharedSync):
                 applied = self._record_local(
                     keys, removed_keys, plan.turn, plan.conversation_id, reused_chunks,
                     spans, hashes, location, tokens, removed_in_prompt,
+                    pending.match(self.prefix_tree),
                 )
             reused, inserted, stale = applied
 
@@ -419,8 +419,10 @@ class CraftPlanner(KVFeedback, StateRecorder, SharedSync):
             s.commits += 1
             repeated = len(plan.repeated_in_request)
             s.chunks_retrieved += len(keys) + len(removed) + repeated  # plan.retrieved_count
-            s.chunks_removed_by_dedup += len(removed)
-            s.chunks_repeated_in_request += repeated
+            if removed:
+                s.chunks_removed_by_dedup += len(removed)
+            if repeated:
+                s.chunks_repeated_in_request += repeated
             s.predicted_chunks += plan.matched_chunks
             s.reused_chunks += reused
         return made_result(reused, inserted, stale, plan.turn)
@@ -478,6 +480,21 @@ class CraftPlanner(KVFeedback, StateRecorder, SharedSync):
         self.prefix_tree._check_invariants()
         self.conversations._check_invariants()
         self._leases._check_invariants()
+
+
+def _split_repeats(chunks: Sequence[Chunk]) -> tuple[dict[ChunkKey, Chunk], list[Chunk]]:
+    """``({key: first chunk of that key}, the later repeats)``; ``ValueError`` naming the
+    first item that is not a :class:`Chunk`. O(k)."""
+    unique: dict[ChunkKey, Chunk] = {}
+    repeated: list[Chunk] = []
+    for chunk in chunks:
+        if type(chunk) is not Chunk and not isinstance(chunk, Chunk):
+            raise _not_a_chunk(chunks)
+        if chunk.key in unique:
+            repeated.append(chunk)
+        else:
+            unique[chunk.key] = chunk
+    return unique, repeated
 
 
 def _not_a_chunk(chunks: Sequence[object]) -> ValueError:

@@ -77,14 +77,18 @@ class StateRecorder:
         location: KVLocation | None,
         tokens: Sequence[int] | None,
         removed_in_prompt: bool = False,
+        nodes: list[PrefixNode] | None = None,
     ) -> tuple[int, int, int]:
         """:meth:`_record` for this planner's own commit, whose arguments :meth:`commit`
         checked once (:func:`craft_rag.plans.commit_spans`) and whose keys came from checked
-        Chunks: no second validation pass in the table or tree (issue 16). Same effect."""
+        Chunks: no second validation pass in the table or tree (issue 16). Same effect.
+        ``nodes``: the tree's match of ``keys`` when the caller knows it is current (the
+        plan's, tree unchanged since: :meth:`craft_rag.plan_lease.PlanLease.match`)."""
         self.access_table._add(keys + removed if removed else keys)
         reused = inserted = stale = 0
         if turn == 1:
-            nodes = self.prefix_tree._matched(keys)
+            if nodes is None:
+                nodes = self.prefix_tree._matched(keys)
             reused, stale, depth = self._reuse_and_promote(keys, reused_chunks, nodes)
             if depth > 0:
                 whole = depth == len(keys)

@@ -6,6 +6,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass, field, fields
 from itertools import accumulate, pairwise
+from typing import Any
 
 from craft_rag.access_table import DEFAULT_WINDOW
 from craft_rag.chunk import Chunk
@@ -138,14 +139,23 @@ class CommitResult:
 # Frozen dataclasses set each field through ``object.__setattr__`` in ``__init__``: ~3x the
 # cost of setting the slots directly, and plan() / commit() build one Plan and one
 # CommitResult per request (issue 16's planner cost). The planner builds them from values it
-# made and checked with these makers, which set the same slots; the public constructors stay.
+# made and checked with these makers; the public constructors stay.
 _new = object.__new__
-_PLAN_SET = tuple(Plan.__dict__[f.name].__set__ for f in fields(Plan))
 _RESULT_SET = tuple(CommitResult.__dict__[f.name].__set__ for f in fields(CommitResult))
-assert [f.name for f in fields(Plan)][-1] == "_keys" and len(_PLAN_SET) == 11
 assert [f.name for f in fields(CommitResult)] == [
     "reused_chunks", "inserted_path", "stale_nodes_removed", "turn"
 ]
+
+
+class _PlanDraft:
+    """A :class:`Plan` under construction: the same slots, not frozen, so its fields are
+    plain (fast) slot stores; :func:`made_plan` then makes it a Plan (``__class__``
+    assignment: allowed between classes with the same slot layout, nothing copied)."""
+
+    __slots__ = Plan.__slots__  # set by dataclass(slots=True)
+
+
+assert set(_PlanDraft.__slots__) == {f.name for f in fields(Plan)}  # every field, no other
 
 
 def made_plan(
@@ -163,30 +173,43 @@ def made_plan(
 ) -> Plan:
     """The :class:`Plan` ``Plan(...)`` would build, ``keys`` being ``ordered``'s keys (for
     :meth:`craft_rag.planner.CraftPlanner.plan` only). O(1)."""
-    plan = _new(Plan)
-    s = _PLAN_SET
-    s[0](plan, plan_id)
-    s[1](plan, ordered)
-    s[2](plan, removed_duplicates)
-    s[3](plan, repeated_in_request)
-    s[4](plan, matched_chunks)
-    s[5](plan, matched_tokens)
-    s[6](plan, conversation_id)
-    s[7](plan, turn)
-    s[8](plan, policy)
-    s[9](plan, planner_token)
-    s[10](plan, keys)
+    draft: Any = _new(_PlanDraft)
+    draft.plan_id = plan_id
+    draft.ordered = ordered
+    draft.removed_duplicates = removed_duplicates
+    draft.repeated_in_request = repeated_in_request
+    draft.matched_chunks = matched_chunks
+    draft.matched_tokens = matched_tokens
+    draft.conversation_id = conversation_id
+    draft.turn = turn
+    draft.policy = policy
+    draft.planner_token = planner_token
+    draft._keys = keys
+    draft.__class__ = Plan
+    plan: Plan = draft
     return plan
 
 
+_RESULTS: dict[tuple[int, int, int, int], CommitResult] = {}
+_MAX_RESULTS = 4096
+
+
 def made_result(reused: int, inserted: int, stale: int, turn: int) -> CommitResult:
-    """``CommitResult(reused, inserted, stale, turn)`` for the planner's commit. O(1)."""
-    result = _new(CommitResult)
-    s = _RESULT_SET
-    s[0](result, reused)
-    s[1](result, inserted)
-    s[2](result, stale)
-    s[3](result, turn)
+    """``CommitResult(reused, inserted, stale, turn)`` for the planner's commit. O(1).
+
+    A result is immutable, so equal ones are shared: the few thousand small value tuples a
+    planner meets are built once (no object per commit; issue 16's planner cost)."""
+    key = (reused, inserted, stale, turn)
+    result = _RESULTS.get(key)
+    if result is None:
+        result = _new(CommitResult)
+        s = _RESULT_SET
+        s[0](result, reused)
+        s[1](result, inserted)
+        s[2](result, stale)
+        s[3](result, turn)
+        if len(_RESULTS) < _MAX_RESULTS:
+            _RESULTS[key] = result
     return result
 
 

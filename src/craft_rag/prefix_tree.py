@@ -73,6 +73,9 @@ class ChunkPrefixTree:
         self._leaf_heap: list[Entry] = []
         self._next_stamp = 0  # push order of leaf-queue entries; persisted with the tree
         self.evictions = 0
+        # +1 on every call that may add or remove nodes (_extend, _unlink, clear): a match
+        # taken at version v is still this tree's match while the version is v.
+        self._version = 0
 
     def __len__(self) -> int:
         return self._size
@@ -265,6 +268,7 @@ class ChunkPrefixTree:
         no second pass over them). ``matched``: the nodes of a leading part of ``keys`` the
         caller has just walked (:meth:`_matched`, nothing changed since): not looked up
         again. O(len(keys) + evictions + stale nodes)."""
+        self._version += 1
         now = self._clock()
         node = self.root
         n = len(keys)
@@ -354,6 +358,7 @@ class ChunkPrefixTree:
         walk. Returns the number of nodes removed."""
         parent = node.parent
         assert parent is not None and node.key is not None
+        self._version += 1
         drop_child(parent, node.key)
         by_block = self._by_block
         if not node.children:  # a leaf (every eviction): no walk
@@ -407,6 +412,7 @@ class ChunkPrefixTree:
 
     def clear(self) -> None:
         """Forget every node (the engine dropped all cached KV). O(size)."""
+        self._version += 1
         stack = list(self.root.children.values())
         while stack:
             cur = stack.pop()
