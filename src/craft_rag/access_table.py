@@ -68,11 +68,10 @@ class ChunkAccessTable:
             pop = self._keys.popleft
             for _ in range(lengths.popleft()):
                 key = pop()
-                left = counts[key] - 1
-                if left:
-                    counts[key] = left
-                else:
+                if counts[key] == 1:
                     del counts[key]
+                else:
+                    counts[key] -= 1
 
     def count(self, key: ChunkKey) -> int:
         """Access count of ``key`` in the window (0 if absent). O(1)."""

@@ -87,19 +87,31 @@ class StateRecorder:
         self.access_table._add(keys + removed if removed else keys)
         reused = inserted = stale = 0
         if turn == 1:
+            tree = self.prefix_tree
             if nodes is None:
-                nodes = self.prefix_tree._matched(keys)
-            reused, stale, depth = self._reuse_and_promote(keys, reused_chunks, nodes)
-            if depth > 0:
-                whole = depth == len(keys)
-                self.prefix_tree._extend(
-                    keys if whole else keys[:depth],
-                    spans if whole or spans is None else spans[:depth],
-                    hashes if whole or hashes is None else hashes[:depth],
-                    location or _LOCAL,
-                    nodes if len(nodes) <= depth else nodes[:depth],  # walked: not again
-                )
-                inserted = depth
+                nodes = tree._matched(keys)
+            if type(self._promotion) is ServedPromotion and keys:
+                # _reuse_and_promote inline for the tree policy's rule (the whole served
+                # order), its touch done by _extend in the same pass (issue 16)
+                reused = len(nodes)
+                if reused_chunks is not None and reused_chunks < reused:
+                    stale = tree.remove(nodes[reused_chunks])
+                    del nodes[reused_chunks:]
+                    reused = reused_chunks
+                tree._extend(keys, spans, hashes, location or _LOCAL, nodes, touch=True)
+                inserted = len(keys)
+            else:
+                reused, stale, depth = self._reuse_and_promote(keys, reused_chunks, nodes)
+                if depth > 0:
+                    whole = depth == len(keys)
+                    tree._extend(
+                        keys if whole else keys[:depth],
+                        spans if whole or spans is None else spans[:depth],
+                        hashes if whole or hashes is None else hashes[:depth],
+                        location or _LOCAL,
+                        nodes if len(nodes) <= depth else nodes[:depth],  # walked: not again
+                    )
+                    inserted = depth
         if conversation_id is not None:
             sent = keys + removed if removed_in_prompt else keys
             self.conversations.record_turn(conversation_id, sent, tokens)

@@ -6,6 +6,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass, field, fields
 from itertools import accumulate, pairwise
+from operator import attrgetter
 from typing import Any
 
 from craft_rag.access_table import DEFAULT_WINDOW
@@ -226,6 +227,8 @@ class PlannerStats:
     reused_chunks: int = 0
 
 
+_NUM_TOKENS = attrgetter("num_tokens")
+
 Spans = list[tuple[int, int]]
 """Each chunk's ``(start, end)`` token span; consecutive spans share their boundary int."""
 Hashes = list[tuple[BlockHash, ...]]
@@ -289,14 +292,14 @@ def commit_spans(
     if location is not None and not isinstance(location, KVLocation):
         msg = f"location: must be a KVLocation or None, got {type(location).__name__}"
         raise ValueError(msg)
-    if counts is None:
-        tokens = [c.num_tokens for c in ordered]  # each checked when its Chunk was built
-        if None not in tokens:
-            counts = tokens  # type: ignore[assignment]  # no None left
-    if counts is None:
-        return None, hashes
     # One int per boundary: a chunk's span starts on the very int its predecessor's ends on.
-    bounds = list(accumulate(counts, initial=prefix_tokens or 0))
+    if counts is None:  # the chunks' own counts (each checked when its Chunk was built)
+        try:
+            bounds = list(accumulate(map(_NUM_TOKENS, ordered), initial=prefix_tokens or 0))
+        except TypeError:  # a chunk of unknown size (None): spans unknown
+            return None, hashes
+    else:
+        bounds = list(accumulate(counts, initial=prefix_tokens or 0))
     if bounds[-1] > MAX_INT:
         msg = f"chunk_token_counts: spans past token {MAX_INT}; pass real token counts"
         raise ValueError(msg)

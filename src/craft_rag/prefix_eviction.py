@@ -124,9 +124,10 @@ def evict_over_bound(tree: ChunkPrefixTree, protect: PrefixNode | None) -> None:
             if len(siblings) == 1:
                 parent.children = OneChild(next(iter(siblings.values())))
         node.alive = False
-        for h in node.block_hashes:
-            if by_block.get(h) is node:
-                del by_block[h]
+        if node.block_hashes:  # (no iterator for the usual empty tuple)
+            for h in node.block_hashes:
+                if by_block.get(h) is node:
+                    del by_block[h]
         evicted += 1
         if parent is not root and parent.children is NO_CHILDREN:
             parent.heap_stamp = stamp_next

@@ -24,6 +24,7 @@ __all__ = [
     "add_child",
     "block_hash_tuple",
     "drop_child",
+    "new_leaf",
 ]
 
 
@@ -191,6 +192,37 @@ class PrefixNode:
             keys.append(node.key)
             node = node.parent
         return tuple(reversed(keys))
+
+
+_new = object.__new__
+
+
+def new_leaf(
+    key: ChunkKey,
+    parent: PrefixNode,
+    depth: int,
+    token_start: int | None,
+    token_end: int | None,
+    location: KVLocation | None,
+    now: float,
+) -> PrefixNode:
+    """``PrefixNode(key, parent, depth, NO_CHILDREN, token_start, token_end, location, (), 0,
+    now)``, not yet linked, for the tree's insert: plain slot stores, no ``__init__`` call
+    (~25% cheaper; one node per new chunk, issue 16's planner cost). O(1)."""
+    node: PrefixNode = _new(PrefixNode)
+    node.key = key
+    node.parent = parent
+    node.depth = depth
+    node.children = NO_CHILDREN
+    node.token_start = token_start
+    node.token_end = token_end
+    node.location = location
+    node.block_hashes = ()
+    node.hit_count = 0
+    node.last_access = now
+    node.alive = True
+    node.heap_stamp = -1
+    return node
 
 
 @dataclass(frozen=True, slots=True)

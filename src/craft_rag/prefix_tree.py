@@ -23,6 +23,7 @@ from craft_rag.prefix_nodes import (
     PrefixNode,
     add_child,
     drop_child,
+    new_leaf,
 )
 from craft_rag.prefix_nodes import block_hash_tuple as _block_hashes
 from craft_rag.prefix_tree_checks import check_spans_contiguous, check_tree, walk
@@ -40,6 +41,7 @@ __all__ = [
 ]
 
 DEFAULT_MAX_NODES = 65_536
+_NO_SPAN = (None, None)
 
 
 class ChunkPrefixTree:
@@ -194,7 +196,10 @@ class ChunkPrefixTree:
 
     def _touch(self, nodes: Sequence[PrefixNode]) -> None:
         """:meth:`touch` for the nodes of a match. O(len)."""
-        now = self._clock()
+        self._touch_at(nodes, self._clock())
+
+    def _touch_at(self, nodes: Sequence[PrefixNode], now: float) -> None:
+        """:meth:`_touch` at the time ``now``. O(len)."""
         for node in nodes:
             if node.alive:
                 node.hit_count += 1
@@ -261,13 +266,17 @@ class ChunkPrefixTree:
         hashes: Sequence[tuple[BlockHash, ...] | None] | None,
         location: KVLocation | None,
         matched: Sequence[PrefixNode] = (),
+        touch: bool = False,
     ) -> None:
         """:meth:`insert` for arguments already checked: distinct non-empty string ``keys``,
         ``spans[i]`` / ``hashes[i]`` (None: keep the node's) of the same length, spans
         contiguous. The planner's commit checks its arguments once and calls this (issue 16:
         no second pass over them). ``matched``: the nodes of a leading part of ``keys`` the
         caller has just walked (:meth:`_matched`, nothing changed since): not looked up
-        again. O(len(keys) + evictions + stale nodes)."""
+        again. ``touch``: first :meth:`_touch` ``matched``, in the same pass (same clock
+        reads, hits and queue entries as the two calls). O(len(keys) + evictions + stale
+        nodes)."""
+        touched = self._clock() if touch else 0.0  # _touch's clock read comes first
         self._version += 1
         now = self._clock()
         node = self.root
@@ -277,6 +286,11 @@ class ChunkPrefixTree:
         while i < n:  # the part of the path already cached
             if i < known:
                 child = matched[i]
+                if touch:  # as _touch: a hit; a leaf (only the last can be) queued then
+                    child.hit_count += 1
+                    child.last_access = touched
+                    if not child.children:
+                        self._push_leaf(child)
             else:
                 key = keys[i]
                 children = node.children
@@ -304,20 +318,24 @@ class ChunkPrefixTree:
             # (or newly known) end can leave stale children: the scan is O(fan-out), and a
             # hot chunk's node has thousands of children (issue 16's planner cost).
             if child.children and child.token_end != old_end:
+                if touch and i + 1 < known:  # _touch would have seen them all first
+                    self._touch_at(matched[i + 1 : known], touched)
+                touch = False
                 self._remove_stale_children(child)
                 known = 0  # the nodes below may be gone: look them up
             node = child
             i += 1
         if i < n:  # the new part: every node below a new one is new
             depth = node.depth
+            first = True
             for j in range(i, n):
                 key = keys[j]
                 depth += 1
-                span = spans[j] if spans is not None else None
-                start, end = span if span is not None else (None, None)
-                child = PrefixNode(key, node, depth, NO_CHILDREN, start, end, location, (), 0, now)
-                if j == i:
+                start, end = (spans[j] or _NO_SPAN) if spans is not None else _NO_SPAN
+                child = new_leaf(key, node, depth, start, end, location, now)
+                if first:
                     add_child(node, key, child)
+                    first = False
                 else:  # below a new node: its first and only child
                     node.children = OneChild(child)
                 if hashes is not None:
