@@ -107,10 +107,11 @@ class PlanLeases:
         return len(self._leases)
 
     def add(self, lease: PlanLease, limit: int) -> None:
-        plan_id = lease.plan.plan_id
+        plan = lease.plan
+        plan_id = plan.plan_id
         self._leases[plan_id] = lease
-        if lease.conversation_id is not None:
-            self._by_conversation[lease.conversation_id] = plan_id
+        if plan.conversation_id is not None:
+            self._by_conversation[plan.conversation_id] = plan_id
         if self._by_keys is not None:
             self._by_keys.setdefault(_keys_of(lease), []).append(plan_id)
         while len(self._leases) > limit:

@@ -98,7 +98,7 @@ class StateRecorder:
                     stale = tree.remove(nodes[reused_chunks])
                     del nodes[reused_chunks:]
                     reused = reused_chunks
-                tree._extend(keys, spans, hashes, location or _LOCAL, nodes, touch=True)
+                tree._extend(keys, None, hashes, location or _LOCAL, nodes, True, spans)
                 inserted = len(keys)
             else:
                 reused, stale, depth = self._reuse_and_promote(keys, reused_chunks, nodes)
@@ -106,10 +106,11 @@ class StateRecorder:
                     whole = depth == len(keys)
                     tree._extend(
                         keys if whole else keys[:depth],
-                        spans if whole or spans is None else spans[:depth],
+                        None,
                         hashes if whole or hashes is None else hashes[:depth],
                         location or _LOCAL,
                         nodes if len(nodes) <= depth else nodes[:depth],  # walked: not again
+                        run=spans if whole or spans is None else (spans[0], spans[1][:depth]),
                     )
                     inserted = depth
         if conversation_id is not None:

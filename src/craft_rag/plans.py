@@ -6,7 +6,6 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass, field, fields
 from itertools import accumulate, pairwise
-from operator import attrgetter
 from typing import Any
 
 from craft_rag.access_table import DEFAULT_WINDOW
@@ -227,10 +226,10 @@ class PlannerStats:
     reused_chunks: int = 0
 
 
-_NUM_TOKENS = attrgetter("num_tokens")
-
-Spans = list[tuple[int, int]]
-"""Each chunk's ``(start, end)`` token span; consecutive spans share their boundary int."""
+Spans = tuple[int, Sequence[int]]
+"""Contiguous token spans as ``(first token, each chunk's token count)``: chunk ``i`` spans
+``[first + sum(counts[:i]), first + sum(counts[:i + 1]))``; the tree adds them up as it walks
+(no pair or boundary list per commit; :func:`span_pairs` for the pairs)."""
 Hashes = list[tuple[BlockHash, ...]]
 """Each chunk's engine block hashes (normalised)."""
 
@@ -292,18 +291,24 @@ def commit_spans(
     if location is not None and not isinstance(location, KVLocation):
         msg = f"location: must be a KVLocation or None, got {type(location).__name__}"
         raise ValueError(msg)
-    # One int per boundary: a chunk's span starts on the very int its predecessor's ends on.
     if counts is None:  # the chunks' own counts (each checked when its Chunk was built)
-        try:
-            bounds = list(accumulate(map(_NUM_TOKENS, ordered), initial=prefix_tokens or 0))
-        except TypeError:  # a chunk of unknown size (None): spans unknown
-            return None, hashes
-    else:
-        bounds = list(accumulate(counts, initial=prefix_tokens or 0))
-    if bounds[-1] > MAX_INT:
+        counts = [c.num_tokens for c in ordered]  # type: ignore[misc]  # None: see below
+    first = prefix_tokens or 0
+    try:
+        end = first + sum(counts)
+    except TypeError:  # a chunk of unknown size (None): spans unknown
+        return None, hashes
+    if end > MAX_INT:
         msg = f"chunk_token_counts: spans past token {MAX_INT}; pass real token counts"
         raise ValueError(msg)
-    return list(pairwise(bounds)), hashes
+    return (first, counts), hashes
+
+
+def span_pairs(spans: Spans) -> list[tuple[int, int]]:
+    """Each chunk's ``(start, end)`` span of ``spans``; consecutive spans share their
+    boundary int. O(k)."""
+    first, counts = spans
+    return list(pairwise(accumulate(counts, initial=first)))
 
 
 def commit_metadata(
@@ -328,9 +333,10 @@ def node_metadata(spans: Spans | None, hashes: Hashes | None, k: int) -> list[No
     if spans is None and hashes is None:
         return None
     trusted = NodeMetadata.trusted
+    pairs = span_pairs(spans) if spans is not None else None
     return [
         trusted(
-            spans[i] if spans is not None else None, hashes[i] if hashes is not None else None
+            pairs[i] if pairs is not None else None, hashes[i] if hashes is not None else None
         )
         for i in range(k)
     ]

@@ -94,23 +94,25 @@ def evict_over_bound(tree: ChunkPrefixTree, protect: PrefixNode | None) -> None:
     evicted = 0
     stamp_next = tree._next_stamp
     while evicted < over:
-        if pending is not None:
+        if pending is not None and not (
+            (fifo and fifo[0] < pending) or (heap and heap[0] < pending)
+        ):  # the childless parent is the oldest: next, and live (stamped just now)
             entry = pending
             pending = None
-            if (fifo and fifo[0] < entry) or (heap and heap[0] < entry):
-                older = pop_entry(fifo, heap)  # not None: an entry older than ``entry``
-                push_entry(fifo, heap, entry)
-                assert older is not None
-                entry = older
-        elif fifo:
-            entry = heappop(heap) if heap and heap[0] < fifo[0] else fifo.popleft()
-        elif heap:
-            entry = heappop(heap)
+            node = entry[2]
         else:
-            break
-        _, stamp, node = entry
-        if not node.alive or node.children or node.heap_stamp != stamp:
-            continue  # stale entry: the node died, grew children or was re-pushed
+            if pending is not None:  # an older entry first; the parent waits in the queue
+                push_entry(fifo, heap, pending)
+                pending = None
+            if fifo:
+                entry = heappop(heap) if heap and heap[0] < fifo[0] else fifo.popleft()
+            elif heap:
+                entry = heappop(heap)
+            else:
+                break
+            _, stamp, node = entry
+            if not node.alive or node.children or node.heap_stamp != stamp:
+                continue  # stale entry: the node died, grew children or was re-pushed
         if node is protect:
             skipped.append(entry)
             continue

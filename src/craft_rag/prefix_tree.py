@@ -267,6 +267,7 @@ class ChunkPrefixTree:
         location: KVLocation | None,
         matched: Sequence[PrefixNode] = (),
         touch: bool = False,
+        run: tuple[int, Sequence[int]] | None = None,
     ) -> None:
         """:meth:`insert` for arguments already checked: distinct non-empty string ``keys``,
         ``spans[i]`` / ``hashes[i]`` (None: keep the node's) of the same length, spans
@@ -274,13 +275,16 @@ class ChunkPrefixTree:
         no second pass over them). ``matched``: the nodes of a leading part of ``keys`` the
         caller has just walked (:meth:`_matched`, nothing changed since): not looked up
         again. ``touch``: first :meth:`_touch` ``matched``, in the same pass (same clock
-        reads, hits and queue entries as the two calls). O(len(keys) + evictions + stale
-        nodes)."""
+        reads, hits and queue entries as the two calls). ``run``: instead of ``spans``,
+        contiguous spans as ``(first token, each key's token count)``, added up here (each
+        span starts on the very int its predecessor ends on). O(len(keys) + evictions +
+        stale nodes)."""
         touched = self._clock() if touch else 0.0  # _touch's clock read comes first
         self._version += 1
         now = self._clock()
         node = self.root
         n = len(keys)
+        bound, counts = run if run is not None else (0, ())  # the running span boundary
         known = len(matched)
         i = 0
         while i < n:  # the part of the path already cached
@@ -306,10 +310,14 @@ class ChunkPrefixTree:
             child.last_access = now
             if location is not None:
                 child.location = location
-            span = spans[i] if spans is not None else None
             old_end = child.token_end
-            if span is not None:
-                child.token_start, child.token_end = span
+            if run is not None:
+                child.token_start = bound
+                bound = child.token_end = bound + counts[i]
+            elif spans is not None:
+                span = spans[i]
+                if span is not None:
+                    child.token_start, child.token_end = span
             if hashes is not None:
                 block_hashes = hashes[i]
                 if block_hashes is not None:
@@ -328,10 +336,16 @@ class ChunkPrefixTree:
         if i < n:  # the new part: every node below a new one is new
             depth = node.depth
             first = True
+            start: int | None
+            end: int | None
             for j in range(i, n):
                 key = keys[j]
                 depth += 1
-                start, end = (spans[j] or _NO_SPAN) if spans is not None else _NO_SPAN
+                if run is not None:
+                    start = bound
+                    end = bound = bound + counts[j]
+                else:
+                    start, end = (spans[j] or _NO_SPAN) if spans is not None else _NO_SPAN
                 child = new_leaf(key, node, depth, start, end, location, now)
                 if first:
                     add_child(node, key, child)
