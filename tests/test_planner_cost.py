@@ -1,9 +1,11 @@
 """Issue 16's planner-cost cuts keep every decision: the CP-Tree's two-part leaf queue pops what
 one heap would, eviction takes the least recently used leaf (checked by brute force on a copy,
 with a clock that steps back and one that stands still), the tree order's set-matched nodes are
-its order's match, plan()'s one-comprehension key map splits repeats like the item loop, and a
+its order's match, plan()'s one-comprehension key map splits repeats like the item loop, a
 saved and reloaded planner (its leaf queue rebuilt in one sorted part) decides what the original
-does for hundreds of requests after."""
+does for hundreds of requests after, commit reads plan()'s tree match only while the tree is
+unchanged (deciding what a planner that walks the tree every time decides), and the fast
+builders of nodes, plans and results build what the constructors build."""
 
 from __future__ import annotations
 
@@ -207,3 +209,89 @@ def test_reloaded_planner_keeps_deciding_like_the_original(mode: str, max_nodes:
     assert mine == theirs
     assert twin.to_json() == planner.to_json()
     assert planner.prefix_tree.evictions - evicted_before == twin.prefix_tree.evictions > 0
+
+
+def _interleaved(planner: CraftPlanner, clock: SteeredClock, seed: int) -> list[Any]:
+    """Plans made in batches of 1-3 and committed in shuffled order, KV events between: a
+    plan's tree match is current at some commits and stale at others."""
+    rng = random.Random(seed)
+    out: list[Any] = []
+    sent: list[int] = []  # block hashes committed so far
+    for _ in range(250):
+        clock.now += rng.choice([0.0, 1.0])
+        plans = []
+        for _ in range(rng.randint(1, 3)):
+            ids = [rng.randrange(25) for _ in range(rng.randint(1, 5))]
+            plans.append(planner.plan([Chunk(key=ChunkKey(f"k{i}"), text="", num_tokens=4)
+                                       for i in ids]))
+        rng.shuffle(plans)
+        for plan in plans:
+            if rng.random() < 0.02:
+                planner.on_all_blocks_cleared()
+            elif sent and rng.random() < 0.2:
+                out.append(planner.on_blocks_removed(rng.sample(sent, min(2, len(sent)))))
+            rows = [[rng.getrandbits(20)] for _ in plan.ordered] if rng.random() < 0.5 else None
+            sent.extend(row[0] for row in rows or ())
+            reused = rng.randint(0, len(plan.ordered)) if rng.random() < 0.1 else None
+            out.append((plan.keys, plan.matched_chunks, planner.commit(
+                plan, prefix_tokens=rng.choice([0, 8]), block_hashes=rows, reused_chunks=reused
+            )))
+    return out
+
+
+def test_commit_reads_the_plans_match_only_while_the_tree_is_unchanged(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    config = PlannerConfig(policy="tree", window=20, max_tree_nodes=30)
+    clock = SteeredClock()
+    planner = CraftPlanner(config, clock=clock)
+    walks: list[int] = []
+    matched = ChunkPrefixTree._matched
+
+    def counted(tree: ChunkPrefixTree, keys: Any) -> list[PrefixNode]:
+        walks.append(len(keys))
+        return matched(tree, keys)
+
+    monkeypatch.setattr(ChunkPrefixTree, "_matched", counted)
+    chunks = [Chunk(key=ChunkKey(k), text="", num_tokens=4) for k in "abc"]
+    planner.commit(planner.plan(chunks), prefix_tokens=0, block_hashes=[[1], [2], [3]])
+    assert walks == []  # plan -> commit, nothing in between: plan()'s match is read
+    first, second = planner.plan(chunks[:2]), planner.plan(chunks[1:])
+    planner.commit(second, prefix_tokens=0)
+    planner.commit(first, prefix_tokens=0)  # the tree grew since ``first`` was made
+    assert walks == [2]
+    plan = planner.plan(chunks)
+    assert plan.matched_chunks == 3
+    assert planner.on_blocks_removed([2]) == 2  # the KV of b (and c after it) is gone
+    assert planner.commit(plan, prefix_tokens=0).reused_chunks == 1  # walked again: a only
+    assert walks == [2, 3]
+    monkeypatch.undo()
+    # The same decisions and state as a planner that walks the tree at every commit.
+    reading_clock, walking_clock = SteeredClock(), SteeredClock()
+    reading = CraftPlanner(config, clock=reading_clock)
+    walking = CraftPlanner(config, clock=walking_clock)
+    decided = _interleaved(reading, reading_clock, 5)
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr("craft_rag.plan_lease.PlanLease.match", lambda self, tree: None)
+        assert decided == _interleaved(walking, walking_clock, 5)
+    assert json.dumps(reading.to_json()) == json.dumps(walking.to_json())
+
+
+def test_fast_builders_build_what_the_constructors_build() -> None:
+    from dataclasses import FrozenInstanceError, fields
+
+    from craft_rag.plans import Plan, made_plan, made_result
+    from craft_rag.prefix_nodes import NO_CHILDREN, new_leaf
+
+    root = PrefixNode(key=None, parent=None, depth=0)
+    built = new_leaf(ChunkKey("a"), root, 1, 3, 7, None, 5.0)
+    want = PrefixNode(ChunkKey("a"), root, 1, NO_CHILDREN, 3, 7, None, (), 0, 5.0)
+    assert all(getattr(built, f.name) == getattr(want, f.name) for f in fields(PrefixNode))
+    chunk = Chunk(key=ChunkKey("a"), text="", num_tokens=1)
+    plan = made_plan(4, (chunk,), (), (), 1, 9, "c", 2, "tree", 7, (ChunkKey("a"),))
+    public = Plan(4, (chunk,), (), (), 1, 9, "c", 2, "tree", 7)
+    assert type(plan) is Plan and plan == public and hash(plan) == hash(public)
+    assert plan.keys == public.keys == ("a",)
+    with pytest.raises(FrozenInstanceError):
+        plan.turn = 3  # type: ignore[misc]
+    assert made_result(1, 2, 0, 1) is made_result(1, 2, 0, 1)  # equal results are shared
