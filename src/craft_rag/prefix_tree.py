@@ -274,8 +274,9 @@ class ChunkPrefixTree:
         contiguous. The planner's commit checks its arguments once and calls this (issue 16:
         no second pass over them). ``matched``: the nodes of a leading part of ``keys`` the
         caller has just walked (:meth:`_matched`, nothing changed since): not looked up
-        again. ``touch``: first :meth:`_touch` ``matched``, in the same pass (same clock
-        reads, hits and queue entries as the two calls). ``run``: instead of ``spans``,
+        again. ``touch``: ``matched`` is the whole cached part of ``keys`` (the tree's
+        match, cut where stale nodes were removed); first :meth:`_touch` it, in the same pass
+        (same clock reads, hits and queue entries as the two calls). ``run``: instead of ``spans``,
         contiguous spans as ``(first token, each key's token count)``, added up here (each
         span starts on the very int its predecessor ends on). O(len(keys) + evictions +
         stale nodes)."""
@@ -295,6 +296,8 @@ class ChunkPrefixTree:
                     child.last_access = touched
                     if not child.children:
                         self._push_leaf(child)
+            elif touch:  # ``matched`` is the whole cached part: the rest is new
+                break
             else:
                 key = keys[i]
                 children = node.children
