@@ -47,6 +47,7 @@ from craft_rag.plans import (
     made_result,
     node_metadata,
     parse_plan_ref,
+    split_repeats,
 )
 from craft_rag.prefix_tree import ChunkPrefixTree, KVLocation, PrefixNode
 from craft_rag.promotion import get_promotion_rule
@@ -168,10 +169,10 @@ class CraftPlanner(KVFeedback, StateRecorder, SharedSync):
         if set(map(type, chunks)) <= _ONLY_CHUNKS:  # C-level check: plain Chunks only
             unique = {c.key: c for c in chunks}
             if len(unique) != len(chunks):  # a repeated key
-                unique, repeated = _split_repeats(chunks)
+                unique, repeated = split_repeats(chunks)
                 fresh = list(unique.values())
         else:  # a Chunk subclass or not a Chunk
-            unique, repeated = _split_repeats(chunks)
+            unique, repeated = split_repeats(chunks)
             fresh = list(unique.values())
         conv = None if conversation_id is None else validate_conversation_id(conversation_id)
 
@@ -480,30 +481,3 @@ class CraftPlanner(KVFeedback, StateRecorder, SharedSync):
         self.prefix_tree._check_invariants()
         self.conversations._check_invariants()
         self._leases._check_invariants()
-
-
-def _split_repeats(chunks: Sequence[Chunk]) -> tuple[dict[ChunkKey, Chunk], list[Chunk]]:
-    """``({key: first chunk of that key}, the later repeats)``; ``ValueError`` naming the
-    first item that is not a :class:`Chunk`. O(k)."""
-    unique: dict[ChunkKey, Chunk] = {}
-    repeated: list[Chunk] = []
-    for chunk in chunks:
-        if type(chunk) is not Chunk and not isinstance(chunk, Chunk):
-            raise _not_a_chunk(chunks)
-        if chunk.key in unique:
-            repeated.append(chunk)
-        else:
-            unique[chunk.key] = chunk
-    return unique, repeated
-
-
-def _not_a_chunk(chunks: Sequence[object]) -> ValueError:
-    """The error for the first item of ``chunks`` that is not a :class:`Chunk`."""
-    for i, chunk in enumerate(chunks):
-        if not isinstance(chunk, Chunk):
-            msg = (
-                f"chunks[{i}] is a {type(chunk).__name__}, not a craft_rag.Chunk; "
-                "build chunks with craft_rag.make_chunk(text, id=...)"
-            )
-            return ValueError(msg)
-    return ValueError("chunks: every item must be a craft_rag.Chunk")

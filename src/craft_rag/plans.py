@@ -382,3 +382,30 @@ def check_tokens(tokens: Sequence[int] | None) -> tuple[int, ...] | None:
         msg = f"turn_tokens: must be token ids (ints >= 0), got {list(ids)[:5]!r}"
         raise ValueError(msg)
     return ids
+
+
+def split_repeats(chunks: Sequence[Chunk]) -> tuple[dict[ChunkKey, Chunk], list[Chunk]]:
+    """``({key: first chunk of that key}, the later repeats)``; ``ValueError`` naming the
+    first item that is not a :class:`Chunk`. O(k)."""
+    unique: dict[ChunkKey, Chunk] = {}
+    repeated: list[Chunk] = []
+    for chunk in chunks:
+        if type(chunk) is not Chunk and not isinstance(chunk, Chunk):
+            raise _not_a_chunk(chunks)
+        if chunk.key in unique:
+            repeated.append(chunk)
+        else:
+            unique[chunk.key] = chunk
+    return unique, repeated
+
+
+def _not_a_chunk(chunks: Sequence[object]) -> ValueError:
+    """The error for the first item of ``chunks`` that is not a :class:`Chunk`."""
+    for i, chunk in enumerate(chunks):
+        if not isinstance(chunk, Chunk):
+            msg = (
+                f"chunks[{i}] is a {type(chunk).__name__}, not a craft_rag.Chunk; "
+                "build chunks with craft_rag.make_chunk(text, id=...)"
+            )
+            return ValueError(msg)
+    return ValueError("chunks: every item must be a craft_rag.Chunk")
