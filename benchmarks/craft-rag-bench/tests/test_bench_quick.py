@@ -89,6 +89,9 @@ def test_replay_suites_and_overhead_quick(tmp_path: Path) -> None:
         assert row["gc_frozen"] is True and row["replay_requests"] > 0
         assert 0 < row["cpu_us_p50"] <= row["cpu_us_p99"]
         assert 0 < row["replay_us_p50"] <= row["replay_us_p99"]
+        # plan+commit alone inside the replay: part of the whole turn timed around it
+        assert 0 < row["replay_plan_commit_us_p50"] <= row["replay_plan_commit_us_p99"]
+        assert row["replay_plan_commit_us_p50"] < row["replay_us_p50"]
 
     for name in ("overlap", "sensitivity", "overhead"):
         saved = json.loads((out / f"{name}.json").read_text())

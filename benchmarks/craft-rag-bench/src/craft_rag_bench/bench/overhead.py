@@ -15,7 +15,9 @@ garbage collection included). ``replay_us_p50``/``replay_us_p99`` are plan+commi
 simulator allocate between the calls, so collector pauses land where they would in serving),
 over the first ``replay_requests`` requests with the hashing tokenizer (a whole RAG turn:
 plan, prompt rendering, commit; the simulated cache lookup excluded), the objects built before
-it frozen too when ``freeze_gc``. ``load_start`` /
+it frozen too when ``freeze_gc``. ``replay_plan_commit_us_*`` time only the planner's ``plan``
+and ``commit`` calls inside that same replay (wall, summed per request; the rendering's
+allocations still trigger the collector pauses that land in them). ``load_start`` /
 ``load_end`` are the 1-minute load averages around the timing run (on a shared machine the
 wall-clock tail is descheduling; thread CPU time is the planner's own cost).
 """
@@ -28,6 +30,7 @@ import random
 import time
 import tracemalloc
 from dataclasses import asdict, dataclass
+from typing import Any
 
 from craft_rag.chunk import Chunk
 from craft_rag.planner import CraftPlanner, PlannerConfig
@@ -51,6 +54,8 @@ class OverheadResult:
     cpu_us_p99: float | None = None
     replay_us_p50: float | None = None
     replay_us_p99: float | None = None
+    replay_plan_commit_us_p50: float | None = None
+    replay_plan_commit_us_p99: float | None = None
     replay_requests: int = 0
     gc_frozen: bool = False
     load_start: float | None = None
@@ -106,11 +111,13 @@ def _run(
 
 def _replay_times(
     policy: str, window: int | None, requests: list[list[Chunk]], freeze: bool
-) -> tuple[float, float]:
-    """p50/p99 of plan+commit inside :func:`craft_rag.replay.replay` (hashing tokenizer).
-    With ``freeze``, what exists before the replay starts (the trace, the timing run's
-    requests) is ``gc.freeze()``-n first, as a server would after start-up: the collector's
-    pauses inside the replay are then those of the replay's own objects."""
+) -> tuple[float, float, float, float]:
+    """p50/p99 of the whole turn and of plan+commit alone inside
+    :func:`craft_rag.replay.replay` (hashing tokenizer). With ``freeze``, what exists before
+    the replay starts (the trace, the timing run's requests) is ``gc.freeze()``-n first, as a
+    server would after start-up: the collector's pauses inside the replay are then those of
+    the replay's own objects. Plan and commit are timed by wrapping the two
+    :class:`CraftPlanner` methods for the duration of the replay (~0.2 µs per call added)."""
     from craft_rag.replay import replay
     from craft_rag.tokenizer import HashingTokenizer
     from craft_rag.trace import TraceRequest
@@ -122,15 +129,45 @@ def _replay_times(
         for i, request in enumerate(requests)
     ]
     config = PlannerConfig(policy=policy, window=window)
+    plan_ns: list[int] = []
+    commit_ns: list[int] = []
+    original_plan, original_commit = CraftPlanner.plan, CraftPlanner.commit
+    perf = time.perf_counter_ns
+
+    def timed_plan(self: CraftPlanner, *args: Any, **kwargs: Any) -> Any:
+        t0 = perf()
+        try:
+            return original_plan(self, *args, **kwargs)
+        finally:
+            plan_ns.append(perf() - t0)
+
+    def timed_commit(self: CraftPlanner, *args: Any, **kwargs: Any) -> Any:
+        t0 = perf()
+        try:
+            return original_commit(self, *args, **kwargs)
+        finally:
+            commit_ns.append(perf() - t0)
+
     if freeze:
         gc.collect()
         gc.freeze()
+    CraftPlanner.plan, CraftPlanner.commit = timed_plan, timed_commit  # type: ignore[method-assign]
     try:
         result = replay(trace, config, HashingTokenizer())
     finally:
+        CraftPlanner.plan, CraftPlanner.commit = original_plan, original_commit  # type: ignore[method-assign]
         if freeze:
             gc.unfreeze()
-    return result.planner_us_p50, result.planner_us_p99
+    if len(plan_ns) != len(commit_ns) or len(plan_ns) != len(trace):
+        msg = f"expected one plan and one commit per request, got {len(plan_ns)} / {len(commit_ns)}"
+        raise RuntimeError(msg)
+    both = [(p + c) / 1000 for p, c in zip(plan_ns, commit_ns, strict=True)]
+    return (
+        result.planner_us_p50,
+        result.planner_us_p99,
+        percentile(both, 50),
+        percentile(both, 99),
+    )
 
 
 def measure_overhead(
@@ -163,10 +200,12 @@ def measure_overhead(
         if frozen:
             gc.unfreeze()
     load_end = _load()
-    replay_p50 = replay_p99 = None
+    replay_p50 = replay_p99 = alone_p50 = alone_p99 = None
     replayed = min(replay_requests, len(requests))
     if replayed:
-        replay_p50, replay_p99 = _replay_times(policy, window, requests[:replayed], frozen)
+        replay_p50, replay_p99, alone_p50, alone_p99 = _replay_times(
+            policy, window, requests[:replayed], frozen
+        )
     mib: float | None = None
     if trace_memory:
         tracemalloc.start()
@@ -191,6 +230,8 @@ def measure_overhead(
         cpu_us_p99=percentile(cpu, 99),
         replay_us_p50=replay_p50,
         replay_us_p99=replay_p99,
+        replay_plan_commit_us_p50=alone_p50,
+        replay_plan_commit_us_p99=alone_p99,
         replay_requests=replayed,
         gc_frozen=frozen,
         load_start=load_start,
