@@ -40,9 +40,11 @@ from craft_rag.prompt import PromptFormat
 from craft_rag.tokenizer import HashingTokenizer, HFTokenizer
 
 __all__ = [
+    "ALTERNATING_TEMPLATE",
     "CHATML",
     "FAKE_BLOCK",
     "FAKE_FORMAT",
+    "MERGING_TEMPLATE",
     "FakeBackend",
     "control_id_count",
     "forged_control_text",
@@ -56,6 +58,23 @@ FAKE_BLOCK = 16
 CHATML = (
     "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n"
     "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+
+# Chat templates that do not take two user messages in a row (for the fallback of
+# ``question_message`` renderings): Mistral/Llama-2 style roles that must alternate (refuses),
+# and one that joins consecutive user messages into one turn (merges).
+ALTERNATING_TEMPLATE = (
+    "{% for m in messages %}{% if (m['role'] == 'user') != (loop.index0 % 2 == 0) %}"
+    "{{ raise_exception('Conversation roles must alternate user/assistant/user/assistant') }}"
+    "{% endif %}{% if m['role'] == 'user' %}[INST] {{ m['content'] }} [/INST]"
+    "{% else %}{{ m['content'] }}</s>{% endif %}{% endfor %}"
+)
+MERGING_TEMPLATE = (
+    "{% for m in messages %}{% if m['role'] == 'user' and loop.index0 > 0 and "
+    "messages[loop.index0 - 1]['role'] == 'user' %}\n\n{{ m['content'] }}"
+    "{% else %}{% if loop.index0 > 0 %}<|im_end|>\n{% endif %}<|im_start|>{{ m['role'] }}\n"
+    "{{ m['content'] }}{% endif %}{% endfor %}<|im_end|>\n"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
 )
 """A minimal ChatML chat template (the fake engine's message renderer)."""
 

@@ -21,12 +21,8 @@ from craft_rag.engine.chat_format import (
     render_reference,
 )
 from craft_rag.prompt import PromptAssembler, PromptFormat
+from craft_rag.testing import ALTERNATING_TEMPLATE, CHATML, MERGING_TEMPLATE
 from craft_rag.tokenizer import HFTokenizer
-
-CHATML = (
-    "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n"
-    "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
-)
 
 
 def make_chunks(n: int, seed: int = 0) -> list[Chunk]:
@@ -87,25 +83,9 @@ def test_question_message_false_skips_the_consecutive_user_render() -> None:
             extract_chat_pieces(jinja_renderer(CHATML), question_message=bad)  # type: ignore[arg-type]
 
 
-# Mistral/Llama-2 style: roles must alternate user/assistant.
-ALTERNATING = (
-    "{% for m in messages %}{% if (m['role'] == 'user') != (loop.index0 % 2 == 0) %}"
-    "{{ raise_exception('Conversation roles must alternate user/assistant/user/assistant') }}"
-    "{% endif %}{% if m['role'] == 'user' %}[INST] {{ m['content'] }} [/INST]"
-    "{% else %}{{ m['content'] }}</s>{% endif %}{% endfor %}"
+@pytest.mark.parametrize(
+    ("template", "why"), [(ALTERNATING_TEMPLATE, "refuses"), (MERGING_TEMPLATE, "merges")]
 )
-
-# Joins consecutive user messages into one turn.
-MERGING = (
-    "{% for m in messages %}{% if m['role'] == 'user' and loop.index0 > 0 and "
-    "messages[loop.index0 - 1]['role'] == 'user' %}\n\n{{ m['content'] }}"
-    "{% else %}{% if loop.index0 > 0 %}<|im_end|>\n{% endif %}<|im_start|>{{ m['role'] }}\n"
-    "{{ m['content'] }}{% endif %}{% endfor %}<|im_end|>\n"
-    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
-)
-
-
-@pytest.mark.parametrize(("template", "why"), [(ALTERNATING, "refuses"), (MERGING, "merges")])
 def test_templates_without_consecutive_user_messages_name_the_fix(template: str, why: str) -> None:
     expected = f"{why} two user messages in a row.*question_message=False"
     with pytest.raises(ValueError, match=expected):

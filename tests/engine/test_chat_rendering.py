@@ -16,24 +16,18 @@ from craft_rag.engine.conversation_prompts import ConversationPrompts
 from craft_rag.engine.engine import CraftEngine
 from craft_rag.engine.wiring import conversation_format
 from craft_rag.prompt import DEFAULT_INSTRUCTIONS, PromptAssembler, PromptFormat
-from craft_rag.testing import CHATML, FAKE_FORMAT, FakeBackend, make_chunks
+from craft_rag.testing import (
+    ALTERNATING_TEMPLATE,
+    CHATML,
+    FAKE_FORMAT,
+    MERGING_TEMPLATE,
+    FakeBackend,
+    make_chunks,
+)
 from craft_rag.tokenizer import HashingTokenizer
 
-# Mistral/Llama-2 style: roles must alternate user/assistant (refuses two user messages).
-ALTERNATING = (
-    "{% for m in messages %}{% if (m['role'] == 'user') != (loop.index0 % 2 == 0) %}"
-    "{{ raise_exception('Conversation roles must alternate user/assistant/user/assistant') }}"
-    "{% endif %}{% if m['role'] == 'user' %}[INST] {{ m['content'] }} [/INST]"
-    "{% else %}{{ m['content'] }}</s>{% endif %}{% endfor %}"
-)
-# Joins consecutive user messages into one turn.
-MERGING = (
-    "{% for m in messages %}{% if m['role'] == 'user' and loop.index0 > 0 and "
-    "messages[loop.index0 - 1]['role'] == 'user' %}\n\n{{ m['content'] }}"
-    "{% else %}{% if loop.index0 > 0 %}<|im_end|>\n{% endif %}<|im_start|>{{ m['role'] }}\n"
-    "{{ m['content'] }}{% endif %}{% endfor %}<|im_end|>\n"
-    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
-)
+ALTERNATING = ALTERNATING_TEMPLATE
+MERGING = MERGING_TEMPLATE
 # The fake engine's format with the question as its own "user message" (</u><u> between).
 CHAT_FORMAT = replace(FAKE_FORMAT, question=" </u><u>{question}")
 
@@ -70,7 +64,9 @@ def test_a_template_accepting_two_user_messages_gets_question_messages(tmp_path:
     assert [getattr(chat, f) for f in same] == [getattr(single, f) for f in same]
 
 
-@pytest.mark.parametrize(("template", "why"), [(ALTERNATING, "refuses"), (MERGING, "merges")])
+@pytest.mark.parametrize(
+    ("template", "why"), [(ALTERNATING_TEMPLATE, "refuses"), (MERGING_TEMPLATE, "merges")]
+)
 def test_templates_refusing_two_user_messages_fall_back_and_say_so(
     tmp_path: Path, template: str, why: str, caplog: pytest.LogCaptureFixture
 ) -> None:
