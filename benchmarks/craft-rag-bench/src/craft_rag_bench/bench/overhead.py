@@ -29,6 +29,7 @@ import os
 import random
 import time
 import tracemalloc
+from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from typing import Any
 
@@ -134,24 +135,20 @@ def _replay_times(
     original_plan, original_commit = CraftPlanner.plan, CraftPlanner.commit
     perf = time.perf_counter_ns
 
-    def timed_plan(self: CraftPlanner, *args: Any, **kwargs: Any) -> Any:
-        t0 = perf()
-        try:
-            return original_plan(self, *args, **kwargs)
-        finally:
-            plan_ns.append(perf() - t0)
-
-    def timed_commit(self: CraftPlanner, *args: Any, **kwargs: Any) -> Any:
-        t0 = perf()
-        try:
-            return original_commit(self, *args, **kwargs)
-        finally:
-            commit_ns.append(perf() - t0)
+    def timed(method: Callable[..., Any], sink: list[int]) -> Callable[..., Any]:
+        def call(self: CraftPlanner, *args: Any, **kwargs: Any) -> Any:
+            t0 = perf()
+            try:
+                return method(self, *args, **kwargs)
+            finally:
+                sink.append(perf() - t0)
+        return call
 
     if freeze:
         gc.collect()
         gc.freeze()
-    CraftPlanner.plan, CraftPlanner.commit = timed_plan, timed_commit  # type: ignore[method-assign]
+    CraftPlanner.plan = timed(original_plan, plan_ns)  # type: ignore[method-assign]
+    CraftPlanner.commit = timed(original_commit, commit_ns)  # type: ignore[method-assign]
     try:
         result = replay(trace, config, HashingTokenizer())
     finally:
