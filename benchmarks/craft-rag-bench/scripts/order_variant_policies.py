@@ -472,3 +472,55 @@ class SeenBelow0(Variant):
         below = _below(path[0], {c.key for c in rest}, 64)
         return _sorted_by(
             rest, lambda i: (counts[i] == 0, -below.get(rest[i].key, 0), -counts[i], i))
+
+
+# ---- a static corpus prior: hubness (k-occurrence in the corpus's own k-NN graph) ----------
+# Read from the JSON file named by CRAFT_HUB ({chunk key: k-occurrence}); it is a property of
+# the corpus alone, known before any request (no lookahead on the request stream).
+
+HUB: dict[str, int] = {}
+
+
+def _hub() -> dict[str, int]:
+    if not HUB:
+        import json
+        import os
+        from pathlib import Path
+
+        HUB.update(json.loads(Path(os.environ["CRAFT_HUB"]).read_text()))
+    return HUB
+
+
+@variant("hub_rest")
+class HubRest(Variant):
+    """Rest: window count, ties by hubness (most-neighboured passage first), then rank."""
+
+    def rest(self, rest: list[Chunk], path: tuple[Any, ...], ctx: OrderingContext) -> list[Chunk]:
+        counts, hub = self.counts(rest, ctx), _hub()
+        return _sorted_by(rest, lambda i: (-counts[i], -hub.get(rest[i].key, 0), i))
+
+
+@variant("hub_new")
+class HubNew(Variant):
+    """Rest: window count; the never-seen chunks (count 0) by hubness, seen ties by rank."""
+
+    def rest(self, rest: list[Chunk], path: tuple[Any, ...], ctx: OrderingContext) -> list[Chunk]:
+        counts, hub = self.counts(rest, ctx), _hub()
+        return _sorted_by(
+            rest, lambda i: (-counts[i], -hub.get(rest[i].key, 0) if counts[i] == 0 else 0, i)
+        )
+
+
+@variant("hub_lead")
+class HubLead(Variant):
+    """Rest as ``base``, except with no matched path the order leads with the highest-hub chunk
+    among those tied at the top count."""
+
+    def rest(self, rest: list[Chunk], path: tuple[Any, ...], ctx: OrderingContext) -> list[Chunk]:
+        out = O._by_frequency_then_rank(rest, ctx.access_table)
+        if path or len(out) < 2:
+            return out
+        counts, hub = self.counts(out, ctx), _hub()
+        top = [i for i in range(len(out)) if counts[i] == counts[0]]
+        lead = max(top, key=lambda i: (hub.get(out[i].key, 0), -i))
+        return [out[lead], *out[:lead], *out[lead + 1:]]

@@ -61,6 +61,8 @@ def test_every_variant_returns_a_permutation(name: str) -> None:
     trace = read_trace(FIXTURE)
     policies.FUTURE[:] = [[c.key for c in r.chunks] for r in trace]
     policies.PAST[:] = [set(k) for k in policies.FUTURE]
+    policies.HUB.clear()
+    policies.HUB.update({c.key: len(c.key) % 7 for r in trace for c in r.chunks})
     for request, order in zip(trace, harness.fast_orders(trace, name), strict=True):
         assert sorted(order) == sorted(c.key for c in request.chunks)
 
@@ -89,3 +91,14 @@ def test_oracle_reads_the_future_and_past_greedy_only_the_past() -> None:
     policies.PAST[:] = [set(k) for k in policies.FUTURE]
     assert serve("oracle_rest", requests)[1] == ("a", "q", "p")
     assert serve("past_greedy", requests)[1] == ("a", "p", "q")
+
+
+def test_hub_lead_leads_with_the_most_neighboured_new_chunk_only_without_a_match() -> None:
+    # Nothing matches request 1: tree keeps rank order, hub_lead leads with q (hubness 9).
+    # Request 2 matches [q, ...] under hub_lead and [p, ...] under tree; its rest keeps base's.
+    requests = [chunks("p", "q", "r"), chunks("q", "s", "t")]
+    policies.HUB.clear()
+    policies.HUB.update({"p": 1, "q": 9, "r": 5, "s": 0, "t": 8})
+    assert serve("tree", requests) == [("p", "q", "r"), ("q", "s", "t")]
+    assert serve("hub_lead", requests) == [("q", "p", "r"), ("q", "s", "t")]
+    assert serve("hub_rest", requests)[0] == ("q", "r", "p")
