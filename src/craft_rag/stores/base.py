@@ -258,6 +258,15 @@ class StateStore(abc.ABC):
         self._check_contiguous(namespace, snapshot.seq, entries)
         return LogRead(head, tuple(entries), snapshot)
 
+    def _fingerprint_mismatch(self, namespace: str, found: str) -> StoreCorrupted:
+        """The error :meth:`attach` raises when ``namespace`` holds the state of a planner whose
+        config fingerprint is ``found`` (one message for every backend)."""
+        msg = (
+            f"store {self.url} namespace {namespace!r} holds state of another planner "
+            f"config ({found}); use the same PlannerConfig in every worker or another namespace"
+        )
+        return StoreCorrupted(msg)
+
     def _check_contiguous(self, namespace: str, since: int, entries: list[LogEntry]) -> None:
         for offset, entry in enumerate(entries, start=1):
             if entry.seq != since + offset:

@@ -19,7 +19,6 @@ from craft_rag.stores.base import (
     LogEntry,
     Snapshot,
     StateStore,
-    StoreCorrupted,
     check_namespace,
     conflict_message,
     parse_options,
@@ -90,12 +89,7 @@ class MemoryStore(StateStore):
             if space.fingerprint is None:
                 space.fingerprint = fingerprint
             elif space.fingerprint != fingerprint:
-                msg = (
-                    f"store {self.url} namespace {namespace!r} holds state of another planner "
-                    f"config ({space.fingerprint}); use the same PlannerConfig in every worker "
-                    "or another namespace"
-                )
-                raise StoreCorrupted(msg)
+                raise self._fingerprint_mismatch(namespace, space.fingerprint)
 
     def _range(self, namespace: str, since: int) -> tuple[int, list[LogEntry]]:
         with self._lock:

@@ -206,12 +206,7 @@ class RedisStore(StateStore):
             )
             raise StoreCorrupted(msg)
         if found_fingerprint != fingerprint:
-            msg = (
-                f"store {self.url} namespace {namespace!r} holds state of another planner "
-                f"config ({found_fingerprint}); use the same PlannerConfig in every worker or "
-                "another namespace"
-            )
-            raise StoreCorrupted(msg)
+            raise self._fingerprint_mismatch(namespace, found_fingerprint)
 
     def _range(self, namespace: str, since: int) -> tuple[int, list[LogEntry]]:
         keys = [self._key(namespace, "head"), self._key(namespace, "log")]

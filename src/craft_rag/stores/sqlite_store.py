@@ -201,12 +201,7 @@ class SQLiteStore(StateStore):
                 )
                 cur.execute("INSERT OR IGNORE INTO craft_head VALUES (?, 0)", (namespace,))
             elif row[0] != fingerprint:
-                msg = (
-                    f"store {self.url} namespace {namespace!r} holds state of another planner "
-                    f"config ({row[0]}); use the same PlannerConfig in every worker or another "
-                    "namespace"
-                )
-                raise StoreCorrupted(msg)
+                raise self._fingerprint_mismatch(namespace, row[0])
 
     @staticmethod
     def _head_and_after(
