@@ -295,3 +295,38 @@ def test_fast_builders_build_what_the_constructors_build() -> None:
     with pytest.raises(FrozenInstanceError):
         plan.turn = 3  # type: ignore[misc]
     assert made_result(1, 2, 0, 1) is made_result(1, 2, 0, 1)  # equal results are shared
+
+
+def test_a_turn_records_its_token_ids_only_in_a_conversation(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # The engine's turn code (here through replay) hands commit the turn's ids only when a
+    # conversation will keep them; a single request's would be checked (O(prompt)) and dropped.
+    from craft_rag.chunk import make_chunk
+    from craft_rag.replay import replay
+    from craft_rag.tokenizer import HashingTokenizer
+    from craft_rag.trace import TraceRequest
+    from craft_rag.types import ConversationId
+
+    seen: list[tuple[str | None, int | None]] = []
+    commit = CraftPlanner.commit
+
+    def spy(self: CraftPlanner, plan: Any, **kwargs: Any) -> Any:
+        tokens = kwargs.get("turn_tokens")
+        seen.append((plan.conversation_id, None if tokens is None else len(tokens)))
+        return commit(self, plan, **kwargs)
+
+    monkeypatch.setattr(CraftPlanner, "commit", spy)
+    chunks = tuple(make_chunk(f"passage {n} " * 20, id=n) for n in ("a", "b", "c"))
+    trace = [
+        TraceRequest(id="single", query="q1", chunks=chunks),
+        TraceRequest(id="t1", query="q2", chunks=chunks[:2],
+                     conversation_id=ConversationId("chat"), turn=1, answer="yes"),
+        TraceRequest(id="t2", query="q3", chunks=chunks[1:],
+                     conversation_id=ConversationId("chat"), turn=2, answer="no"),
+    ]
+    result = replay(trace, PlannerConfig(), HashingTokenizer())
+    assert seen[0] == (None, None)
+    assert [cid for cid, _ in seen[1:]] == ["chat", "chat"]
+    assert all(n is not None and n > 20 for _, n in seen[1:])
+    assert result.prefix_overlap >= 0  # the replay ran to the end
