@@ -20,9 +20,9 @@ import os
 import secrets
 import sys
 import time
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import asdict, dataclass
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Unpack
 
 from tqdm import tqdm
 
@@ -34,6 +34,7 @@ from craft_rag.trace import TraceRequest, read_trace
 
 if TYPE_CHECKING:
     from craft_rag.engine import CraftEngine, GenerationResult
+    from craft_rag.engine.forms import CallOptions
 
 
 @dataclass(frozen=True, slots=True)
@@ -119,16 +120,28 @@ def run_system(
     if cache_salt is None and not engine.reset_prefix_cache():
         msg = "could not reset the prefix cache (requests still running)"
         raise RuntimeError(msg)
+    return serve_requests(
+        engine,
+        tqdm(trace, desc=f"{system.name:>15}", disable=not progress, file=sys.stderr),
+        max_tokens=max_tokens,
+        read_prefix_cache=system.read_prefix_cache,
+        cache_salt=cache_salt,
+    )
+
+
+def serve_requests(
+    engine: CraftEngine, requests: Iterable[TraceRequest], **options: Unpack[CallOptions]
+) -> list[GenerationResult]:
+    """The measured loop, one definition for :func:`run_system` and
+    :func:`craft_rag_bench.bench.serving.serve`: each request served in turn, one at a time,
+    as it comes from ``requests`` (a progress bar may wrap the trace), ``options`` passed to
+    every ``engine.generate``. Cost: each request's prefill of its uncached tokens plus
+    ``max_tokens`` decode steps."""
     out: list[GenerationResult] = []
-    for request in tqdm(trace, desc=f"{system.name:>15}", disable=not progress, file=sys.stderr):
+    for request in requests:
         out.append(
             engine.generate(
-                request.chunks,
-                request.query,
-                conversation_id=request.conversation_id,
-                max_tokens=max_tokens,
-                read_prefix_cache=system.read_prefix_cache,
-                cache_salt=cache_salt,
+                request.chunks, request.query, conversation_id=request.conversation_id, **options
             )
         )
     return out

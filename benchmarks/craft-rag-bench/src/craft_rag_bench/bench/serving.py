@@ -22,7 +22,7 @@ from craft_rag.trace import TraceRequest
 from craft_rag_bench.bench.context import BenchContext
 from craft_rag_bench.bench.peers import PEER_ORDERS, available_peers, peer_trace
 from craft_rag_bench.demo import SYSTEMS as DEMO_SYSTEMS
-from craft_rag_bench.demo import run_system
+from craft_rag_bench.demo import run_system, serve_requests
 
 if TYPE_CHECKING:
     from craft_rag.engine import CraftEngine, GenerationResult
@@ -93,18 +93,12 @@ def serve(
     if not engine.reset_prefix_cache():
         msg = "could not reset the prefix cache (requests still running)"
         raise RuntimeError(msg)
-    out: list[GenerationResult] = []
-    for request in ctx.bar(trace, desc):
-        out.append(
-            engine.generate(
-                request.chunks,
-                request.query,
-                conversation_id=request.conversation_id,
-                max_tokens=max_tokens,
-                read_prefix_cache=system.read_prefix_cache,
-            )
-        )
-    return out
+    return serve_requests(
+        engine,
+        ctx.bar(trace, desc),
+        max_tokens=max_tokens,
+        read_prefix_cache=system.read_prefix_cache,
+    )
 
 
 def served(
