@@ -109,13 +109,20 @@ class CraftSynthesizer(BaseSynthesizer):
         kwargs = {"conversation_id": self._conversation_id, **self._sampling, **response_kwargs}
         return _Job(list(chunks), question, kwargs, sources, metadata)
 
-    def _node_job(
+    def _start(
         self,
         query: QueryTextType,
         nodes: Sequence[NodeWithScore],
         additional_source_nodes: Sequence[NodeWithScore] | None,
         response_kwargs: dict[str, Any],
-    ) -> _Job:
+        streaming_async: bool,
+    ) -> _Job | RESPONSE_TYPE:
+        """What :meth:`synthesize` and :meth:`asynthesize` do before the engine call, once:
+        emit ``SynthesizeStartEvent``, then the job for ``nodes``, or, when there are none, the
+        finished empty response (its ``SynthesizeEndEvent`` emitted; no engine call)."""
+        dispatcher.event(SynthesizeStartEvent(query=query))
+        if not nodes:
+            return self._empty(query, streaming_async)
         question = query if isinstance(query, str) else query.query_str
         nodes = list(nodes)  # read once: a generator feeds both the chunks and source_nodes
         split = split_nodes(nodes, self._key_source)
@@ -201,10 +208,9 @@ class CraftSynthesizer(BaseSynthesizer):
         additional_source_nodes: Sequence[NodeWithScore] | None = None,
         **response_kwargs: Any,
     ) -> RESPONSE_TYPE:
-        dispatcher.event(SynthesizeStartEvent(query=query))
-        if not nodes:
-            return self._empty(query, streaming_async=False)
-        job = self._node_job(query, nodes, additional_source_nodes, response_kwargs)
+        job = self._start(query, nodes, additional_source_nodes, response_kwargs, False)
+        if not isinstance(job, _Job):
+            return job
         with self._traced(query, job) as done:
             return done(self._respond(job))
 
@@ -215,10 +221,9 @@ class CraftSynthesizer(BaseSynthesizer):
         additional_source_nodes: Sequence[NodeWithScore] | None = None,
         **response_kwargs: Any,
     ) -> RESPONSE_TYPE:
-        dispatcher.event(SynthesizeStartEvent(query=query))
-        if not nodes:
-            return self._empty(query, streaming_async=True)
-        job = self._node_job(query, nodes, additional_source_nodes, response_kwargs)
+        job = self._start(query, nodes, additional_source_nodes, response_kwargs, True)
+        if not isinstance(job, _Job):
+            return job
         with self._traced(query, job) as done:
             return done(await self._arespond(job))
 
