@@ -266,7 +266,7 @@ class RagTurns:
             reused_chunks=kv_chunks if flight.sampling.read_prefix_cache else None,
             block_hashes=block_hashes,
             # Recorded only in a conversation: a single request's ids would be checked, O(prompt
-            # tokens) in Python (~50 µs for 1,600 ids), then dropped (issue 16).
+            # tokens) in Python (~65 µs for 1,600 ids), then dropped (issue 16).
             turn_tokens=tokens if plan.conversation_id is not None else None,
             # A restart re-sent dedup's chunks: the turn records every key in its prompt.
             removed_in_prompt=resent,
