@@ -38,6 +38,7 @@ from craft_rag.engine.results import SamplingRequest, StepOutput
 from craft_rag.planner import CraftPlanner, PlannerConfig
 from craft_rag.prompt import PromptFormat
 from craft_rag.tokenizer import HashingTokenizer, HFTokenizer
+from craft_rag.validation import check_number
 
 __all__ = [
     "ALTERNATING_TEMPLATE",
@@ -121,6 +122,7 @@ class FakeBackend:
     shut_down: bool = False
 
     def __post_init__(self) -> None:
+        check_number(self.step_delay, "step_delay (seconds)", minimum=0.0)
         if self.hasher is None:
             self.hasher = BlockHasher.for_algo(self.block_size)
 

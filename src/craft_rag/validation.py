@@ -104,9 +104,16 @@ def check_bool(value: object, name: str) -> bool:
 
 
 def check_number(
-    value: object, name: str, *, positive: bool = False, minimum: float | None = None
+    value: object,
+    name: str,
+    *,
+    positive: bool = False,
+    minimum: float | None = None,
+    maximum: float | None = None,
 ) -> float:
-    """``value`` as a finite ``float`` if it is an ``int`` or ``float`` (not a ``bool``/``str``)."""
+    """``value`` as a finite ``float`` if it is an ``int`` or ``float`` (not a ``bool``/``str``)
+    within the bounds. The one check for every float setting: NaN passes every ``<``/``>``
+    test, so a range check alone lets it through (and a NaN weight makes every cost NaN)."""
     if not isinstance(value, (int, float)) or isinstance(value, bool):
         msg = f"{name}: must be a number, got {_describe(value)}"
         raise ValueError(msg)
@@ -123,7 +130,29 @@ def check_number(
     if minimum is not None and number < minimum:
         msg = f"{name}: must be >= {minimum}, got {value!r}"
         raise ValueError(msg)
+    if maximum is not None and number > maximum:
+        msg = f"{name}: must be <= {maximum}, got {value!r}"
+        raise ValueError(msg)
     return number
+
+
+def check_optional_number(
+    value: object,
+    name: str,
+    *,
+    positive: bool = False,
+    minimum: float | None = None,
+    maximum: float | None = None,
+    none_means: str = "unset",
+) -> float | None:
+    """``None`` or :func:`check_number`; the message says what ``None`` means."""
+    if value is None:
+        return None
+    try:
+        return check_number(value, name, positive=positive, minimum=minimum, maximum=maximum)
+    except ValueError as exc:
+        msg = f"{exc} (or None: {none_means})"
+        raise ValueError(msg) from None
 
 
 def validate_conversation_id(value: object, name: str = "conversation_id") -> ConversationId | None:

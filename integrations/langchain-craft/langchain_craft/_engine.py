@@ -103,8 +103,12 @@ class CraftEngineParams(BaseModel):
         description="Name reported in metadata; default: the served model's folder name.",
     )
     max_tokens: int = Field(default=64, ge=1, description="Maximum tokens to generate.")
-    temperature: float = Field(default=0.0, ge=0.0, description="Sampling temperature.")
-    top_p: float = Field(default=1.0, gt=0.0, le=1.0, description="Nucleus sampling mass.")
+    temperature: float = Field(
+        default=0.0, ge=0.0, allow_inf_nan=False, description="Sampling temperature."
+    )
+    top_p: float = Field(
+        default=1.0, gt=0.0, le=1.0, allow_inf_nan=False, description="Nucleus sampling mass."
+    )
     seed: int | None = Field(default=None, description="Sampling seed.")
     stop: list[str] | None = Field(default=None, description="Stop strings.")
     read_prefix_cache: bool = Field(

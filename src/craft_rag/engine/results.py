@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING, Any, TypeAlias
 from craft_rag.chunk import Chunk
 from craft_rag.engine.planners import validate_cache_salt
 from craft_rag.types import ChunkKey
-from craft_rag.validation import materialise, validate_conversation_id
+from craft_rag.validation import check_number, materialise, validate_conversation_id
 
 if TYPE_CHECKING:
     from craft_rag.engine.turn_layout import LayoutChoice
@@ -40,9 +40,8 @@ class SamplingRequest:
         if _not_int(self.max_tokens) or self.max_tokens < 1:
             msg = f"max_tokens must be an int >= 1, got {self.max_tokens!r}"
             raise ValueError(msg)
-        if self.temperature < 0:
-            msg = f"temperature must be >= 0, got {self.temperature!r}"
-            raise ValueError(msg)
+        check_number(self.temperature, "temperature", minimum=0.0)
+        check_number(self.top_p, "top_p", positive=True, maximum=1.0)
 
     def with_overrides(self, **overrides: object) -> SamplingRequest:
         """A copy with the named fields replaced: the one mapping from call keyword arguments

@@ -14,6 +14,7 @@ from dataclasses import dataclass
 from urllib.parse import urlsplit
 
 from craft_rag.engine.driver import EngineFailure
+from craft_rag.validation import check_int, check_number
 
 __all__ = [
     "KV_EVENTS_PORT_OFFSET",
@@ -27,6 +28,12 @@ __all__ = [
 
 KV_EVENTS_PORT_OFFSET = 1000
 """Default KV-events port: the HTTP port plus this (``craft-rag serve`` binds it)."""
+
+MAX_RETRIES = 100
+"""Bound on ``retries``: with the doubling backoff more would wait for years."""
+
+MAX_BACKOFF_S = 3600.0
+"""Bound on ``backoff`` (seconds; the first wait, later ones double)."""
 
 _INFO_LABEL = re.compile(r'(\w+)="([^"]*)"')
 
@@ -87,15 +94,10 @@ class ServerSettings:
         if parts.path.rstrip("/") not in ("", "/v1") or parts.query or parts.fragment:
             msg = f"server URL {self.url!r} must be the server root, e.g. http://127.0.0.1:8000"
             raise ValueError(msg)
-        for name in ("connect_timeout", "read_timeout"):
-            if not getattr(self, name) > 0:
-                msg = f"{name} must be > 0 seconds, got {getattr(self, name)!r}"
-                raise ValueError(msg)
-        if not isinstance(self.retries, int) or self.retries < 0 or self.backoff < 0:
-            msg = (
-                f"retries must be an int >= 0 and backoff >= 0, got {self.retries}, {self.backoff}"
-            )
-            raise ValueError(msg)
+        check_number(self.connect_timeout, "connect_timeout (seconds)", positive=True)
+        check_number(self.read_timeout, "read_timeout (seconds)", positive=True)
+        check_int(self.retries, "retries", minimum=0, maximum=MAX_RETRIES)
+        check_number(self.backoff, "backoff (seconds)", minimum=0.0, maximum=MAX_BACKOFF_S)
         if isinstance(self.kv_events, str) and not self.kv_events.startswith("tcp://"):
             msg = f"kv_events {self.kv_events!r} must be a tcp://HOST:PORT endpoint or a port"
             raise ValueError(msg)

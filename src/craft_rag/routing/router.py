@@ -30,6 +30,7 @@ from craft_rag.routing.policies import ClusterView, RouteRequest, get_routing_po
 from craft_rag.routing.queueing import DEFAULT_TTFT_MODEL, TTFTModel
 from craft_rag.routing.replica import PlannerSource, Replica, ReplicaId, ReplicaLoad
 from craft_rag.types import BlockHash, ChunkKey, ConversationId
+from craft_rag.validation import check_number
 
 
 @dataclass(frozen=True, slots=True)
@@ -52,12 +53,8 @@ class RouterConfig:
     planner: PlannerConfig = field(default_factory=PlannerConfig)
 
     def __post_init__(self) -> None:
-        if not isinstance(self.load_weight, (int, float)) or not self.load_weight >= 0:
-            msg = f"load_weight must be a number >= 0, got {self.load_weight!r}"
-            raise ValueError(msg)
-        if not isinstance(self.balance_slack, (int, float)) or not self.balance_slack >= 1.0:
-            msg = f"balance_slack must be >= 1.0 (1.0 = perfectly even), got {self.balance_slack!r}"
-            raise ValueError(msg)
+        check_number(self.load_weight, "load_weight", minimum=0.0)
+        check_number(self.balance_slack, "balance_slack (1.0 = perfectly even)", minimum=1.0)
         if not isinstance(self.balance_headroom, int) or self.balance_headroom < 1:
             msg = f"balance_headroom must be an int >= 1, got {self.balance_headroom!r}"
             raise ValueError(msg)

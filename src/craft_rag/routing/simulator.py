@@ -35,6 +35,7 @@ from craft_rag.routing.router import RouteDecision, Router, RouterConfig
 from craft_rag.tokenizer import Tokenizer
 from craft_rag.trace import TraceRequest
 from craft_rag.types import BlockHash, ConversationId
+from craft_rag.validation import check_number
 
 
 @dataclass(frozen=True, slots=True)
@@ -83,7 +84,8 @@ class SimConfig:
                 f"got {self.capacity_tokens!r}"
             )
             raise ValueError(msg)
-        if not isinstance(self.load, (int, float)) or not 0 < self.load < 10:
+        check_number(self.load, "load (fraction of no-cache capacity)", positive=True)
+        if not self.load < 10:
             msg = f"load must be in (0, 10) (fraction of no-cache capacity), got {self.load!r}"
             raise ValueError(msg)
         for fault in self.faults:

@@ -15,6 +15,7 @@ import re
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 
+from craft_rag.validation import check_number
 from craft_rag_bench.datasets import Question
 
 # --------------------------------------------------------------------------- rewording
@@ -149,6 +150,7 @@ def plan_queries(
         raise ValueError(msg)
     if requests is not None and requests < 1:
         bad_value("requests", requests, "an int >= 1 (or None for the whole dataset)")
+    check_trace_knobs(repeat, zipf, near_duplicates)
     rng = random.Random(seed)
     eligible = len(questions) if requests is None else min(requests, len(questions))
     ranks = list(range(eligible))
@@ -186,6 +188,16 @@ def plan_queries(
             next_fresh += 1
         i += 1
     return plan
+
+
+def check_trace_knobs(repeat: float, zipf: float, near_duplicates: float) -> None:
+    """``ValueError`` naming the knob unless each is a finite number in its range (NaN would
+    pass a bare range check and make every draw NaN)."""
+    check_number(repeat, "repeat", minimum=0.0)
+    if not repeat < 1.0:
+        bad_value("repeat", repeat, "a probability in [0, 1)")
+    check_number(zipf, "zipf (an exponent, 0 = uniform)", minimum=0.0)
+    check_number(near_duplicates, "near_duplicates (a probability)", minimum=0.0, maximum=1.0)
 
 
 def bad_value(field: str, value: object, expected: str) -> None:

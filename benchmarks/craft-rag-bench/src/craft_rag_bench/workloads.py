@@ -43,7 +43,7 @@ from craft_rag_bench.datasets import (
     passage_corpus,
 )
 from craft_rag_bench.queries import bad_value as _bad
-from craft_rag_bench.queries import plan_queries
+from craft_rag_bench.queries import check_trace_knobs, plan_queries
 from craft_rag_bench.retrieval import INDEX_KINDS, Embedder, Retriever, check_k
 
 T = TypeVar("T")
@@ -89,12 +89,7 @@ class TraceConfig:
             _bad("requests", self.requests, "an int >= 1 (or None for the whole dataset)")
         if self.top_k < 1:
             _bad("top_k", self.top_k, "an int >= 1")
-        if not 0.0 <= self.repeat < 1.0:
-            _bad("repeat", self.repeat, "a probability in [0, 1)")
-        if self.zipf < 0.0:
-            _bad("zipf", self.zipf, "an exponent >= 0 (0 = uniform)")
-        if not 0.0 <= self.near_duplicates <= 1.0:
-            _bad("near_duplicates", self.near_duplicates, "a probability in [0, 1]")
+        check_trace_knobs(self.repeat, self.zipf, self.near_duplicates)
         if self.corpus not in CORPUS_CHOICES:
             _bad("corpus", self.corpus, "one of " + ", ".join(CORPUS_CHOICES))
         if self.concurrency < 1:

@@ -24,6 +24,7 @@ from tqdm import tqdm
 from craft_rag.prompt import PromptFormat
 from craft_rag.tokenizer import Tokenizer
 from craft_rag.trace import TraceRequest, read_trace
+from craft_rag.validation import check_number
 
 if TYPE_CHECKING:
     from craft_rag.engine import CraftEngine, GenerationResult
@@ -69,6 +70,10 @@ class BenchSizes:
     routing_replicas: tuple[int, ...] = (2, 8, 32, 128)
     cache_sizes: tuple[str, ...] = ("whole", "medium", "small")
     """``cache-sizes`` suite: KV sizes (names or block counts; see bench/cache_sizes.py)."""
+
+    def __post_init__(self) -> None:
+        for i, rate in enumerate(self.load_rates):
+            check_number(rate, f"load_rates[{i}] (requests per second)", positive=True)
 
 
 FULL = BenchSizes()

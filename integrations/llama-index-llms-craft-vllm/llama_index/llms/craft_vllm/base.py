@@ -98,8 +98,12 @@ class CraftVLLM(LLM):
 
     model: str = Field(default=EMBEDDED_MODEL_NAME, description="Model name for LLMMetadata.")
     max_tokens: int = Field(default=64, gt=0, description="Default max new tokens per request.")
-    temperature: float = Field(default=0.0, ge=0.0, description="Sampling temperature.")
-    top_p: float = Field(default=1.0, gt=0.0, le=1.0, description="Nucleus sampling p.")
+    temperature: float = Field(
+        default=0.0, ge=0.0, allow_inf_nan=False, description="Sampling temperature."
+    )
+    top_p: float = Field(
+        default=1.0, gt=0.0, le=1.0, allow_inf_nan=False, description="Nucleus sampling p."
+    )
     seed: int | None = Field(default=None, description="Per-request sampling seed.")
     read_prefix_cache: bool = Field(
         default=True,
