@@ -61,3 +61,46 @@ def test_cli_prints_the_command(capsys: pytest.CaptureFixture[str], tmp_path: ob
     argv = json.loads(capsys.readouterr().out)
     assert argv[argv.index("--model") + 1] == str(model)
     assert argv[argv.index("--port") + 1] == "8300"
+
+
+def test_model_is_served_under_its_folder_name_unless_named() -> None:
+    argv = server_command(ServeConfig(model="/cache/models/SmolLM2-135M-Instruct"), python="py")
+    assert argv[argv.index("--served-model-name") + 1] == "SmolLM2-135M-Instruct"
+    named = server_command(ServeConfig(model="/m", served_model_name="smollm2"), python="py")
+    assert named[named.index("--served-model-name") + 1] == "smollm2"
+
+
+def test_quiet_by_default_and_info_on_request() -> None:
+    quiet = ServeConfig(model="/m")
+    argv = server_command(quiet, python="py")
+    assert argv[argv.index("--uvicorn-log-level") + 1] == "warning"
+    assert "--disable-uvicorn-access-log" in argv
+    assert server_env(quiet, {})["VLLM_LOGGING_LEVEL"] == "WARNING"
+    loud = ServeConfig(model="/m", log_level="info")
+    assert "--disable-uvicorn-access-log" not in server_command(loud, python="py")
+    assert server_env(loud, {})["VLLM_LOGGING_LEVEL"] == "INFO"
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "match"),
+    [
+        ({"log_level": "loud"}, "log_level"),
+        ({"served_model_name": " "}, "served_model_name"),
+        ({"served_model_name": "x" * 300}, "served_model_name"),
+    ],
+)
+def test_bad_name_or_level_is_a_value_error(kwargs: dict[str, str], match: str) -> None:
+    with pytest.raises(ValueError, match=match):
+        ServeConfig(model="/m", **kwargs)  # type: ignore[arg-type]
+
+
+def test_cli_passes_name_and_level(capsys: pytest.CaptureFixture[str], tmp_path: object) -> None:
+    from pathlib import Path
+
+    model = Path(str(tmp_path))
+    (model / "config.json").write_text("{}")
+    args = ["serve", "--model", str(model), "--served-model-name", "mine", "--log-level", "info"]
+    assert main([*args, "--print-command"]) == 0
+    argv = json.loads(capsys.readouterr().out)
+    assert argv[argv.index("--served-model-name") + 1] == "mine"
+    assert argv[argv.index("--uvicorn-log-level") + 1] == "info"

