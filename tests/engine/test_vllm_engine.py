@@ -95,9 +95,7 @@ def test_expected_block_hashes_equal_blockstored_events(fresh: CraftEngine) -> N
     reported = [e for e in events(fresh).recent_events() if isinstance(e, BlocksStored)]
     assert stored(reported)[: len(expected)] == expected
     assert reported[0].parent is None
-    assert reported[0].token_ids[: 32 * len(expected)] == result.prompt_token_ids[
-        : 32 * len(expected)
-    ]
+    assert reported[0].token_ids == ()  # the recent log keeps hashes (they imply the ids)
 
 
 def test_craft_order_reuses_the_whole_chunk_prefix_retriever_order_does_not(

@@ -1,24 +1,15 @@
-"""Keep the CP-Tree true to vLLM's prefix cache: expected block hashes and KV cache events.
+"""Keep the CP-Tree true to vLLM's prefix cache: its KV cache events.
 
-Two halves:
-
-* :class:`BlockHasher` computes the hashes vLLM will give a prompt's full KV blocks, the way
-  ``vllm.v1.core.kv_cache_utils`` does: ``h_0 = H((NONE_HASH, tokens[0:B], extra))``,
-  ``h_j = H((h_{j-1}, tokens[jB:(j+1)B], None))`` where ``H`` is the configured
-  ``prefix_caching_hash_algo`` (default ``sha256`` over a pickle) and ``NONE_HASH = H(seed)``
-  (seed ``PYTHONHASHSEED`` if set, else ``"vllm-none-hash"``). KV events report hashes either
-  as those bytes or, when ``VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES`` is on (vLLM's default), as
-  their low 64 bits as an int; :meth:`BlockHasher.external` applies the same conversion, then
-  :func:`craft_rag.types.as_block_hash`, so expected and reported hashes compare equal.
-* :class:`KVEventSync` subscribes to vLLM's ZMQ publisher (``KVEventsConfig(publisher="zmq",
-  endpoint="ipc://...")``; the publisher binds ipc endpoints, the subscriber connects) on a
-  daemon thread and forwards ``BlockRemoved`` to ``planner.on_blocks_removed`` and
-  ``AllBlocksCleared`` to ``planner.on_all_blocks_cleared``.
+:class:`KVEventSync` subscribes to vLLM's ZMQ publisher (``KVEventsConfig(publisher="zmq",
+endpoint="ipc://...")``; the publisher binds ipc endpoints, the subscriber connects) on a
+daemon thread and forwards ``BlockRemoved`` to ``planner.on_blocks_removed`` and
+``AllBlocksCleared`` to ``planner.on_all_blocks_cleared``. The expected hashes it checks come
+from :class:`~craft_rag.engine.block_hashes.BlockHasher` (re-exported here).
 
 Wire format (vLLM 0.32, msgpack via msgspec): each message is ``[topic, seq (8 bytes
 big-endian), payload]``; the payload is an array ``[ts, events, dp_rank]`` and each event a map
-with a ``"type"`` tag (``BlockStored``, ``BlockRemoved``, ``AllBlocksCleared``). Unknown event
-types are counted and ignored.
+with a ``"type"`` tag. Decoding and validation live in :mod:`craft_rag.engine.kv_event_wire`
+(re-exported here); unknown event types are counted (``unknown_events``) and ignored.
 
 Consistency: events arrive asynchronously (vLLM's publisher thread, then this thread). A block
 evicted between a request's completion and its planner commit can leave a stale CP-Tree node;
@@ -27,6 +18,26 @@ the next commit that matches it sees fewer cached chunks than predicted and remo
 (dropped messages: evictions may be lost) or a sequence number going back (the engine or server
 restarted: its cache is empty) resyncs by clearing: ``on_all_blocks_cleared`` before the batch
 is applied, counted in :attr:`KVEventStats.gaps` / :attr:`KVEventStats.restarts`.
+
+Lost batches: nothing a peer sends stops the subscriber thread. A message with the wrong part
+count, a bad sequence frame, an undecodable payload or any malformed event (:class:`MalformedBatch`:
+wrong types, out-of-range values, truncated msgpack, garbage) is refused whole, counted in
+``undecodable``, and treated like a sequence gap: the listener is cleared (resync) and, when the
+sequence number was readable, the barrier passes it. The same for an over-size message
+(``oversized``), a dropped connection (``disconnects``) and a listener that raised
+(``listener_errors``). Each loss logs a warning on ``craft_rag.engine.kv_events``, at most one per
+:data:`WARN_INTERVAL_S` (60 s); the next says how many were not logged.
+
+Bounds (the publisher is a network peer): one message is at most ``max_message_bytes``
+(:data:`MAX_MESSAGE_BYTES`, 2 MiB: a step of ~350,000 tokens at 5 wire bytes each; vLLM steps
+carry a few thousand). ZMQ's ``MAXMSGSIZE`` refuses a bigger frame before reading it (libzmq then
+drops the connection; the sync resyncs and reconnects on a new socket), and the total size is
+checked again before decoding. Decoding a message costs O(its size) time and transient Python
+objects of roughly 10-20x its size for well-formed batches (at most ~40 MiB at the cap), freed
+once the batch is applied; frames past the third are read and dropped. The recent-events log
+(:meth:`KVEventSync.recent_events`) keeps at most :data:`RECENT_EVENTS` (4,096) events and
+:data:`RECENT_HASHES` (65,536) block hashes, without token ids and with only the first block's
+extra keys: about 8 MiB at most, whatever the prompt length.
 
 Our own resets: vLLM queues ``AllBlocksCleared`` at ``reset_prefix_cache`` but publishes it only
 with its *next* step's batch, i.e. with the first request after the reset. The engine empties the
@@ -45,208 +56,60 @@ block of each unsalted stored chain hashes as expected (:attr:`KVEventStats.hash
 
 from __future__ import annotations
 
-import hashlib
-import importlib
-import os
-import pickle
+import logging
 import threading
 import time
-from collections import deque
 from collections.abc import Callable, Iterable, Sequence
-from dataclasses import dataclass, field
 from typing import Any, Protocol
 
-from craft_rag.types import BlockHash, as_block_hash
+from craft_rag.engine.block_hashes import (
+    DEFAULT_NONE_HASH_SEED,
+    BlockHasher,
+    hash_function,
+    sha256_pickle,
+)
+from craft_rag.engine.kv_event_state import (
+    RECENT_EVENTS,
+    RECENT_HASHES,
+    KVEventStats,
+    RecentEvents,
+)
+from craft_rag.engine.kv_event_wire import (
+    AllCleared,
+    BlocksRemoved,
+    BlocksStored,
+    DecodedBatch,
+    KVEvent,
+    MalformedBatch,
+    decode_batch,
+    decode_event_batch,
+    decode_seq,
+)
+from craft_rag.types import BlockHash
 
-DEFAULT_NONE_HASH_SEED = "vllm-none-hash"
-_INT_HASH_MASK = (1 << 64) - 1
+__all__ = [
+    "DEFAULT_NONE_HASH_SEED",
+    "MAX_MESSAGE_BYTES",
+    "RECENT_EVENTS",
+    "RECENT_HASHES",
+    "AllCleared",
+    "BlockHasher",
+    "BlocksRemoved",
+    "BlocksStored",
+    "EvictionListener",
+    "KVEvent",
+    "KVEventStats",
+    "KVEventSync",
+    "MalformedBatch",
+    "decode_event_batch",
+    "hash_function",
+    "sha256_pickle",
+]
 
-
-def sha256_pickle(obj: Any) -> bytes:
-    """vLLM's ``sha256`` prefix-caching hash: SHA-256 of the highest-protocol pickle."""
-    return hashlib.sha256(pickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL)).digest()
-
-
-def hash_function(algo: str) -> Callable[[Any], bytes]:
-    """The block hash function for a ``prefix_caching_hash_algo`` name. ``sha256`` is
-    implemented here; the others come from vLLM (``ImportError`` without it)."""
-    if algo == "sha256":
-        return sha256_pickle
-    try:
-        hashing: Any = importlib.import_module("vllm.utils.hashing")
-    except ImportError as exc:
-        msg = f"hash algo {algo!r} needs vllm installed: pip install 'craft-rag[cpu]'"
-        raise ImportError(msg) from exc
-    fn: Callable[[Any], bytes] = hashing.get_hash_fn_by_name(algo)
-    return fn
-
-
-@dataclass(frozen=True, slots=True)
-class BlockHasher:
-    """Computes vLLM's chained block hashes for a token sequence.
-
-    Invariant: ``none_hash`` is the parent of the first block, exactly as the engine's
-    ``kv_cache_utils.NONE_HASH``; ``int_hashes`` mirrors how the engine reports hashes in KV
-    events. Cost: one hash of ``block_size`` token ids per full block.
-    """
-
-    block_size: int
-    hash_fn: Callable[[Any], bytes]
-    none_hash: bytes
-    int_hashes: bool
-
-    def __post_init__(self) -> None:
-        if self.block_size < 1:
-            msg = f"block_size must be >= 1, got {self.block_size}"
-            raise ValueError(msg)
-
-    @classmethod
-    def for_algo(
-        cls,
-        block_size: int,
-        algo: str = "sha256",
-        *,
-        int_hashes: bool = True,
-        seed: str | None = None,
-    ) -> BlockHasher:
-        """A hasher built independently of a running engine. ``seed`` defaults to
-        ``PYTHONHASHSEED`` or vLLM's fixed default (correct for cryptographic algos; xxhash
-        engines use a random per-process seed unless ``PYTHONHASHSEED`` is set)."""
-        fn = hash_function(algo)
-        resolved = seed if seed is not None else os.environ.get("PYTHONHASHSEED")
-        if resolved is None:
-            resolved = DEFAULT_NONE_HASH_SEED
-        return cls(block_size, fn, fn(resolved), int_hashes)
-
-    @classmethod
-    def from_engine(cls, vllm_config: Any) -> BlockHasher:
-        """The hasher of an in-process engine: its hash block size and algorithm, the
-        ``NONE_HASH`` it initialised, and the event hash format it publishes."""
-        envs: Any = importlib.import_module("vllm.envs")
-        kv_cache_utils: Any = importlib.import_module("vllm.v1.core.kv_cache_utils")
-        cache = vllm_config.cache_config
-        block_size = int(getattr(cache, "hash_block_size", None) or cache.block_size)
-        algo = str(cache.prefix_caching_hash_algo)
-        int_hashes = bool(envs.VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES)
-        # In-process engines initialised NONE_HASH in this interpreter; with a separate engine
-        # core process it is unset here and derived from the seed as that process did.
-        none_hash = getattr(kv_cache_utils, "NONE_HASH", None)
-        if none_hash is None:
-            return cls.for_algo(block_size, algo, int_hashes=int_hashes)
-        return cls(block_size, hash_function(algo), bytes(none_hash), int_hashes)
-
-    def raw_hashes(self, token_ids: Sequence[int], cache_salt: str | None = None) -> list[bytes]:
-        """Engine-internal hashes of every full block of ``token_ids`` (the partial last block
-        has none). ``cache_salt`` is mixed into the first block as vLLM does."""
-        out: list[bytes] = []
-        parent = self.none_hash
-        size = self.block_size
-        for start in range(0, len(token_ids) - size + 1, size):
-            extra = (("cache_salt", cache_salt),) if start == 0 and cache_salt else None
-            parent = self.hash_fn((parent, tuple(token_ids[start : start + size]), extra))
-            out.append(parent)
-        return out
-
-    def external(self, raw: bytes) -> BlockHash:
-        """``raw`` as KV events report it, normalised to a :data:`BlockHash`."""
-        if self.int_hashes:
-            return as_block_hash(int.from_bytes(raw, "big") & _INT_HASH_MASK)
-        return as_block_hash(raw)
-
-    def block_hashes(
-        self, token_ids: Sequence[int], cache_salt: str | None = None
-    ) -> list[BlockHash]:
-        """Hashes of the full blocks of ``token_ids`` as KV events will report them."""
-        return [self.external(h) for h in self.raw_hashes(token_ids, cache_salt)]
-
-    def per_chunk(
-        self, hashes: Sequence[BlockHash], chunk_spans: Sequence[tuple[int, int]]
-    ) -> list[list[BlockHash]]:
-        """For each ``[start, end)`` chunk span, the hashes of the full blocks whose last token
-        lies inside it (block ``j`` ends at token ``(j + 1) * block_size - 1``). O(blocks)."""
-        out: list[list[BlockHash]] = []
-        size = self.block_size
-        for start, end in chunk_spans:
-            first = start // size  # block j ends inside iff start < (j+1)*size <= end
-            last = end // size  # exclusive
-            out.append([hashes[j] for j in range(first, min(last, len(hashes)))])
-        return out
-
-
-# ---- events ------------------------------------------------------------------------------------
-
-
-@dataclass(frozen=True, slots=True)
-class BlocksStored:
-    """vLLM cached these full blocks (chained: ``parent`` precedes ``hashes[0]``)."""
-
-    hashes: tuple[BlockHash, ...]
-    parent: BlockHash | None
-    token_ids: tuple[int, ...]
-    block_size: int
-    extra_keys: tuple[Any, ...] | None = None
-    """Per block, the extra hash keys vLLM published (the ``cache_salt`` of a salted prompt's
-    first block), untagged; ``None`` when the engine sent none."""
-
-
-@dataclass(frozen=True, slots=True)
-class BlocksRemoved:
-    """vLLM evicted these blocks from its prefix cache."""
-
-    hashes: tuple[BlockHash, ...]
-
-
-@dataclass(frozen=True, slots=True)
-class AllCleared:
-    """vLLM dropped its whole prefix cache (``reset_prefix_cache``)."""
-
-
-KVEvent = BlocksStored | BlocksRemoved | AllCleared
-
-
-def decode_event_batch(payload: bytes) -> list[KVEvent]:
-    """Parse one published payload into typed events (unknown types are skipped).
-    ``ValueError`` when the payload is not a KV event batch."""
-    import msgpack
-
-    try:
-        batch = msgpack.unpackb(payload, raw=False, strict_map_key=False)
-    except Exception as exc:  # msgpack raises several unrelated types
-        msg = f"undecodable KV event payload ({len(payload)} bytes): {exc}"
-        raise ValueError(msg) from exc
-    if not isinstance(batch, list | tuple) or len(batch) < 2 or not isinstance(batch[1], list):
-        msg = f"not a KV event batch: {type(batch).__name__}"
-        raise ValueError(msg)
-    events: list[KVEvent] = []
-    for raw in batch[1]:
-        if not isinstance(raw, dict):
-            continue
-        kind = raw.get("type")
-        if kind == "BlockStored":
-            parent = raw.get("parent_block_hash")
-            events.append(
-                BlocksStored(
-                    hashes=tuple(as_block_hash(h) for h in raw.get("block_hashes", ())),
-                    parent=as_block_hash(parent) if parent is not None else None,
-                    token_ids=tuple(raw.get("token_ids", ())),
-                    block_size=int(raw.get("block_size", 0)),
-                    extra_keys=_extra_keys(raw.get("extra_keys")),
-                )
-            )
-        elif kind == "BlockRemoved":
-            events.append(
-                BlocksRemoved(tuple(as_block_hash(h) for h in raw.get("block_hashes", ())))
-            )
-        elif kind == "AllBlocksCleared":
-            events.append(AllCleared())
-    return events
-
-
-def _extra_keys(raw: object) -> tuple[Any, ...] | None:
-    if not isinstance(raw, list | tuple):
-        return None
-    return tuple(tuple(k) if isinstance(k, list) else k for k in raw)
-
+_LOG = logging.getLogger("craft_rag.engine.kv_events")
+MAX_MESSAGE_BYTES = 2 << 20
+"""Default cap on one KV event message (module doc, "Bounds")."""
+WARN_INTERVAL_S = 60.0
 
 class EvictionListener(Protocol):
     """What :class:`KVEventSync` drives: the planner's engine-feedback half."""
@@ -256,39 +119,14 @@ class EvictionListener(Protocol):
     def on_all_blocks_cleared(self) -> None: ...
 
 
-@dataclass(slots=True)
-class KVEventStats:
-    """Counters since start. Owner: the :class:`KVEventSync` thread (read them anywhere)."""
-
-    batches: int = 0
-    blocks_stored: int = 0
-    blocks_removed: int = 0
-    clears: int = 0
-    nodes_removed: int = 0
-    gaps: int = 0
-    restarts: int = 0
-    hash_checks: int = 0
-    hash_mismatches: int = 0
-    undecodable: int = 0
-    barrier_timeouts: int = 0
-    own_clears: int = 0
-    last_seq: int = -1
-    last_event_time: float = 0.0
-
-
-@dataclass(slots=True)
-class _Recent:
-    """Bounded log of recent events for callers that want to inspect them (tests, debugging)."""
-
-    events: deque[KVEvent] = field(default_factory=lambda: deque(maxlen=4096))
-
-
 class KVEventSync:
     """Subscribes to a vLLM KV event endpoint and applies evictions to a planner.
 
     Start it *before* the engine binds the endpoint: ZMQ connects lazily, so no early batch is
     lost to the subscription handshake. One daemon thread owns the SUB socket; the planner is
-    thread-safe (its own lock), so callbacks run on that thread. ``close()`` stops and joins it.
+    thread-safe (its own lock), so callbacks run on that thread. Nothing a peer sends stops that
+    thread: every lost batch resyncs (module doc). ``close()`` stops and joins it.
+    ``max_message_bytes`` caps one message (module doc, "Bounds").
     """
 
     def __init__(
@@ -298,28 +136,55 @@ class KVEventSync:
         *,
         topic: bytes = b"",
         clock: Callable[[], float] = time.monotonic,
+        max_message_bytes: int = MAX_MESSAGE_BYTES,
     ) -> None:
         try:
             import zmq
         except ImportError as exc:
             msg = "KV event sync needs pyzmq (a vllm dependency): pip install pyzmq"
             raise ImportError(msg) from exc
+        if isinstance(max_message_bytes, bool) or not isinstance(max_message_bytes, int):
+            msg = f"max_message_bytes must be an int, got {type(max_message_bytes).__name__}"
+            raise ValueError(msg)
+        if max_message_bytes < 1024:
+            msg = f"max_message_bytes must be at least 1024, got {max_message_bytes}"
+            raise ValueError(msg)
         self.endpoint = endpoint
+        self.max_message_bytes = max_message_bytes
         self.stats = KVEventStats()
         self._listener = listener
         self._clock = clock
-        self._recent = _Recent()
+        self._recent = RecentEvents()
         self._hasher: BlockHasher | None = None
         self._expected_clears = 0  # AllCleared events of resets the listener already applied
         self._cond = threading.Condition()
+        self._topic = topic
+        self._warn_at = float("-inf")  # next time a lost batch may be logged (rate limit)
+        self._unlogged = 0  # lost batches since the last warning
         self._ctx = zmq.Context()
-        self._sock = self._ctx.socket(zmq.SUB)
-        self._sock.setsockopt(zmq.SUBSCRIBE, topic)
-        self._sock.setsockopt(zmq.LINGER, 0)
-        self._sock.connect(endpoint)
+        self._sock, self._monitor = self._open()
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="craft-kv-events", daemon=True)
         self._thread.start()
+
+    def _open(self) -> tuple[Any, Any]:
+        """A connected SUB socket and its disconnect monitor. MAXMSGSIZE makes ZMQ refuse a
+        bigger frame unread, dropping the connection for good (libzmq does not reconnect after
+        a protocol error): the monitor tells :meth:`_run` to resync and open a new socket."""
+        import zmq
+
+        sock = self._ctx.socket(zmq.SUB)
+        sock.setsockopt(zmq.SUBSCRIBE, self._topic)
+        sock.setsockopt(zmq.LINGER, 0)
+        sock.setsockopt(zmq.MAXMSGSIZE, self.max_message_bytes)
+        monitor = sock.get_monitor_socket(zmq.EVENT_DISCONNECTED)
+        sock.connect(self.endpoint)
+        return sock, monitor
+
+    def _close_sockets(self) -> None:
+        self._sock.disable_monitor()
+        self._monitor.close(linger=0)
+        self._sock.close(linger=0)
 
     def set_hasher(self, hasher: BlockHasher | None) -> None:
         """Check stored first blocks against ``hasher`` (see the module doc)."""
@@ -350,38 +215,110 @@ class KVEventSync:
             self._expected_clears -= 1
             return True
 
+    # ---- the subscriber thread -----------------------------------------------------------------
+
     def _run(self) -> None:
+        import zmq
+
+        poller = self._poller()
+        while not self._stop.is_set():
+            try:
+                ready = dict(poller.poll(50))
+                if self._monitor in ready and self._disconnected():
+                    self._lost("disconnects", "the connection dropped (a frame over "
+                               "max_message_bytes, a publisher restart or a network error)")
+                    poller = self._reopen()
+                    continue
+                if self._sock in ready:
+                    message = self._recv()
+                    if message is not None:
+                        self._handle(*message)
+            except zmq.ZMQError as exc:
+                if self._stop.is_set():
+                    break
+                self._lost("disconnects", f"socket error {exc.errno}")
+                poller = self._reopen()
+            except Exception as exc:  # last resort: nothing a peer sends may end this thread
+                self._lost("undecodable", f"unexpected {type(exc).__name__}")
+                self._stop.wait(0.05)
+
+    def _poller(self) -> Any:
         import zmq
 
         poller = zmq.Poller()
         poller.register(self._sock, zmq.POLLIN)
-        while not self._stop.is_set():
-            if not poller.poll(50):
-                continue
-            try:
-                frames = self._sock.recv_multipart(zmq.NOBLOCK)
-            except zmq.Again:
-                continue
-            except zmq.ZMQError:
-                if self._stop.is_set():
-                    break
-                raise
-            self._handle(frames)
+        poller.register(self._monitor, zmq.POLLIN)
+        return poller
 
-    def _handle(self, frames: Sequence[bytes]) -> None:
-        if len(frames) != 3:
-            self.stats.undecodable += 1
-            return
-        _, seq_bytes, payload = frames
-        seq = int.from_bytes(seq_bytes, "big", signed=True)
+    def _disconnected(self) -> bool:
+        """Drain the monitor; whether it reported a disconnect (the only event it watches)."""
+        import zmq
+
+        seen = False
+        while True:
+            try:
+                self._monitor.recv_multipart(zmq.NOBLOCK)
+            except zmq.Again:
+                return seen
+            seen = True
+
+    def _reopen(self) -> Any:
+        """A fresh socket after a dropped connection, at most one per 0.1 s (a peer that keeps
+        sending over-size frames costs a resync per reconnect, not a busy loop)."""
+        self._stop.wait(0.1)
+        self._close_sockets()
+        self._sock, self._monitor = self._open()
+        return self._poller()
+
+    def _recv(self) -> tuple[list[bytes], int, int] | None:
+        """One message as (its first three frames, its part count, its total bytes). Frames
+        past the third are read and dropped: memory stays at three frames of at most
+        ``max_message_bytes`` each whatever the part count."""
+        import zmq
+
         try:
-            events = decode_event_batch(payload)
-        except ValueError:
-            self.stats.undecodable += 1
-            events = []
+            frame: bytes = self._sock.recv(zmq.NOBLOCK)
+        except zmq.Again:
+            return None
+        frames: list[bytes] = []
+        parts = total = 0
+        while True:
+            parts += 1
+            total += len(frame)
+            if parts <= 3:
+                frames.append(frame)
+            if not self._sock.getsockopt(zmq.RCVMORE):
+                return frames, parts, total
+            frame = self._sock.recv(zmq.NOBLOCK)  # the rest of a message arrives with it
+
+    def _handle(self, frames: Sequence[bytes], parts: int, total: int) -> None:
+        """Validate one message, then apply it or count it lost (module doc)."""
+        if parts != 3:
+            self._lost("undecodable", f"{parts} message parts, expected 3")
+            return
+        try:
+            seq = decode_seq(frames[1])
+        except MalformedBatch as exc:
+            self._lost("undecodable", str(exc))
+            return
+        if total > self.max_message_bytes:  # transports where ZMQ does not enforce MAXMSGSIZE
+            self._lost("oversized", f"{total} bytes > max_message_bytes", seq)
+            return
+        try:
+            batch = decode_batch(frames[2])
+        except MalformedBatch as exc:
+            self._lost("undecodable", str(exc), seq)
+            return
+        try:
+            self._apply(seq, batch)
+        except Exception as exc:  # the listener failed: what it holds may be stale
+            self._lost("listener_errors", f"the listener raised {type(exc).__name__}", seq)
+
+    def _apply(self, seq: int, batch: DecodedBatch) -> None:
         with self._cond:
             listener, hasher = self._listener, self._hasher
         stats = self.stats
+        stats.unknown_events += batch.unknown
         last = stats.last_seq
         if last >= 0 and (seq > last + 1 or seq < last):
             # Lost batches (evictions we never heard) or a restarted engine (empty cache):
@@ -394,7 +331,7 @@ class KVEventSync:
                 self._expected_clears = 0
             if listener is not None:
                 listener.on_all_blocks_cleared()
-        for event in events:
+        for event in batch.events:
             if isinstance(event, BlocksStored):
                 stats.blocks_stored += len(event.hashes)
                 if hasher is not None:
@@ -413,9 +350,47 @@ class KVEventSync:
         with self._cond:
             stats.last_seq = seq if seq < last else max(last, seq)
             stats.batches += 1
-            self._recent.events.extend(events)
+            self._recent.extend(batch.events)
             stats.last_event_time = self._clock()
             self._cond.notify_all()
+
+    def _lost(self, counter: str, reason: str, seq: int | None = None) -> None:
+        """A batch (or a stretch of them) is lost: count it, warn (rate-limited), resync by
+        clearing the listener, and let the barrier pass ``seq`` when it is known."""
+        stats = self.stats
+        setattr(stats, counter, getattr(stats, counter) + 1)
+        self._warn(reason)
+        with self._cond:
+            self._expected_clears = 0  # the lost batch may have held our reset's event
+            listener = self._listener
+        if listener is not None:
+            try:
+                listener.on_all_blocks_cleared()
+            except Exception as exc:
+                stats.listener_errors += 1
+                self._warn(f"the listener's resync raised {type(exc).__name__}")
+        with self._cond:
+            if seq is not None:
+                stats.last_seq = seq
+            stats.last_event_time = self._clock()
+            self._cond.notify_all()
+
+    def _warn(self, reason: str) -> None:
+        """At most one warning per :data:`WARN_INTERVAL_S`; the next one says how many more
+        batches were lost in between (``stats`` has every count)."""
+        now = self._clock()
+        if now < self._warn_at:
+            self._unlogged += 1
+            return
+        more = f"; {self._unlogged} more since the last warning" if self._unlogged else ""
+        _LOG.warning(
+            "KV events from %s: lost a batch (%s); resynced by clearing the CP-Tree%s",
+            self.endpoint,
+            reason,
+            more,
+        )
+        self._warn_at = now + WARN_INTERVAL_S
+        self._unlogged = 0
 
     def _check_hash(self, hasher: BlockHasher, event: BlocksStored) -> None:
         """Compare an unsalted chain's first block with the hash we would expect for it."""
@@ -430,14 +405,17 @@ class KVEventSync:
         if expected[0] != event.hashes[0]:
             self.stats.hash_mismatches += 1
 
+    # ---- waiting on events ---------------------------------------------------------------------
+
     def recent_events(self) -> list[KVEvent]:
-        """The last (up to 4,096) events received, oldest first. O(n) copy."""
+        """The recent events, oldest first, slimmed and bounded (``RecentEvents``: no token
+        ids, at most 4,096 events and 65,536 hashes). O(n) copy."""
         with self._cond:
             return list(self._recent.events)
 
     def clear_recent(self) -> None:
         with self._cond:
-            self._recent.events.clear()
+            self._recent.clear()
 
     def wait_for(self, predicate: Callable[[list[KVEvent]], bool], timeout: float = 5.0) -> bool:
         """Block until ``predicate(recent_events())`` holds or ``timeout`` seconds pass.
@@ -453,8 +431,8 @@ class KVEventSync:
 
     def wait_through(self, seq: int, timeout: float = 2.0) -> bool:
         """Block until the batch with sequence number ``seq`` (and every earlier one still on
-        the wire) has been applied, or ``timeout`` passes (counted in ``barrier_timeouts``).
-        ``seq < 0`` returns at once."""
+        the wire) has been applied or counted lost, or ``timeout`` passes (counted in
+        ``barrier_timeouts``). ``seq < 0`` returns at once."""
         deadline = self._clock() + timeout
         with self._cond:
             while self.stats.last_seq < seq:
@@ -477,10 +455,10 @@ class KVEventSync:
                 return
 
     def close(self) -> None:
-        """Stop the thread and close the socket. Idempotent."""
+        """Stop the thread and close the sockets. Idempotent."""
         if self._stop.is_set():
             return
         self._stop.set()
         self._thread.join(timeout=2.0)
-        self._sock.close(linger=0)
+        self._close_sockets()
         self._ctx.term()
