@@ -91,25 +91,26 @@ def test_seeded_stress_keeps_invariants() -> None:
         cp._check_invariants()
 
 
-def test_a_conversation_keeps_the_salt_of_its_first_turn() -> None:
+def test_a_conversation_is_scoped_by_its_salt() -> None:
+    """The same id under two salts is two conversations: each renders, counts and ends its
+    own turns; nothing tells one salt that the other uses the id."""
     cp = make_prompts()
     first = cp.render(make_chunks(1), "Q1?", max_tokens=4, conversation_id="c", cache_salt="a")
     cp.complete(first, [5])
-    assert cp.cache_salt("c") == "a" and cp.cache_salt("unknown") is None
-    cp.check_salt("c", "a")
-    cp.check_salt(None, "anything")
-    for wrong in ("b", None):
-        with pytest.raises(ValueError, match="was started with another cache_salt"):
-            cp.check_salt("c", wrong)
-        with pytest.raises(ValueError, match="was started with"):
-            cp.render([], "Q2?", max_tokens=4, conversation_id="c", cache_salt=wrong)
-    # Refused renders marked nothing in flight; a fresh restart keeps the salt rule.
-    again = cp.render([], "Q2?", max_tokens=4, conversation_id="c", cache_salt="a", fresh=True)
-    assert again.kept_turns == 0
-    cp.cancel(again)
-    assert cp.end("c")
-    cp.render([], "Q?", max_tokens=4, conversation_id="c", cache_salt="b")
-    assert cp.cache_salt("c") == "b"
+    assert (cp.turn_count("c", "a"), cp.turn_count("c", "b"), cp.turn_count("c")) == (1, 0, 0)
+    for other in ("b", None):
+        fresh = cp.render([], "Q?", max_tokens=4, conversation_id="c", cache_salt=other)
+        assert fresh.kept_turns == 0 and fresh.prompt.token_ids == first.prompt.token_ids[
+            : len(cp.chat_assembler.head_ids)
+        ] + fresh.turn_ids
+        cp.complete(fresh, [6])
+    second = cp.render([], "Q2?", max_tokens=4, conversation_id="c", cache_salt="a")
+    assert second.kept_turns == 1
+    cp.cancel(second)
+    assert cp.end("c", "b") and not cp.end("c", "b")
+    assert (cp.turn_count("c", "a"), cp.turn_count("c", "b"), cp.turn_count("c")) == (1, 0, 1)
+    assert cp.end("c") and cp.turn_count("c", "a") == 1
+    assert not cp.end("c", "never-used")
 
 
 def test_evicted_or_ended_conversations_are_forgotten_with_their_salt() -> None:
@@ -118,15 +119,15 @@ def test_evicted_or_ended_conversations_are_forgotten_with_their_salt() -> None:
     cp = make_prompts(max_conversations=2)
     for cid in ("a", "b", "c"):
         cp.complete(cp.render([], "Q?", max_tokens=8, conversation_id=cid, cache_salt="s"), [5])
-    assert cp.turn_count("a") == 0 and cp.cache_salt("a") is None  # the least recently used
-    assert cp.turn_count("b") == 1 and cp.cache_salt("b") == "s"
-    assert cp.end("b") and not cp.end("b")
-    assert cp.turn_count("b") == 0
+    assert cp.turn_count("a", "s") == 0  # the least recently used
+    assert cp.turn_count("b", "s") == 1
+    assert cp.end("b", "s") and not cp.end("b", "s")
+    assert cp.turn_count("b", "s") == 0
     held = cp.render([], "Q?", max_tokens=8, conversation_id="d", cache_salt="s")
     for cid in ("e", "f"):
         cp.complete(cp.render([], "Q?", max_tokens=8, conversation_id=cid, cache_salt="s"), [5])
     cp.complete(held, [5])  # "d" was in flight: kept past the bound, then recorded
-    assert cp.turn_count("d") == 1
+    assert cp.turn_count("d", "s") == 1
     cp._check_invariants()
     cp.clear()
     assert cp.turn_count("d") == 0

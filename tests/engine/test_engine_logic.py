@@ -176,7 +176,7 @@ def test_a_conversation_whose_history_was_evicted_starts_over_in_the_planner_too
     c0, c1, c2 = make_chunks(3)
     engine.generate([c0, c1], "Q1?", conversation_id="a", max_tokens=2, cache_salt=salt)
     engine.generate([c2], "Q?", conversation_id="b", max_tokens=2, cache_salt=salt)
-    assert engine.conversations.turn_count("a") == 0  # evicted by "b"
+    assert engine.turn_count("a", cache_salt=salt) == 0  # evicted by "b"
     again = engine.generate([c0, c2], "Q2?", conversation_id="a", max_tokens=2, cache_salt=salt)
     assert again.report.turn == 1 and again.report.removed_duplicates == ()
     assert set(again.report.chunk_order) == {c0.key, c2.key}
@@ -187,7 +187,7 @@ def test_a_conversation_whose_history_was_evicted_starts_over_in_the_planner_too
     )
     # Explicitly ending a conversation also forgets it in its salt's planner.
     planner = engine.planner_for(salt)
-    assert engine.end_conversation("a")
+    assert engine.end_conversation("a", cache_salt=salt)
     assert planner.plan([c0], "a").turn == 1  # type: ignore[union-attr]
     engine.conversations._check_invariants()
 
@@ -411,19 +411,19 @@ def test_salted_commits_record_salted_block_hashes(make_fake_engine: Factory) ->
     assert len(planner.prefix_tree) < 3
 
 
-def test_a_conversation_keeps_its_salt(make_fake_engine: Factory) -> None:
+def test_a_conversation_is_scoped_by_its_salt(make_fake_engine: Factory) -> None:
     engine, _ = make_fake_engine()
     engine.generate(make_chunks(2), "Q1?", conversation_id="c", max_tokens=2, cache_salt="a")
-    for wrong in ("b", None):
-        with pytest.raises(ValueError, match="was started with"):
-            engine.generate(make_chunks(1), "Q2?", conversation_id="c", cache_salt=wrong)
+    for other in ("b", None):  # the same id under another salt: another conversation
+        first = engine.generate(make_chunks(1), "Q2?", conversation_id="c", cache_salt=other)
+        assert first.report.turn == 1 and first.report.cached_tokens == 0
     second = engine.generate(
         make_chunks(1, prefix="n"), "Q2?", conversation_id="c", max_tokens=2, cache_salt="a"
     )
     assert second.report.turn == 2 and second.report.cached_tokens > 0
-    assert engine.end_conversation("c")
-    # Ended: the id may start over under another salt.
-    assert engine.generate([], "Q?", conversation_id="c", cache_salt="b").report.turn == 1
+    assert engine.end_conversation("c", cache_salt="a")
+    assert engine.generate([], "Q?", conversation_id="c", cache_salt="a").report.turn == 1
+    assert engine.generate([], "Q?", conversation_id="c", cache_salt="b").report.turn == 2
 
 
 def test_salt_namespaces_are_bounded_and_reset_with_the_planner(

@@ -84,12 +84,21 @@ def test_events_reach_every_planner_and_remove_only_matching_nodes() -> None:
     assert all(len(p.prefix_tree) == 0 for p in planners if isinstance(p, CraftPlanner))
 
 
-def test_end_conversation_reaches_the_namespace_that_has_it() -> None:
-    spaces = PlannerNamespaces(CraftPlanner())
-    salted = spaces.get(CacheSalt("a"))
-    salted.commit(salted.plan(make_chunks(1), "conv"))
-    assert spaces.end_conversation("conv")
-    assert not spaces.end_conversation("conv")
+def test_end_conversation_reaches_only_the_namespace_of_its_salt() -> None:
+    spaces = PlannerNamespaces(CraftPlanner(), max_salted=1)
+    for salt in ("a", "b"):
+        salted = spaces.get(CacheSalt(salt))
+        salted.commit(salted.plan(make_chunks(1), "conv"))
+    spaces.default.commit(spaces.default.plan(make_chunks(1), "conv"))
+    assert not spaces.end_conversation("conv", "never-used")
+    assert spaces.end_conversation("conv", "a")  # "a"'s planner was dropped: its kept store
+    assert not spaces.end_conversation("conv", "a")
+    assert spaces.get(CacheSalt("a")).committed_turns("conv") == 0
+    assert spaces.get(CacheSalt("b")).committed_turns("conv") == 1  # "b" is kept now
+    assert spaces.end_conversation("conv")  # the default tenant's only
+    assert spaces.get(CacheSalt("b")).committed_turns("conv") == 1
+    assert spaces.end_conversation("conv", "b")
+    spaces._check_invariants()
 
 
 def test_check_plan_accepts_a_pending_plan_of_this_planner() -> None:

@@ -70,15 +70,16 @@ def condense_ids(
     instruction: str = CONDENSE_INSTRUCTION,
 ) -> tuple[int, ...] | None:
     """The condense request's token ids, or ``None`` when the engine holds no earlier turn of
-    the conversation (a first turn is its own standalone question). ``ValueError`` for an
-    empty question, an instruction without ``{question}`` or another salt. O(prompt tokens)."""
+    the conversation under ``cache_salt`` (a first turn is its own standalone question).
+    ``ValueError`` for an empty question, an instruction without ``{question}`` or a bad salt.
+    O(prompt tokens)."""
     if not isinstance(question, str) or not question.strip():
         msg = "question must be a non-empty string"
         raise ValueError(msg)
     if "{question}" not in instruction:
         msg = "the condense instruction must contain '{question}' where the follow-up goes"
         raise ValueError(msg)
-    if conversation_id is None or engine.conversations.turn_count(conversation_id) == 0:
+    if conversation_id is None or engine.turn_count(conversation_id, cache_salt=cache_salt) == 0:
         return None
     text = instruction.replace("{question}", question)
     return engine.side_prompt_ids(conversation_id, text, cache_salt=cache_salt)

@@ -40,7 +40,7 @@ from __future__ import annotations
 
 import threading
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from craft_rag.chunk import Chunk
 from craft_rag.conversation import ConversationHistory
@@ -86,7 +86,7 @@ class RenderedTurn:
     earlier_dropped: int = 0
     """Turns dropped since the previous served turn (history budget, :meth:`fit`): also left
     out of this prompt, already forgotten. Reports add it to ``dropped_turns``."""
-    cache_salt: str | None = None
+    cache_salt: str | None = field(default=None, repr=False)  # a tenant's key: never shown
     compacted_turns: int = 0
     """A restart (:mod:`craft_rag.engine.turn_layout`): the earlier live turns are in this
     prompt only compacted (``turn_ids`` starts with them); :meth:`ConversationPrompts.settle`
@@ -105,10 +105,11 @@ class ConversationPrompts:
     """Renders single- and multi-turn prompts from the conversation stores; applies the
     history budget. Holds no conversation state (see the module docstring).
 
-    A conversation lives in one salt's store: a request with another ``cache_salt`` is refused
-    (``ValueError``). Thread-safe (one lock guards the assemblers' chunk caches; the stores
-    lock themselves). Cost of ``render``: O(prompt tokens) to concatenate plus tokenizing
-    uncached segments; finding a conversation's salt is O(salts held).
+    A conversation is scoped by its tenant: it lives in its salt's store and is looked up
+    there alone, so the same id under another ``cache_salt`` is another conversation (never an
+    error that would tell one tenant about another's ids). Thread-safe (one lock guards the
+    assemblers' chunk caches; the stores lock themselves). Cost of ``render``: O(prompt
+    tokens) to concatenate plus tokenizing uncached segments; finding a conversation is O(1).
     """
 
     def __init__(
@@ -152,59 +153,30 @@ class ConversationPrompts:
 
     # ---- reading the store ---------------------------------------------------------------
 
-    def _owner(self, conversation_id: str) -> tuple[str | None, ConversationHistory] | None:
-        """The salt whose store knows the conversation, and its live history."""
-        for salt, store in self.stores.conversation_stores():
-            history = store.history(ConversationId(conversation_id))
-            if history is not None:
-                return salt, history
-        return None
-
     def _history(
         self, conversation_id: str | None, cache_salt: str | None
     ) -> ConversationHistory | None:
-        """The conversation's history; ``ValueError`` when it lives under another salt."""
+        """The live history of ``cache_salt``'s conversation ``conversation_id`` (``None``:
+        unknown under that salt; other salts are never looked at)."""
         if conversation_id is None:
             return None
-        owner = self._owner(conversation_id)
-        if owner is None:
-            return None
-        salt, history = owner
-        if salt != cache_salt:
-            known = "no cache_salt" if salt is None else "another cache_salt"
-            msg = (
-                f"conversation {conversation_id!r} was started with {known}; send every turn "
-                "with the salt of its first turn, or end_conversation() it before changing "
-                "the salt"
-            )
-            raise ValueError(msg)
-        return history
+        store = self.stores.held_store(cache_salt)
+        return store.history(ConversationId(conversation_id)) if store is not None else None
 
-    def check_salt(self, conversation_id: str | None, cache_salt: str | None) -> None:
-        """``ValueError`` when ``conversation_id`` is known with another ``cache_salt`` (its
-        turns live in that salt's cache namespace; a new salt would silently start over).
-        O(salts held)."""
-        self._history(conversation_id, cache_salt)
-
-    def cache_salt(self, conversation_id: str) -> str | None:
-        """The salt of a known conversation (``None``: unsalted or unknown)."""
-        owner = self._owner(conversation_id)
-        return owner[0] if owner is not None else None
-
-    def history_tokens(self, conversation_id: str) -> int:
+    def history_tokens(self, conversation_id: str, cache_salt: str | None = None) -> int:
         """Tokens of the stored turns (0 for an unknown conversation); head excluded."""
-        owner = self._owner(conversation_id)
-        return owner[1].tokens if owner is not None else 0
+        history = self._history(conversation_id, cache_salt)
+        return history.tokens if history is not None else 0
 
-    def turn_count(self, conversation_id: str) -> int:
+    def turn_count(self, conversation_id: str, cache_salt: str | None = None) -> int:
         """Turns the prompt holds now (dropped ones excluded; 0 when unknown)."""
-        owner = self._owner(conversation_id)
-        return len(owner[1].turns) if owner is not None else 0
+        history = self._history(conversation_id, cache_salt)
+        return len(history.turns) if history is not None else 0
 
-    def version(self, conversation_id: str) -> int:
+    def version(self, conversation_id: str, cache_salt: str | None = None) -> int:
         """The shared-store seq the token history matches (0: unknown, or never stored)."""
-        owner = self._owner(conversation_id)
-        return owner[1].version if owner is not None else 0
+        history = self._history(conversation_id, cache_salt)
+        return history.version if history is not None else 0
 
     # ---- rendering ---------------------------------------------------------------------------
 
@@ -260,9 +232,9 @@ class ConversationPrompts:
         would not fit the context is rendered append-only.
 
         ``ValueError`` when the turn cannot fit in ``max_model_len`` with ``max_tokens`` even
-        without earlier turns, or when a known conversation is sent with another
-        ``cache_salt``; ``RuntimeError`` when the conversation already has a turn in flight,
-        or a live turn's tokens are not known here (another worker's, not loaded).
+        without earlier turns; ``RuntimeError`` when the conversation (of this salt) already
+        has a turn in flight, or a live turn's tokens are not known here (another worker's,
+        not loaded).
         """
         with self._lock:
             a = self.assembler_for(conversation_id)
@@ -435,14 +407,11 @@ class ConversationPrompts:
         history in ``max_model_len``; call before planning the turn, so the plan's dedup only
         counts chunks still in the prompt. Returns the keys no kept turn carries any more
         (empty when nothing was dropped). Unknown, in-flight (unless ``planned``: the turn in
-        flight is this one, a caller's plan) or other-salt conversations are left alone
-        (``render`` reports those). O(turns)."""
-        if conversation_id is None:
+        flight is this one, a caller's plan) conversations are left alone (``render``
+        reports those). O(turns)."""
+        history = self._history(conversation_id, cache_salt)
+        if conversation_id is None or history is None or (history.in_flight and not planned):
             return frozenset()
-        owner = self._owner(conversation_id)
-        if owner is None or owner[0] != cache_salt or (owner[1].in_flight and not planned):
-            return frozenset()
-        history = owner[1]
         budget = self.max_model_len - max_tokens - len(self.chat_assembler.head_ids) - turn_tokens
         n, left = 0, history.tokens
         while n < len(history.turns) and left > budget:
@@ -471,8 +440,8 @@ class ConversationPrompts:
         request (e.g. condensing a follow-up) that continues the conversation's cached prefix
         without becoming part of it (nothing is stored), rendered as a chunk-free turn of it
         (:meth:`assembler_for`). ``text`` is tokenized as plain text. An unknown conversation
-        gives ``[head][text]``. ``ValueError`` when a known conversation has another
-        ``cache_salt``. O(prompt tokens)."""
+        (under ``cache_salt``; another salt's is never read) gives ``[head][text]``.
+        O(prompt tokens)."""
         if not isinstance(text, str) or not text.strip():
             msg = "text must be a non-empty string"
             raise ValueError(msg)
@@ -485,9 +454,10 @@ class ConversationPrompts:
             ids.extend(a.question_ids(text))
         return tuple(ids)
 
-    def end(self, conversation_id: str) -> bool:
-        """Forget a conversation (in its planner too). True if it was known."""
-        return self.stores.end_conversation(conversation_id)
+    def end(self, conversation_id: str, cache_salt: str | None = None) -> bool:
+        """Forget ``cache_salt``'s conversation (in its planner too; no other salt's). True if
+        it was known."""
+        return self.stores.end_conversation(conversation_id, cache_salt)
 
     def clear(self) -> None:
         """Forget every conversation of the stores held now."""

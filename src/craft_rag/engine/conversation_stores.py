@@ -1,6 +1,10 @@
 """Where a :class:`~craft_rag.engine.conversation_prompts.ConversationPrompts` finds its
 conversations: one :class:`~craft_rag.conversation.ConversationStore` per cache salt.
 
+A conversation is scoped by its tenant: it is found only in its own salt's store (the same id
+under two salts is two conversations), and ending it ends it there alone. No method looks in
+another salt's store, so no answer tells a tenant whether another one uses an id.
+
 :class:`ConversationStores` is the seam (an engine's
 :class:`~craft_rag.engine.planners.PlannerNamespaces` implements it: each salt's planner's
 store, so dropped turns are forgotten through that planner and a shared store logs them);
@@ -32,12 +36,16 @@ class ConversationStores(Protocol):
         """The stores held now, with their salts."""
         ...
 
+    def held_store(self, cache_salt: str | None) -> ConversationStore | None:
+        """The salt's store if one is held now (creates nothing, touches no LRU order)."""
+        ...
+
     def forget_turns(self, cache_salt: str | None, conversation_id: str, n: int) -> int:
         """Drop the conversation's ``n`` oldest live turns (through its planner)."""
         ...
 
-    def end_conversation(self, conversation_id: str) -> bool:
-        """Forget the conversation everywhere."""
+    def end_conversation(self, conversation_id: str, cache_salt: str | None = None) -> bool:
+        """Forget the salt's conversation ``conversation_id`` (no other salt's)."""
         ...
 
 
@@ -66,6 +74,10 @@ class LocalStores:
         store = self.conversation_store(cache_salt)
         return store.forget_oldest_turns(ConversationId(conversation_id), n)
 
-    def end_conversation(self, conversation_id: str) -> bool:
-        ended = [s.end(ConversationId(conversation_id)) for _, s in self.conversation_stores()]
-        return any(ended)
+    def held_store(self, cache_salt: str | None) -> ConversationStore | None:
+        with self._lock:
+            return self._stores.get(cache_salt)
+
+    def end_conversation(self, conversation_id: str, cache_salt: str | None = None) -> bool:
+        store = self.held_store(cache_salt)
+        return store is not None and store.end(ConversationId(conversation_id))

@@ -106,8 +106,9 @@ class CraftEngine(RequestForms):
 
     Invariants: exactly one backend engine per instance; every call into it goes through the
     driver's lock; a planner is committed only for requests that finished, and only by the
-    planner of the request's cache salt; a conversation has at most one turn in flight and one
-    cache salt; a caller-made plan is in flight at most once. Start-up: seconds (plus ~30 s
+    planner of the request's cache salt; a conversation belongs to one cache salt (the same id
+    under another salt is another conversation) and has at most one turn in flight; a
+    caller-made plan is in flight at most once. Start-up: seconds (plus ~30 s
     the very first time the embedded model is converted). Close with :meth:`close` (or use as
     a context manager).
     """
@@ -304,9 +305,10 @@ class CraftEngine(RequestForms):
         """The tokenizer prompts are built with (text -> ids exactly as the engine sends them)."""
         return self.assembler.tokenizer
 
-    def turn_count(self, conversation_id: str) -> int:
-        """Turns the engine holds for ``conversation_id`` (0: unknown, ended or forgotten)."""
-        return self.conversations.turn_count(conversation_id)
+    def turn_count(self, conversation_id: str, *, cache_salt: str | None = None) -> int:
+        """Turns the engine holds for ``cache_salt``'s ``conversation_id`` (0: unknown under
+        that salt, ended or forgotten)."""
+        return self.conversations.turn_count(conversation_id, validate_cache_salt(cache_salt))
 
     def reset_prefix_cache(self) -> bool:
         """Drop vLLM's whole prefix cache (every salt) and empty every CP-Tree. False (nothing
@@ -327,9 +329,11 @@ class CraftEngine(RequestForms):
             self._namespaces.on_all_blocks_cleared()
         return done
 
-    def end_conversation(self, conversation_id: str) -> bool:
-        """Forget a conversation in the planners and the prompt history (its salt too)."""
-        return self._rag.end_conversation(conversation_id)
+    def end_conversation(self, conversation_id: str, *, cache_salt: str | None = None) -> bool:
+        """Forget ``cache_salt``'s conversation (default: the unsalted tenant's) in its planner
+        and prompt history; a conversation with the same id under another salt is another
+        tenant's and stays. True if it was known. ``ValueError`` for a bad salt."""
+        return self._rag.end_conversation(conversation_id, cache_salt)
 
     def fit_turn(
         self,

@@ -16,6 +16,11 @@ planner that learns them again. Its conversation store is kept (the stores of at
 ``max_salted`` dropped planners) and handed to that next planner, so a conversation keeps its
 turns and its salt.
 
+**Conversations are per salt.** A conversation lives in its salt's planner alone: the same
+conversation id under two salts is two independent conversations (two tenants may both have a
+"support-1"), and ending or touching one never reaches another salt's planner or store
+namespace. Nothing answers whether another salt uses an id.
+
 **Caller-made plans.** ``CraftEngine.generate(..., plan=p)`` serves a plan that
 ``planner.plan()`` made earlier (a LlamaIndex postprocessor, a LangChain reorder step with the
 commit deferred) and commits that plan instead of planning again. :func:`check_plan` refuses,
@@ -35,7 +40,7 @@ from craft_rag.conversation import ConversationStore
 from craft_rag.engine.conversation_prompts import DEFAULT_MAX_CONVERSATIONS
 from craft_rag.planner import CraftPlanner, Plan, PlannerConfig
 from craft_rag.stores import DEFAULT_NAMESPACE, StateStore, as_store, namespace_for_salt
-from craft_rag.types import BlockHash, ChunkKey
+from craft_rag.types import BlockHash, ChunkKey, ConversationId
 
 CacheSalt = NewType("CacheSalt", str)
 """A vLLM ``cache_salt``: prefix-cache entries are shared only between requests with the same
@@ -55,13 +60,16 @@ def validate_cache_salt(cache_salt: object) -> CacheSalt | None:
     (vLLM's rules)."""
     if cache_salt is None:
         return None
+    # A salt is a tenant's key to its cache namespace: messages describe it, never quote it.
     if not isinstance(cache_salt, str) or not cache_salt:
-        msg = f"cache_salt must be a non-empty string or None, got {cache_salt!r}"
+        got = "an empty string" if cache_salt == "" else f"a {type(cache_salt).__name__}"
+        msg = f"cache_salt must be a non-empty string or None, got {got}"
         raise ValueError(msg)
     if len(cache_salt) > _MAX_SALT_LENGTH or any(c in _FORBIDDEN_SALT_CHARS for c in cache_salt):
         msg = (
             f"cache_salt must be at most {_MAX_SALT_LENGTH} characters without '@', '/', '\\' "
-            f"or NUL (vLLM's rules), got {cache_salt[:40]!r}...; hash the tenant id if needed"
+            f"or NUL (vLLM's rules), got one of {len(cache_salt)} characters (not shown: a salt "
+            "is a tenant's key); hash the tenant id if needed"
         )
         raise ValueError(msg)
     return CacheSalt(cache_salt)
@@ -214,10 +222,23 @@ class PlannerNamespaces:
         for planner in self.all():
             planner.on_all_blocks_cleared()
 
-    def end_conversation(self, conversation_id: str) -> bool:
-        """Forget the conversation in every planner (it lives in one). True if any knew it."""
-        known = [planner.end_conversation(conversation_id) for planner in self.all()]
-        return any(known)
+    def end_conversation(self, conversation_id: str, cache_salt: str | None = None) -> bool:
+        """Forget ``cache_salt``'s conversation ``conversation_id`` in that salt's planner
+        alone (another tenant's conversation with the same id is untouched). With a shared
+        store the end is logged in the salt's namespace even when this worker holds no planner
+        of that salt yet (one is made: other workers may hold the conversation). True if it
+        was known. O(1) plus the planner's end."""
+        salt = CacheSalt(cache_salt) if cache_salt is not None else None
+        planner = self.peek(salt)
+        if planner is None:
+            with self._lock:
+                kept = self._kept.get(salt) if salt is not None else None
+            if kept is not None:
+                return kept.end(ConversationId(conversation_id))
+            if self._default.store is None:
+                return False  # local planners: no planner, no conversation
+            planner = self.get(salt)
+        return planner.end_conversation(conversation_id)
 
     # ---- the conversation stores (ConversationStores): each planner's own ----
 
@@ -231,6 +252,16 @@ class PlannerNamespaces:
             salted = [(str(s), p.conversations) for s, p in self._salted.items()]
             salted += [(str(s), store) for s, store in self._kept.items()]
         return [(None, self._default.conversations), *salted]
+
+    def held_store(self, cache_salt: str | None) -> ConversationStore | None:
+        """The conversation store of ``cache_salt``'s planner if one is held (or kept after
+        its planner was dropped); creates nothing, touches no LRU order. O(1)."""
+        salt = CacheSalt(cache_salt) if cache_salt is not None else None
+        planner = self.peek(salt)
+        if planner is not None:
+            return planner.conversations
+        with self._lock:
+            return self._kept.get(salt) if salt is not None else None
 
     def forget_turns(self, cache_salt: str | None, conversation_id: str, n: int) -> int:
         """Drop the conversation's ``n`` oldest turns in its salt's planner (logged with a

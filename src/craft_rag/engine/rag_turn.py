@@ -9,7 +9,8 @@ replay's simulated prefix cache), and on completion commits what the cache actua
 conversation is left as it was, an engine-made plan aborted, a caller's plan released (its
 holder may serve it again).
 
-Conversations have one owner, each salt's planner's conversation store: the planner records a
+Conversations have one owner, each salt's planner's conversation store (a conversation is
+scoped by its tenant: the same id under two salts is two conversations): the planner records a
 turn's keys and tokens in its commit, and holds a conversation while a turn of it is planned
 (never evicted in between); dropped turns (history budget, context length) are forgotten
 through that planner (logged with a shared store). Nothing is reconciled afterwards.
@@ -28,7 +29,12 @@ from typing import TYPE_CHECKING, Protocol
 from craft_rag.chunk import Chunk
 from craft_rag.engine.conversation_prompts import ConversationPrompts, RenderedTurn
 from craft_rag.engine.driver import RequestState
-from craft_rag.engine.planners import CacheSalt, PlannerNamespaces, check_plan
+from craft_rag.engine.planners import (
+    CacheSalt,
+    PlannerNamespaces,
+    check_plan,
+    validate_cache_salt,
+)
 from craft_rag.engine.requests import InFlight, OnDelta, OnDone, plain_report, result_of
 from craft_rag.engine.results import GenerationResult, RagRequest, SamplingRequest
 from craft_rag.engine.turn_layout import LayoutChoice
@@ -135,7 +141,6 @@ class RagTurns:
             raise ValueError(msg)
         salt = self._check_salt(request.cache_salt)
         conversation_id = request.conversation_id
-        self.conversations.check_salt(conversation_id, salt)
         planner = self.namespaces.get(salt)
         self._barrier()
         given = None
@@ -163,7 +168,6 @@ class RagTurns:
             plan = planner.claim(planner.plan(list(request.chunks), conversation_id))
         else:
             conversation_id = given.conversation_id
-            self.conversations.check_salt(conversation_id, salt)
             gone = sorted(lost & {c.key for c in given.removed_duplicates})
             if gone:
                 msg = (
@@ -292,9 +296,11 @@ class RagTurns:
 
     # ---- conversations --------------------------------------------------------------------
 
-    def end_conversation(self, conversation_id: str) -> bool:
-        """Forget a conversation in its planner's store (turns, tokens, the turn in flight)."""
-        return self.namespaces.end_conversation(conversation_id)
+    def end_conversation(self, conversation_id: str, cache_salt: str | None = None) -> bool:
+        """Forget ``cache_salt``'s conversation in that salt's planner and store (turns,
+        tokens, the turn in flight); no other tenant's. ``ValueError`` for a bad salt."""
+        salt = validate_cache_salt(cache_salt)
+        return self.namespaces.end_conversation(conversation_id, salt)
 
     def fit_turn(
         self, chunks: Sequence[Chunk], question: str, where: tuple[str | None, int, str | None]

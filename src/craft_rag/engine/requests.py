@@ -21,7 +21,7 @@ import threading
 from collections import deque
 from collections.abc import AsyncGenerator, Callable, Iterator, Sequence
 from contextlib import aclosing
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from typing import Protocol
 
 from craft_rag.engine.driver import RequestCancelled, RequestState
@@ -71,7 +71,7 @@ class InFlight:
     state: RequestState
     sampling: SamplingRequest
     token_ids: tuple[int, ...]
-    cache_salt: CacheSalt | None
+    cache_salt: CacheSalt | None = field(repr=False)  # a tenant's key: never shown
     turn: TurnHooks | None = None
 
 

@@ -102,7 +102,7 @@ class RagRequest:
     chunks: Sequence[Chunk]
     question: str
     conversation_id: str | None = None
-    cache_salt: str | None = None
+    cache_salt: str | None = field(default=None, repr=False)  # a tenant's key: never shown
     plan: Plan | str | None = None
     sampling: SamplingRequest = field(default_factory=SamplingRequest)
 
@@ -123,7 +123,7 @@ class MessagesRequest:
     item that is not a pair of strings (the template checks roles and text later)."""
 
     messages: Sequence[tuple[str, str]]
-    cache_salt: str | None = None
+    cache_salt: str | None = field(default=None, repr=False)  # a tenant's key: never shown
     sampling: SamplingRequest = field(default_factory=SamplingRequest)
 
     def __post_init__(self) -> None:
@@ -148,7 +148,7 @@ class TokensRequest:
     not an int >= 0."""
 
     token_ids: Sequence[int]
-    cache_salt: str | None = None
+    cache_salt: str | None = field(default=None, repr=False)  # a tenant's key: never shown
     sampling: SamplingRequest = field(default_factory=SamplingRequest)
 
     def __post_init__(self) -> None:

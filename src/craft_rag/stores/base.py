@@ -107,6 +107,15 @@ def check_namespace(namespace: str) -> str:
     return namespace
 
 
+def namespace_label(namespace: str) -> str:
+    """``namespace`` as error messages and logs show it: a cache salt's namespace (``salt-``
+    and a digest of the salt) is not named, since even a digest of a tenant's key lets a
+    reader test guesses of it; other namespaces are quoted."""
+    if namespace.startswith("salt-"):
+        return "the namespace of a cache_salt (name not shown)"
+    return f"namespace {namespace!r}"
+
+
 def parse_options(url: str, query: str, allowed: Mapping[str, str]) -> dict[str, str]:
     """The ``?a=b&c=d`` options of a store URL; ``ValueError`` for an unknown or repeated one
     (``allowed`` maps each option to a description for the message)."""
@@ -235,7 +244,8 @@ class StateStore(abc.ABC):
     ) -> LogRead:
         if head < since:
             msg = (
-                f"store {self.url} namespace {namespace!r} went back from seq {since} to {head}: "
+                f"store {self.url} {namespace_label(namespace)} went back from seq {since} to "
+                f"{head}: "
                 "it was flushed, restored from an older copy or replaced while workers used it; "
                 "restart every worker of this namespace (they rebuild their state from the store)"
             )
@@ -246,7 +256,8 @@ class StateStore(abc.ABC):
         snapshot = self._snapshot(namespace)
         if snapshot is None or snapshot.seq <= since:
             msg = (
-                f"store {self.url} namespace {namespace!r} lacks the entries after seq {since} "
+                f"store {self.url} {namespace_label(namespace)} lacks the entries after seq "
+                f"{since} "
                 "and has no snapshot to resume from (damaged or edited by another program); "
                 "clear the namespace (StateStore.clear) or use a fresh store"
             )
@@ -262,7 +273,7 @@ class StateStore(abc.ABC):
         """The error :meth:`attach` raises when ``namespace`` holds the state of a planner whose
         config fingerprint is ``found`` (one message for every backend)."""
         msg = (
-            f"store {self.url} namespace {namespace!r} holds state of another planner "
+            f"store {self.url} {namespace_label(namespace)} holds state of another planner "
             f"config ({found}); use the same PlannerConfig in every worker or another namespace"
         )
         return StoreCorrupted(msg)
@@ -271,7 +282,7 @@ class StateStore(abc.ABC):
         for offset, entry in enumerate(entries, start=1):
             if entry.seq != since + offset:
                 msg = (
-                    f"store {self.url} namespace {namespace!r}: log entry {since + offset} is "
+                    f"store {self.url} {namespace_label(namespace)}: log entry {since + offset} is "
                     f"missing (found {entry.seq}); the store was damaged; clear the namespace "
                     "or use a fresh store"
                 )

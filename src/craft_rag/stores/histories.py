@@ -25,7 +25,12 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from craft_rag.conversation import ConversationHistory
-from craft_rag.stores.base import StateStore, StoreCorrupted, StoreUnavailable
+from craft_rag.stores.base import (
+    StateStore,
+    StoreCorrupted,
+    StoreUnavailable,
+    namespace_label,
+)
 from craft_rag.types import ChunkKey, ConversationId
 
 if TYPE_CHECKING:
@@ -46,7 +51,7 @@ class SharedPosition:
 
     @property
     def where(self) -> str:
-        return f"store {self.store.url} namespace {self.namespace!r}"
+        return f"store {self.store.url} {namespace_label(self.namespace)}"
 
 
 @dataclass(frozen=True, slots=True)

@@ -24,7 +24,14 @@ from dataclasses import dataclass
 from typing import Any
 
 from craft_rag.prefix_tree import KVLocation, NodeMetadata
-from craft_rag.stores.base import LogEntry, LogRead, Snapshot, StateStore, StoreCorrupted
+from craft_rag.stores.base import (
+    LogEntry,
+    LogRead,
+    Snapshot,
+    StateStore,
+    StoreCorrupted,
+    namespace_label,
+)
 from craft_rag.types import BlockHash, ChunkKey, ConversationId
 
 logger = logging.getLogger(__name__)
@@ -208,7 +215,7 @@ class SharedState:
 
     @property
     def where(self) -> str:
-        return f"store {self.store.url} namespace {self.namespace!r}"
+        return f"store {self.store.url} {namespace_label(self.namespace)}"
 
     def pull(self) -> LogRead:
         """What the planner must apply now (one round trip)."""
