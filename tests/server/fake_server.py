@@ -4,14 +4,19 @@ It speaks the parts of the wire format the server backend uses (``/v1/models``, 
 ``/tokenize``, streamed ``/v1/completions`` with ``return_token_ids`` and usage,
 ``/reset_prefix_cache``) and keeps a block-granular prefix cache per ``cache_salt`` like vLLM
 (whole blocks, the last prompt token always recomputed). Faults are scripted through
-``FakeServer.fail_next`` (HTTP statuses to answer before serving normally) and ``drop_after``.
+``FakeServer.fail_next`` (HTTP statuses to answer before serving normally, with
+``fail_headers``) and ``drop_after``. A hostile server: ``hostile`` writes its own answer to
+``/v1/completions`` (see :func:`sse`, :func:`flood`), ``answers`` replaces the body of a
+GET/POST path, ``tokenize_shift`` makes ``/tokenize`` another tokenizer.
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 import threading
-from collections.abc import Iterator
+import time
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
@@ -31,6 +36,11 @@ class FakeServer:
     reset_success: bool = True  # False: answer like vLLM while running requests hold blocks
     fail_next: list[int] = field(default_factory=list)
     drop_after: int | None = None  # close the stream after this many tokens
+    fail_headers: dict[str, str] = field(default_factory=dict)  # sent with scripted failures
+    hostile: Callable[[Any, dict[str, Any]], None] | None = None  # (handler, body): answers
+    answers: dict[str, tuple[int, bytes]] = field(default_factory=dict)  # path -> status, body
+    tokenize_shift: int = 0  # added to every /tokenize id: "another tokenizer"
+    written: int = 0  # bytes a hostile writer got out before the client hung up
     cached: set[tuple[str | None, tuple[int, ...]]] = field(default_factory=set)
     bodies: list[dict[str, Any]] = field(default_factory=list)
     reported: list[int] = field(default_factory=list)  # cached_tokens answered, in order
@@ -61,19 +71,35 @@ def _handler(fake: FakeServer) -> type[BaseHTTPRequestHandler]:
             self.send_response(status)
             self.send_header("Content-Type", ctype)
             self.send_header("Content-Length", str(len(body)))
+            self.send_header("Connection", "close")  # a stopped fake answers nothing more
             self.end_headers()
             self.wfile.write(body)
+            self.close_connection = True
 
         def _scripted_failure(self) -> bool:
             with fake.lock:
                 status = fake.fail_next.pop(0) if fake.fail_next else None
             if status is None:
                 return False
-            self._send(status, json.dumps({"error": f"scripted {status}"}).encode())
+            body = json.dumps({"error": f"scripted {status}"}).encode()
+            self.send_response(status)
+            self.send_header("Content-Type", "application/json")
+            self.send_header("Content-Length", str(len(body)))
+            for name, value in fake.fail_headers.items():
+                self.send_header(name, value)
+            self.end_headers()
+            self.wfile.write(body)
+            return True
+
+        def _scripted_answer(self) -> bool:
+            answer = fake.answers.get(self.path)
+            if answer is None:
+                return False
+            self._send(answer[0], answer[1])
             return True
 
         def do_GET(self) -> None:
-            if self._scripted_failure():
+            if self._scripted_failure() or self._scripted_answer():
                 return
             if self.path == "/v1/models":
                 data = {"data": [{"id": "fake-model", "max_model_len": MAX_MODEL_LEN}]}
@@ -90,10 +116,11 @@ def _handler(fake: FakeServer) -> type[BaseHTTPRequestHandler]:
         def do_POST(self) -> None:
             length = int(self.headers.get("Content-Length", "0"))
             body = json.loads(self.rfile.read(length) or b"{}")
-            if self._scripted_failure():
+            if self._scripted_failure() or self._scripted_answer():
                 return
             if self.path == "/tokenize":
-                tokens = HashingTokenizer().encode(body["prompt"])
+                shift = fake.tokenize_shift
+                tokens = [t + shift for t in HashingTokenizer().encode(body["prompt"])]
                 self._send(200, json.dumps({"tokens": tokens}).encode())
             elif self.path == "/reset_prefix_cache" and fake.reset_endpoint:
                 with fake.lock:
@@ -103,7 +130,13 @@ def _handler(fake: FakeServer) -> type[BaseHTTPRequestHandler]:
             elif self.path == "/v1/completions":
                 with fake.lock:
                     fake.bodies.append(body)
-                self._complete(body)
+                if fake.hostile is not None:
+                    # The client hanging up mid-answer is what a bounded reader should do.
+                    with contextlib.suppress(BrokenPipeError, ConnectionResetError):
+                        fake.hostile(self, body)
+                    self.close_connection = True
+                else:
+                    self._complete(body)
             else:
                 self._send(404, b'{"detail":"Not Found"}')
 
@@ -146,10 +179,64 @@ def _handler(fake: FakeServer) -> type[BaseHTTPRequestHandler]:
     return Handler
 
 
+def sse(handler: Any, lines: list[bytes], *, status: int = 200) -> None:
+    """Answer with these raw SSE lines (each gets a blank line after it)."""
+    handler.send_response(status)
+    handler.send_header("Content-Type", "text/event-stream")
+    handler.send_header("Connection", "close")
+    handler.end_headers()
+    for line in lines:
+        handler.wfile.write(line + b"\n\n")
+    handler.wfile.flush()
+
+
+def event(data: object) -> bytes:
+    """One ``data:`` line (``json.dumps`` writes ``NaN`` for ``math.nan``, as a broken
+    server may)."""
+    return b"data: " + json.dumps(data).encode()
+
+
+def flood(
+    fake: FakeServer,
+    handler: Any,
+    *,
+    head: bytes,
+    piece: bytes,
+    limit: int = 96 << 20,
+    every_s: float = 0.0,
+    max_s: float = 10.0,
+    status: int = 200,
+) -> None:
+    """Write ``head``, then ``piece`` again and again (up to ``limit`` bytes or ``max_s``
+    seconds, ``every_s`` apart) until the client hangs up; ``fake.written`` counts what got
+    out."""
+    handler.send_response(status)
+    handler.send_header("Content-Type", "text/event-stream" if status == 200 else "text/plain")
+    if status != 200:
+        handler.send_header("Content-Length", str(len(head) + limit))
+    handler.end_headers()
+    handler.wfile.write(head)
+    sent = len(head)
+    stop = time.monotonic() + max_s
+    try:
+        while sent < limit and time.monotonic() < stop:
+            handler.wfile.write(piece)
+            handler.wfile.flush()
+            sent += len(piece)
+            with fake.lock:
+                fake.written = sent
+            if every_s:
+                time.sleep(every_s)
+    finally:
+        with fake.lock:
+            fake.written = sent
+
+
 @contextmanager
-def running(fake: FakeServer) -> Iterator[str]:
-    """Serve ``fake`` on a free loopback port; yields its URL."""
-    server = ThreadingHTTPServer(("127.0.0.1", 0), _handler(fake))
+def running(fake: FakeServer, port: int = 0) -> Iterator[str]:
+    """Serve ``fake`` on a loopback port (free when 0; a given one to restart a server on
+    the same URL); yields its URL."""
+    server = ThreadingHTTPServer(("127.0.0.1", port), _handler(fake))
     server.daemon_threads = True
     thread = threading.Thread(target=server.serve_forever, daemon=True)
     thread.start()
