@@ -25,7 +25,7 @@ probes plus a few set matches.
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Protocol
 
 from craft_rag.chunk import Chunk
@@ -48,7 +48,7 @@ class RouteRequest:
     keys: tuple[ChunkKey, ...]
     prompt_tokens: int
     conversation_id: ConversationId | None = None
-    salt: str | None = None
+    salt: str | None = field(default=None, repr=False)  # a tenant's key: never shown
     key_set: frozenset[ChunkKey] = frozenset()
     """``frozenset(keys)``, built once per request for the set matches (filled when empty)."""
 

@@ -19,6 +19,10 @@ from craft_rag.types import ChunkKey, ConversationId
 ReplicaId = NewType("ReplicaId", str)
 """Caller-chosen name of one serving replica (an engine or server URL's label)."""
 
+ConversationKey = tuple[str | None, ConversationId]
+"""A conversation as the router knows it: (salt, id). Tenants are scoped by salt, so the same
+id under two salts is two conversations."""
+
 PlannerSource = Callable[[str | None], CraftPlanner]
 """Salt -> that replica's planner, for replicas whose planners live in an engine
 (``CraftEngine.planner_for``); the router then reads their trees but never owns them."""
@@ -56,7 +60,7 @@ class Replica:
     healthy: bool = True
     epoch: int = 0
     load: ReplicaLoad = field(default_factory=ReplicaLoad)
-    conversations: set[ConversationId] = field(default_factory=set)
+    conversations: set[ConversationKey] = field(default_factory=set)
     _planners: dict[str | None, CraftPlanner] = field(default_factory=dict)
 
     def planner(self, salt: str | None) -> CraftPlanner:

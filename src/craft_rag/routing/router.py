@@ -6,10 +6,13 @@ then plans the request on that replica's planner for the request's salt; the cal
 ``plan=`` does this itself) and calls :meth:`Router.finish`. A decision never finished keeps
 its load counted; a plan never committed changes no tree.
 
-Conversations stay on their replica while it is healthy (their history is cached there), and
-keep their salt. When a replica goes down its trees and load are dropped and its conversations
-are re-homed now, on the least-loaded healthy replicas; their next turn restarts there as a
-first turn (``decision.rehomed``). A replica that comes back rejoins empty.
+Conversations are scoped by tenant: a conversation is its (salt, id) pair, so the same id under
+two salts is two conversations with their own homes, turns and ends, and nothing the router
+answers or raises tells one tenant that another uses an id (or shows a salt). Conversations
+stay on their replica while it is healthy (their history is cached there). When a replica
+goes down its trees and load are dropped and its conversations are re-homed now, on the
+least-loaded healthy replicas; their next turn restarts there as a first turn
+(``decision.rehomed``). A replica that comes back rejoins empty.
 
 Thread safety: one lock around every public method; the planner's own lock is taken inside it
 (lock order: router, then planner).
@@ -28,7 +31,13 @@ from craft_rag.planner import CraftPlanner, Plan, PlannerConfig
 from craft_rag.routing.load_index import LoadIndex
 from craft_rag.routing.policies import ClusterView, RouteRequest, get_routing_policy
 from craft_rag.routing.queueing import DEFAULT_TTFT_MODEL, TTFTModel
-from craft_rag.routing.replica import PlannerSource, Replica, ReplicaId, ReplicaLoad
+from craft_rag.routing.replica import (
+    ConversationKey,
+    PlannerSource,
+    Replica,
+    ReplicaId,
+    ReplicaLoad,
+)
 from craft_rag.types import BlockHash, ChunkKey, ConversationId
 from craft_rag.validation import check_number
 
@@ -77,7 +86,7 @@ class RouteDecision:
     decision_id: int
     replica: ReplicaId
     plan: Plan
-    salt: str | None
+    salt: str | None = field(repr=False)  # a tenant's key: never shown
     prompt_tokens: int
     predicted_cached_tokens: int
     predicted_work_s: float
@@ -93,7 +102,8 @@ class RouteDecision:
 @dataclass(frozen=True, slots=True)
 class FaultReport:
     """What :meth:`Router.mark_down` did: tree nodes dropped, requests still in flight there
-    (lost), and each re-homed conversation with its new home (None: no healthy replica)."""
+    (lost), and each re-homed conversation with its new home (None: no healthy replica). A
+    conversation id appears once per tenant (salt) that had it there; salts are not shown."""
 
     replica: ReplicaId
     nodes_dropped: int
@@ -170,8 +180,9 @@ class Router:
         self._roots: dict[tuple[str | None, ChunkKey], set[int]] = {}
         self._planned: dict[tuple[str | None, ChunkKey, int], int] = {}
         self._scan_all = bool(sources)
-        self._homes: dict[ConversationId, tuple[ReplicaId, str | None]] = {}
-        self._restart: set[ConversationId] = set()
+        # Keyed by (salt, conversation id): tenants' conversations never meet.
+        self._homes: dict[ConversationKey, ReplicaId] = {}
+        self._restart: set[ConversationKey] = set()
         self._inflight: dict[int, RouteDecision] = {}
         self._ids = itertools.count(1)
         self._lock = threading.Lock()
@@ -207,10 +218,10 @@ class Router:
         with self._lock:
             return {r.id: replace(r.load) for r in self._order}
 
-    def home(self, conversation_id: str) -> ReplicaId | None:
+    def home(self, conversation_id: str, *, salt: str | None = None) -> ReplicaId | None:
+        """The replica homing ``salt``'s conversation ``conversation_id`` (None: unknown)."""
         with self._lock:
-            entry = self._homes.get(ConversationId(conversation_id))
-            return entry[0] if entry is not None else None
+            return self._homes.get((salt, ConversationId(conversation_id)))
 
     # ---- routing -------------------------------------------------------------------------------
 
@@ -223,15 +234,17 @@ class Router:
         salt: str | None = None,
     ) -> RouteDecision:
         """Choose a replica and plan ``chunks`` there. ``prompt_tokens``: the prompt's length
-        (any order). Counts the request as in flight until :meth:`finish`. ``ValueError`` for
-        bad arguments or a salt other than the conversation's; ``RuntimeError`` if no replica
-        is healthy. Cost: the policy (O(N * k) probes + a few set matches) plus one plan."""
+        (any order). Counts the request as in flight until :meth:`finish`. A conversation is
+        ``salt``'s: the same id under another salt is another conversation. ``ValueError`` for
+        bad arguments; ``RuntimeError`` if no replica is healthy. Cost: the policy (O(N * k)
+        probes + a few set matches) plus one plan."""
         not_int = isinstance(prompt_tokens, bool) or not isinstance(prompt_tokens, int)
         if not_int or prompt_tokens < 1:
             msg = f"prompt_tokens must be the prompt length (int >= 1), got {prompt_tokens!r}"
             raise ValueError(msg)
         if salt is not None and (not isinstance(salt, str) or not salt):
-            msg = f"salt must be a non-empty string or None, got {salt!r}"
+            got = "an empty string" if salt == "" else f"a {type(salt).__name__}"
+            msg = f"salt must be a non-empty string or None, got {got}"
             raise ValueError(msg)
         if conversation_id is not None and (
             not isinstance(conversation_id, str) or not conversation_id
@@ -243,24 +256,19 @@ class Router:
             if type(chunk) is not Chunk and not isinstance(chunk, Chunk):
                 msg = f"chunks[{i}] is a {type(chunk).__name__}, not a craft_rag.Chunk"
                 raise ValueError(msg)
-        conv = ConversationId(conversation_id) if conversation_id is not None else None
+        cid = ConversationId(conversation_id) if conversation_id is not None else None
+        conv = (salt, cid) if cid is not None else None
         keys = tuple(dict.fromkeys([c.key for c in chunks]))
-        request = RouteRequest(chunks, keys, prompt_tokens, conv, salt, frozenset(keys))
+        request = RouteRequest(chunks, keys, prompt_tokens, cid, salt, frozenset(keys))
         with self._lock:
             view = self._view()
             if not view.healthy:
                 msg = "no healthy replica: mark one up with Router.mark_up(replica_id)"
                 raise RuntimeError(msg)
             home = self._homes.get(conv) if conv is not None else None
-            if home is not None and home[1] != salt:
-                msg = (
-                    f"conversation {conversation_id!r} uses salt {home[1]!r}; every turn must "
-                    "use the salt of its first turn"
-                )
-                raise ValueError(msg)
             rehomed = conv is not None and conv in self._restart
             if home is not None:
-                replica, sticky = self._replicas[home[0]], True
+                replica, sticky = self._replicas[home], True
             else:
                 choice = self.policy.choose(request, view)
                 replica, sticky = choice.replica, False
@@ -311,7 +319,7 @@ class Router:
             self._loads.update(replica)
             self._inflight[decision.decision_id] = decision
             if conv is not None:
-                self._homes[conv] = (replica.id, salt)
+                self._homes[conv] = replica.id
                 replica.conversations.add(conv)
                 self._restart.discard(conv)
             s = self.stats
@@ -347,17 +355,18 @@ class Router:
             self._loads.update(replica)
             return True
 
-    def end_conversation(self, conversation_id: str) -> bool:
-        """Forget a conversation's home (and its sent chunks there). True if it was known."""
+    def end_conversation(self, conversation_id: str, *, salt: str | None = None) -> bool:
+        """Forget ``salt``'s conversation's home (and its sent chunks there); another salt's
+        conversation with the same id stays. True if it was known."""
         with self._lock:
-            conv = ConversationId(conversation_id)
-            entry = self._homes.pop(conv, None)
+            conv = (salt, ConversationId(conversation_id))
+            home = self._homes.pop(conv, None)
             self._restart.discard(conv)
-            if entry is None:
+            if home is None:
                 return False
-            replica = self._replicas[entry[0]]
+            replica = self._replicas[home]
             replica.conversations.discard(conv)
-            replica.planner(entry[1]).end_conversation(conversation_id)
+            replica.planner(salt).end_conversation(conversation_id)
             return True
 
     # ---- KV events -----------------------------------------------------------------------------
@@ -390,7 +399,10 @@ class Router:
             replica = self.replica(replica_id)
             if not replica.healthy:
                 return FaultReport(replica.id, 0, 0, ())
-            convs = sorted(replica.conversations)
+            # By id (then unsalted first, then salt): a stable order for the report.
+            convs = sorted(
+                replica.conversations, key=lambda k: (k[1], k[0] is not None, k[0] or "")
+            )
             lost = replica.load.requests
             self._assigned_total -= replica.load.assigned
             dropped = replica.go_down()
@@ -403,21 +415,20 @@ class Router:
             moved: list[tuple[ConversationId, ReplicaId | None]] = []
             extra = {r.id: 0 for r in view.healthy}
             for conv in convs:
-                salt = self._homes[conv][1]
                 if not view.healthy:
                     del self._homes[conv]
                     self._restart.discard(conv)
-                    moved.append((conv, None))
+                    moved.append((conv[1], None))
                     continue
                 target = min(
                     view.healthy,
                     key=lambda r: (len(r.conversations) + extra[r.id], r.load.work_s, r.index),
                 )
                 extra[target.id] += 1
-                self._homes[conv] = (target.id, salt)
+                self._homes[conv] = target.id
                 target.conversations.add(conv)
                 self._restart.add(conv)
-                moved.append((conv, target.id))
+                moved.append((conv[1], target.id))
             return FaultReport(replica.id, dropped, lost, tuple(moved))
 
     def mark_up(self, replica_id: str) -> None:
@@ -488,10 +499,10 @@ class Router:
             if not r.healthy:
                 assert not r._planners and not r.conversations and r.load == ReplicaLoad()
             for conv in r.conversations:
-                assert self._homes[conv][0] == r.id
+                assert self._homes[conv] == r.id
             for planner in r._planners.values():
                 planner._check_invariants()
-        for conv, (rid, _) in self._homes.items():
+        for conv, rid in self._homes.items():
             assert self._replicas[rid].healthy and conv in self._replicas[rid].conversations
         assert self._restart <= self._homes.keys()
         assert self._healthy == tuple(r for r in self._order if r.healthy)
