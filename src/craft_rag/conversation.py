@@ -115,6 +115,13 @@ class ConversationStore:
     ``tokens`` is parallel to ``turns`` and None for every dropped turn. Expired conversations
     (idle longer than ``ttl_s``) are treated as new and purged on the next write.
     Thread-safe (one re-entrant lock; callers holding a planner's lock take it second).
+
+    **Replicated** (:attr:`replicated`, a planner sharing a store sets it): the conversations,
+    their LRU order, expiry and evictions must be a function of the shared commit log alone,
+    so that every worker holds the same ones. A turn in flight is then a local mark beside the
+    state (``_holds``): it refuses a second turn in flight and keeps the history from being
+    exported or overwritten, but neither starts, moves, refreshes nor protects a conversation
+    (a turn in flight is not in the log). The bound then holds exactly.
     """
 
     def __init__(
@@ -138,6 +145,10 @@ class ConversationStore:
         self._clock = clock
         self._lock = threading.RLock()
         self._states: OrderedDict[ConversationId, ConversationState] = OrderedDict()
+        self.replicated = False
+        """Shared-store mode (see the class docstring). Owner: the planner."""
+        self._holds: dict[ConversationId, float] = {}
+        """Replicated mode: conversation -> when its turn in flight was held (local only)."""
 
     def __len__(self) -> int:
         return len(self._states)
@@ -155,8 +166,22 @@ class ConversationStore:
             return None
         now = self._clock()
         if self.ttl_s is not None and now - state.last_used > self.ttl_s:
-            return state if self._held(state, now) else None
+            return state if not self.replicated and self._held(state, now) else None
         return state
+
+    def _in_flight(
+        self, conversation_id: ConversationId, state: ConversationState | None, now: float
+    ) -> bool:
+        """A turn of the conversation is held (planned, not yet recorded or released)."""
+        if not self.replicated:
+            return state is not None and self._held(state, now)
+        since = self._holds.get(conversation_id)
+        return since is not None and (self.ttl_s is None or now - since <= self.ttl_s)
+
+    def adopt_holds(self, other: ConversationStore) -> None:
+        """Take ``other``'s turns in flight (a replicated store replaced by a snapshot's)."""
+        with self._lock:
+            self._holds.update(other._holds)
 
     def turn_count(self, conversation_id: ConversationId) -> int:
         """Turns recorded for a live conversation (0 if unknown or expired). O(1)."""
@@ -182,7 +207,7 @@ class ConversationStore:
                 keys=tuple(state.turns[state.live_from :]),
                 turn_count=len(state.turns),
                 dropped_since=state.dropped_since,
-                in_flight=self._held(state, self._clock()),
+                in_flight=self._in_flight(conversation_id, state, self._clock()),
                 version=state.version,
             )
 
@@ -206,6 +231,16 @@ class ConversationStore:
         (with no turns). False when a turn was already in flight (it stays held). O(1)."""
         cid = _checked_id(conversation_id)
         with self._lock:
+            if self.replicated:  # a local mark only: the log decides the state
+                now = self._clock()
+                if self._in_flight(cid, None, now):
+                    return False
+                if len(self._holds) >= self.max_conversations:  # drop stale marks
+                    self._holds = {
+                        c: t for c, t in self._holds.items() if self._in_flight(c, None, now)
+                    }
+                self._holds[cid] = now
+                return True
             now = self._now()
             state = self._live(cid)
             if state is None:
@@ -223,6 +258,9 @@ class ConversationStore:
         """The turn in flight was not served: the conversation is as it was (one without
         turns stays known, as an idle entry). O(1)."""
         with self._lock:
+            if self.replicated:
+                self._holds.pop(conversation_id, None)
+                return
             state = self._states.get(conversation_id)
             if state is None:
                 return
@@ -251,6 +289,8 @@ class ConversationStore:
             raise ValueError(msg)
         with self._lock:
             now = self._now()
+            if self.replicated:
+                self._holds.pop(cid, None)
             state = self._live(cid)
             if state is None:
                 state = ConversationState()
@@ -288,11 +328,13 @@ class ConversationStore:
         """Forget a conversation (end of session), a turn in flight included. True if it was
         known. O(1)."""
         with self._lock:
+            self._holds.pop(conversation_id, None)
             return self._states.pop(conversation_id, None) is not None
 
     def clear(self) -> None:
         with self._lock:
             self._states.clear()
+            self._holds.clear()
 
     # ---- the shared-store copy of the token history (craft_rag.stores.histories) ----------
 
@@ -322,7 +364,11 @@ class ConversationStore:
         a copy not newer than the local one. O(tokens)."""
         with self._lock:
             state = self._live(conversation_id)
-            if state is None or self._held(state, self._clock()) or state.version >= version:
+            if (
+                state is None
+                or self._in_flight(conversation_id, state, self._clock())
+                or state.version >= version
+            ):
                 return False
             first = stored.turn_count - len(stored.turns)
             for j, (ids, keys) in enumerate(zip(stored.turns, stored.keys, strict=True)):
@@ -333,6 +379,27 @@ class ConversationStore:
                 state.dropped_since = stored.dropped_since
             state.version = version
             return True
+
+    def carry_tokens(self, other: ConversationStore) -> None:
+        """Take ``other``'s token ids (and history version) for every turn both stores hold
+        with the same keys at the same index, where this one does not know them (a snapshot,
+        which carries none, replacing a worker's own state). O(turns of common
+        conversations)."""
+        with self._lock:
+            for cid, state in self._states.items():
+                mine = other._states.get(cid)
+                if mine is None:
+                    continue
+                for i in range(state.live_from, min(len(state.turns), len(mine.turns))):
+                    ids = mine.tokens[i]
+                    if state.tokens[i] is None and ids is not None and (
+                        state.turns[i] == mine.turns[i]
+                    ):
+                        state.tokens[i] = ids
+                # The version says "my tokens match the store's history up to this seq": only
+                # true when every live turn is known (else load_history must fill them).
+                if None not in state.tokens[state.live_from :]:
+                    state.version = max(state.version, mine.version)
 
     def _now(self) -> float:
         now = self._clock()
@@ -345,27 +412,36 @@ class ConversationStore:
     def _evict(self, now: float, *, expire: bool = True) -> None:
         """Purge expired conversations (``expire``), then the least recently used beyond the
         bound but the newest; one with a turn in flight stays. Caller holds the lock."""
+        replicated = self.replicated  # holds are local: they protect nothing then
         if expire and self.ttl_s is not None:
             for cid, state in list(self._states.items()):
                 if now - state.last_used <= self.ttl_s:
                     break
-                if not self._held(state, now):
+                if replicated or not self._held(state, now):
                     del self._states[cid]
         while len(self._states) > self.max_conversations:
             newest = next(reversed(self._states))  # the one just written stays
             victim = next(
-                (c for c, s in self._states.items() if c != newest and not self._held(s, now)),
+                (
+                    c for c, s in self._states.items()
+                    if c != newest and (replicated or not self._held(s, now))
+                ),
                 None,
             )
             if victim is None:
                 return
             del self._states[victim]
 
-    def to_json(self) -> dict[str, Any]:
+    def to_json(self, *, snapshot: bool = False) -> dict[str, Any]:
         """Every conversation with at least one turn, least recently used first; token ids
         and the dropped-turn count only where there are some. A turn in flight is not saved
         (its plan cannot be committed after a load): past the bound (conversations held by
-        one), the newest ``max_conversations`` are saved, as releasing the holds leaves."""
+        one), the newest ``max_conversations`` are saved, as releasing the holds leaves.
+
+        ``snapshot``: a shared store's snapshot, bounded by the conversations' live chunk
+        keys: no token ids nor history versions (each worker keeps its own; the store's
+        per-conversation history records hold them, :mod:`craft_rag.stores.histories`), and
+        dropped turns as empty key lists (only their count is still used). O(size)."""
         with self._lock:
             kept = [(c, s) for c, s in self._states.items() if s.turns]
             items = []
@@ -376,6 +452,13 @@ class ConversationStore:
                     "last_used": s.last_used,
                     "live_from": s.live_from,
                 }
+                if snapshot:
+                    live = s.live_from
+                    item["turns"] = [[] if i < live else list(t) for i, t in enumerate(s.turns)]
+                    if s.dropped_since:
+                        item["dropped"] = s.dropped_since
+                    items.append(item)
+                    continue
                 if any(t is not None for t in s.tokens):
                     item["tokens"] = [None if t is None else list(t) for t in s.tokens]
                 if s.dropped_since:

@@ -18,7 +18,7 @@ the earlier one is recorded). Cost: every operation O(1) amortised.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
@@ -62,6 +62,14 @@ class PlanLease:
     tree: ChunkPrefixTree | None = field(default=None)
     version: int = field(default=0)
     nodes: list[PrefixNode] | None = field(default=None)
+    # A shared store's commit attempts (owner: the planner's shared sync): ``attempts`` made,
+    # the token of the last one whose outcome is not known yet (``unsettled``: it may or may
+    # not be in the log), the turn's token ids it carries, and its result once a replay of the
+    # log met its entry (``written``: committed, whatever the caller was told).
+    attempts: int = field(default=0)
+    unsettled: str | None = field(default=None)
+    tokens: Sequence[int] | None = field(default=None)
+    written: tuple[int, int, int] | None = field(default=None)
 
     def match(self, tree: ChunkPrefixTree) -> list[PrefixNode] | None:
         """The nodes ``plan()`` matched if ``tree`` has not changed since (None otherwise:

@@ -132,7 +132,11 @@ class CraftPlanner(KVFeedback, StateRecorder, SharedSync):
         self._leases = PlanLeases()
         self._shared: SharedState | None = None
         self.store_fallback: str | None = None  # why a ?fallback=memory planner went local
+        self._unsettled = {}
+        self._snapshot_due = None
         if store is not None:
+            # Shared: the conversations follow the log alone (turns in flight stay local).
+            self.conversations.replicated = True
             shared = SharedState(as_store(store), namespace)
             try:
                 shared.store.attach(namespace, config_fingerprint(self.config))
@@ -303,8 +307,13 @@ class CraftPlanner(KVFeedback, StateRecorder, SharedSync):
             msg = f"plan: must be a craft_rag.planner.Plan, got {type(plan).__name__}"
             raise ValueError(msg)
         with self._lock:
-            if plan.planner_token != self._token or self._leases.finish(plan.plan_id) is None:
+            lease = self._leases.finish(plan.plan_id) if plan.planner_token == self._token else None
+            if lease is None:
                 return False
+            if (lease.unsettled is not None or lease.written is not None) and (
+                self._abort_unsettled(lease)
+            ):
+                return False  # its commit was written after all: the turn is recorded
             if plan.conversation_id is not None:
                 self.conversations.release(plan.conversation_id)
             return True
@@ -395,8 +404,6 @@ class CraftPlanner(KVFeedback, StateRecorder, SharedSync):
                     "object that plan() returned"
                 )
                 raise ValueError(msg)
-            self._leases.finish(plan.plan_id)
-            seen = pending.seen
             removed = plan.removed_duplicates
             removed_keys = tuple([c.key for c in removed]) if removed else ()
             applied: tuple[int, int, int] | None = None
@@ -407,7 +414,10 @@ class CraftPlanner(KVFeedback, StateRecorder, SharedSync):
                     tuple(metadata) if metadata is not None else None, location,
                     self._replay_clock.base(), removed_in_prompt,
                 )
-                applied = self._push(entry, not_after=seen, tokens=tokens)
+                # Finishes the lease once written (a failed append leaves it committable).
+                applied = self._commit_shared(pending, entry, tokens)
+            else:
+                self._leases.finish(plan.plan_id)
             if applied is None:  # local state (no store, or fell back to memory)
                 applied = self._record_local(
                     keys, removed_keys, plan.turn, plan.conversation_id, reused_chunks,
@@ -426,6 +436,8 @@ class CraftPlanner(KVFeedback, StateRecorder, SharedSync):
                 s.chunks_repeated_in_request += repeated
             s.predicted_chunks += plan.matched_chunks
             s.reused_chunks += reused
+        if self._snapshot_due is not None:  # a snapshot seq: written outside the lock
+            self._write_snapshot()
         return made_result(reused, inserted, stale, plan.turn)
 
     # ---- persistence (codec: craft_rag.planner_io) -------------------------------------------

@@ -8,6 +8,29 @@ replayed commit changes the CA-Table, CP-Tree and conversation store exactly as 
 commit did on the worker that made it, except for the turn's token ids: only the committing
 worker records them; others load them from the conversation's stored history
 (:mod:`craft_rag.stores.histories`).
+
+**One state, from the log alone.** Whatever changes the shared state is a log entry; local
+happenings (a turn in flight, this worker's clock, KV events aside) never move, start, refresh
+or evict a conversation (:attr:`ConversationStore.replicated`), so every worker and a late
+reader hold the same state after the same entries.
+
+**A commit is recorded once, or not at all, and the caller knows which.** Each append attempt
+carries a token (``CommitEntry.token``). When the append fails without a clear answer (a reply
+later than the store's timeout, a dropped connection, a lock past ``busy_timeout_ms``, any
+other store error) the plan is not consumed: the store is asked at once whether the entry was
+written (:meth:`StateStore.settle`, which also voids the token if not, so a request still on
+its way cannot land later). Written: the commit is done (the log is applied through it, the
+turn's token ids kept); not written: ``StoreUnavailable`` and the plan stays committable (a
+retry appends with a new token); no answer: ``StoreUnavailable``, the plan stays committable
+and the next commit (or abort) of it settles first. A replay that meets the entry of an
+unsettled attempt treats it as this worker's own (its token ids are kept).
+
+**Snapshots are bounded and written outside the lock.** A snapshot holds the CA-Table, the
+CP-Tree and each conversation's live chunk keys, never token ids (~12 KB per 2,000-token turn):
+those stay in each worker's memory and in the store's per-conversation history records, and a
+worker loading a snapshot keeps the token ids it had for the turns the snapshot holds. The
+snapshot's state is copied under the lock (``to_json``, O(state)); the JSON text and the store
+write happen after the lock is released, so other requests never wait on that I/O.
 """
 
 from __future__ import annotations
@@ -16,13 +39,15 @@ import json
 import logging
 import threading
 from collections.abc import Callable, Sequence
+from dataclasses import replace
+from typing import Any
 
 from craft_rag.access_table import ChunkAccessTable
 from craft_rag.conversation import ConversationStore
-from craft_rag.plan_lease import PlanLeases
+from craft_rag.plan_lease import PlanLease, PlanLeases
 from craft_rag.plans import PlannerConfig
 from craft_rag.prefix_tree import ChunkPrefixTree, KVLocation, NodeMetadata
-from craft_rag.stores import StateStore, StoreUnavailable
+from craft_rag.stores import ConversationConflict, StateStore, StoreUnavailable
 from craft_rag.stores.base import LogRead
 from craft_rag.stores.histories import SharedPosition
 from craft_rag.stores.shared import (
@@ -52,6 +77,10 @@ class SharedSync:
     _shared: SharedState | None
     _replay_clock: ReplayClock
     _leases: PlanLeases
+    _unsettled: dict[str, PlanLease]
+    """Append token -> lease of a commit attempt whose outcome is not known (owner: _lock)."""
+    _snapshot_due: tuple[int, dict[str, Any]] | None
+    """A snapshot's state copied under the lock, written by :meth:`_write_snapshot`."""
 
     # Provided by CraftPlanner: apply one served plan to the table, tree and conversation store.
     _record: Callable[
@@ -135,23 +164,38 @@ class SharedSync:
             self.prefix_tree = ChunkPrefixTree.from_json(
                 data["prefix_tree"], clock=self._replay_clock
             )
-            self.conversations = ConversationStore.from_json(
+            conversations = ConversationStore.from_json(
                 data["conversations"], clock=self._replay_clock
             )
+            conversations.replicated = True
+            # A snapshot carries no token ids: keep this worker's own for the turns it holds,
+            # and its turns in flight.
+            conversations.carry_tokens(self.conversations)
+            conversations.adopt_holds(self.conversations)
+            self.conversations = conversations
             shared.applied = read.snapshot.seq
             self._replay_clock.floor = float(data.get("clock", float("-inf")))
         own: tuple[int, int, int] | None = None
         clock = self._replay_clock
+        unsettled = self._unsettled
         for raw in read.entries:
             entry = decode_entry(raw, shared.where)
             clock.pin(entry.ts)
             try:
                 if isinstance(entry, CommitEntry):
+                    tokens = own_tokens if raw.seq == own_seq else None
+                    mine = None
+                    if unsettled and entry.token is not None:
+                        mine = unsettled.pop(entry.token, None)
+                        if mine is not None:  # this worker's attempt: its token ids
+                            tokens = mine.tokens
                     result = self._record(
                         entry.keys, entry.removed, entry.turn, entry.conversation,
                         entry.reused_chunks, entry.metadata, entry.location,
-                        own_tokens if raw.seq == own_seq else None, entry.removed_in_prompt,
+                        tokens, entry.removed_in_prompt,
                     )
+                    if mine is not None:
+                        mine.written, mine.unsettled = result, None
                 elif isinstance(entry, EndEntry):
                     result = (int(self.conversations.end(entry.conversation)), 0, 0)
                 else:
@@ -163,15 +207,120 @@ class SharedSync:
                 own = result
             shared.applied = raw.seq
         if own_seq is not None and shared.snapshot_due(own_seq):
-            shared.put_snapshot(own_seq, {
+            # Copied now (under the lock); written by _write_snapshot once it is released.
+            self._snapshot_due = (own_seq, {
                 "access_table": self.access_table.to_json(),
                 "prefix_tree": self.prefix_tree.to_json(),
-                "conversations": self.conversations.to_json(),
+                "conversations": self.conversations.to_json(snapshot=True),
                 "clock": clock.floor,
             })
         # Own entry not among those applied: a snapshot taken after it covered it (a planner
         # more than snapshot_every entries behind); its effect is in the snapshot.
         return own if own is not None else (0, 0, 0)
+
+    def _write_snapshot(self) -> None:
+        """Write the snapshot copied by the last commit at a snapshot seq, if any. Called
+        WITHOUT the planner lock (the JSON text and the store round trip are O(state))."""
+        due, self._snapshot_due = self._snapshot_due, None
+        shared = self._shared
+        if due is not None and shared is not None:
+            shared.put_snapshot(*due)
+
+    # ---- a commit's append, settled when its outcome is unclear ------------------------------
+
+    def _commit_shared(
+        self, lease: PlanLease, entry: CommitEntry, tokens: Sequence[int] | None
+    ) -> tuple[int, int, int] | None:
+        """Append ``lease``'s commit ``entry`` and apply the log through it: its ``_record``
+        result (None when the planner fell back to local state instead). On success the lease
+        is finished. ``ConversationConflict``: finished and its conversation released (plan the
+        turn again). Any other failure leaves the plan committable (see the module: settled
+        at once when the store answers). Caller holds the lock."""
+        shared = self._shared
+        assert shared is not None
+        plan = lease.plan
+        if lease.written is None and lease.unsettled is not None:
+            self._settle(shared, lease, None)  # an earlier attempt: written or void first
+        if lease.written is not None:  # a replay met an earlier attempt's entry
+            self._leases.finish(plan.plan_id)
+            return lease.written
+        token = f"{plan.planner_token:x}.{plan.plan_id}.{lease.attempts}"
+        lease.attempts += 1
+        lease.unsettled, lease.tokens = token, tokens
+        self._unsettled[token] = lease
+        try:
+            read = shared.push(
+                replace(entry, token=token), not_after=lease.seen,
+                ttl_s=self.config.conversation_ttl_s,
+            )
+        except ConversationConflict:
+            self._unsettled.pop(token, None)
+            self._leases.finish(plan.plan_id)
+            if plan.conversation_id is not None:
+                self.conversations.release(plan.conversation_id)
+            raise
+        except StoreUnavailable as e:
+            if shared.store.fallback is not None:
+                self._unsettled.pop(token, None)
+                self._fall_back(shared, e)
+                self._leases.finish(plan.plan_id)
+                return None
+            self._settle(shared, lease, e)
+        except Exception as e:  # any other store failure: the outcome is just as unknown
+            self._settle(shared, lease, e)
+        else:
+            self._apply(shared, read, own_seq=read.head, own_tokens=tokens)
+        if lease.written is None:  # covered by a snapshot taken after it (far behind)
+            self._unsettled.pop(token, None)
+            lease.written = (0, 0, 0)
+        self._leases.finish(plan.plan_id)
+        return lease.written
+
+    def _settle(self, shared: SharedState, lease: PlanLease, error: Exception | None) -> None:
+        """Resolve ``lease``'s unsettled attempt: written -> the log applied through it
+        (``lease.written`` set); not written -> voided, ``StoreUnavailable`` when ``error``
+        (the failed attempt) is given; no answer -> ``StoreUnavailable``, still unsettled."""
+        token = lease.unsettled
+        assert token is not None
+        plan_id = lease.plan.plan_id
+        why = f" ({error})" if error is not None else ""
+        try:
+            seq = shared.store.settle(shared.namespace, token)
+            read = shared.pull() if seq > 0 else None
+        except Exception as e:
+            msg = (
+                f"{shared.where}: the commit of plan {plan_id} failed{why} and the store did "
+                f"not answer whether it was written ({e}); the plan is still pending: commit it "
+                "again once the store answers (it is recorded once), or abort it"
+            )
+            raise StoreUnavailable(msg) from (error or e)
+        if read is not None:  # written: applying the log through it sets lease.written
+            self._apply(shared, read, own_seq=None)
+            return
+        self._unsettled.pop(token, None)
+        lease.unsettled = None
+        if error is not None:
+            msg = (
+                f"{shared.where}: the commit of plan {plan_id} failed{why} and was not written; "
+                "the plan is still pending: commit it again once the store answers, or abort it"
+            )
+            raise StoreUnavailable(msg) from error
+
+    def _abort_unsettled(self, lease: PlanLease) -> bool:
+        """An aborted plan with an unsettled attempt: void it, or, when it was written after
+        all, apply it (its turn is in the log). True when it was written. A store that does not
+        answer is logged; a replay that meets the entry later keeps its token ids."""
+        shared = self._shared
+        if shared is None or lease.unsettled is None:
+            return lease.written is not None
+        try:
+            self._settle(shared, lease, None)
+        except StoreUnavailable as e:
+            logger.warning("%s", e)
+            while len(self._unsettled) > 1024:  # bounded: the oldest are forgotten
+                del self._unsettled[next(iter(self._unsettled))]
+            return False
+        return lease.written is not None
 
     # ---- conversation ends and drops: log entries with a store --------------------------------
 
@@ -187,11 +336,12 @@ class SharedSync:
         with self._lock:
             self._leases.forget_conversation(conv)
             self._pull()
+            result = None
             if self._shared is not None:
                 result = self._push(EndEntry(conv, self._replay_clock.base()), None)
-                if result is not None:
-                    return bool(result[0])
-            return self.conversations.end(conv)
+            ended = bool(result[0]) if result is not None else self.conversations.end(conv)
+        self._write_snapshot()
+        return ended
 
     def forget_turns(self, conversation_id: str, n: int) -> int:
         """The conversation's prompt dropped its ``n`` oldest turns: chunks only they carried
@@ -204,8 +354,11 @@ class SharedSync:
         conv = checked
         with self._lock:
             self._pull()
+            result = None
             if self._shared is not None and n > 0:
                 result = self._push(ForgetEntry(conv, n, self._replay_clock.base()), None)
-                if result is not None:
-                    return result[0]
-            return self.conversations.forget_oldest_turns(conv, n)
+            forgotten = (
+                result[0] if result is not None else self.conversations.forget_oldest_turns(conv, n)
+            )
+        self._write_snapshot()
+        return forgotten

@@ -58,6 +58,15 @@ class ConversationConflict(RuntimeError, StoreError):
     """Another worker committed a turn of this conversation after this turn was planned."""
 
 
+class CommitVoided(RuntimeError, StoreError):
+    """An append carrying a token that :meth:`StateStore.settle` declared never written."""
+
+
+TOKEN_VOID_TTL_S = 86_400.0
+"""How long a voided append token stays refused (a request delayed longer than this could
+still land; far beyond any client timeout)."""
+
+
 @dataclass(frozen=True, slots=True)
 class LogEntry:
     """One committed plan (``data`` is its JSON text, decoded by :mod:`craft_rag.stores.shared`)."""
@@ -182,11 +191,23 @@ class StateStore(abc.ABC):
         conversation: str | None,
         not_after: int | None,
         ttl_s: float | None,
+        token: str | None = None,
     ) -> tuple[int, list[LogEntry]]:
         """Atomically: refuse (``ConversationConflict``) when ``conversation``'s last commit
-        is after ``not_after`` (no check when None); add ``data`` as entry ``head + 1``; set
-        the conversation's last seq (expiring after ``ttl_s``); return ``(head, entries with
-        seq > since)``."""
+        is after ``not_after`` (no check when None), and (``CommitVoided``) when ``token`` was
+        voided by :meth:`settle`; add ``data`` as entry ``head + 1``; set the conversation's
+        last seq (expiring after ``ttl_s``); remember ``token`` -> seq (until the entry is
+        trimmed); return ``(head, entries with seq > since)``."""
+
+    def settle(self, namespace: str, token: str) -> int:
+        """After an append carrying ``token`` failed without a clear answer (a reply later
+        than the timeout, a dropped connection, a lock): atomically, the seq of the entry it
+        wrote, or, when it wrote none, 0, and ``token`` is void from then on (for
+        :data:`TOKEN_VOID_TTL_S`): an append carrying it (the request still on its way) is
+        refused, so the answer cannot change. One round trip. An entry trimmed by a snapshot
+        is no longer found (settle right after the failure, not ``snapshot_every`` commits
+        later)."""
+        raise NotImplementedError(f"{type(self).__name__} cannot settle an append")
 
     @abc.abstractmethod
     def _snapshot(self, namespace: str) -> Snapshot | None:
@@ -233,10 +254,16 @@ class StateStore(abc.ABC):
         conversation: str | None = None,
         not_after: int | None = None,
         ttl_s: float | None = None,
+        token: str | None = None,
     ) -> LogRead:
         """Append one entry (see :meth:`_append`) and return what the caller at ``since`` must
         apply, its own entry included (last)."""
-        head, entries = self._append(namespace, data, since, conversation, not_after, ttl_s)
+        if token is None:  # the former call, for backends without tokens
+            head, entries = self._append(namespace, data, since, conversation, not_after, ttl_s)
+        else:
+            head, entries = self._append(
+                namespace, data, since, conversation, not_after, ttl_s, token
+            )
         return self._complete(namespace, since, head, entries)
 
     def _complete(

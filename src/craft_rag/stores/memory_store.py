@@ -14,6 +14,8 @@ from dataclasses import dataclass, field
 
 from craft_rag.stores.base import (
     DEFAULT_SNAPSHOT_EVERY,
+    TOKEN_VOID_TTL_S,
+    CommitVoided,
     ConversationConflict,
     HistoryRecord,
     LogEntry,
@@ -39,6 +41,10 @@ class _Namespace:
     """conversation -> (version, history JSON, expiry time or None)."""
     snapshot: Snapshot | None = None
     fingerprint: str | None = None
+    tokens: dict[str, int] = field(default_factory=dict)
+    """append token -> its entry's seq (trimmed with the log)."""
+    voids: dict[str, float] = field(default_factory=dict)
+    """append token settled as never written -> when the void expires."""
 
 
 def _after(log: list[LogEntry], since: int) -> list[LogEntry]:
@@ -104,10 +110,13 @@ class MemoryStore(StateStore):
         conversation: str | None,
         not_after: int | None,
         ttl_s: float | None,
+        token: str | None = None,
     ) -> tuple[int, list[LogEntry]]:
         with self._lock:
             space = self._space(namespace)
             now = self._clock()
+            if token is not None and space.voids.get(token, now) > now:
+                raise CommitVoided(f"append {token!r} was settled as not written")
             if conversation is not None:
                 last, expires = space.conversations.get(conversation, (0, None))
                 if expires is not None and expires <= now:
@@ -116,6 +125,8 @@ class MemoryStore(StateStore):
                     raise ConversationConflict(conflict_message(conversation, last, not_after))
             space.head += 1
             space.log.append(LogEntry(space.head, data))
+            if token is not None:
+                space.tokens[token] = space.head
             if conversation is not None:
                 expiry = now + ttl_s if ttl_s is not None else None
                 space.conversations[conversation] = (space.head, expiry)
@@ -127,6 +138,17 @@ class MemoryStore(StateStore):
                         c: h for c, h in space.histories.items() if h[2] is None or h[2] > now
                     }
             return space.head, _after(space.log, since)
+
+    def settle(self, namespace: str, token: str) -> int:
+        with self._lock:
+            space = self._space(namespace)
+            seq = space.tokens.get(token)
+            if seq is not None:
+                return seq
+            now = self._clock()
+            space.voids = {t: e for t, e in space.voids.items() if e > now}
+            space.voids[token] = now + TOKEN_VOID_TTL_S
+            return 0
 
     def put_history(
         self, namespace: str, conversation: str, version: int, data: str, ttl_s: float | None
@@ -165,6 +187,7 @@ class MemoryStore(StateStore):
                 space.snapshot = snapshot
             if space.log and space.log[0].seq < keep_from:
                 del space.log[: keep_from - space.log[0].seq]
+                space.tokens = {t: s for t, s in space.tokens.items() if s >= keep_from}
 
     def clear(self, namespace: str) -> None:
         with self._lock:

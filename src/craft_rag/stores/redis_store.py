@@ -22,6 +22,8 @@ from urllib.parse import urlsplit, urlunsplit
 from craft_rag.stores.base import (
     DEFAULT_SNAPSHOT_EVERY,
     STORE_FORMAT,
+    TOKEN_VOID_TTL_S,
+    CommitVoided,
     ConversationConflict,
     HistoryRecord,
     LogEntry,
@@ -42,15 +44,19 @@ _OPTIONS = {
     "timeout_ms": "connect and read timeout per call (default 2000)",
 }
 
-# KEYS: head, log, conv (or head again when none). ARGV: data, since, has_conv, not_after
-# ('' = no check), ttl_ms ('' = no expiry). Returns {-1, last} on conflict, else {head, entries}.
+# KEYS: head, log, conv (or head again when none), tokens (append token -> seq, scored by
+# seq), void (a token's void key, or head again when none). ARGV: data, since, has_conv,
+# not_after ('' = no check), ttl_ms ('' = no expiry), token ('' = none). Returns {-1, last} on
+# conflict, {-2, 0} for a voided token, else {head, entries}.
 _APPEND = """
+if ARGV[6] ~= '' and redis.call('EXISTS', KEYS[5]) == 1 then return {-2, 0} end
 if ARGV[3] == '1' and ARGV[4] ~= '' then
   local last = tonumber(redis.call('GET', KEYS[3]) or '0')
   if last > tonumber(ARGV[4]) then return {-1, last} end
 end
 local head = redis.call('INCR', KEYS[1])
 redis.call('ZADD', KEYS[2], head, head .. '|' .. ARGV[1])
+if ARGV[6] ~= '' then redis.call('ZADD', KEYS[4], head, ARGV[6]) end
 if ARGV[3] == '1' then
   if ARGV[5] ~= '' then
     redis.call('SET', KEYS[3], head, 'PX', ARGV[5])
@@ -65,6 +71,14 @@ return {head, redis.call('ZRANGEBYSCORE', KEYS[2], '(' .. ARGV[2], '+inf')}
 _RANGE = """
 local head = tonumber(redis.call('GET', KEYS[1]) or '0')
 return {head, redis.call('ZRANGEBYSCORE', KEYS[2], '(' .. ARGV[1], '+inf')}
+"""
+
+# KEYS: tokens, void key. ARGV: token, void ttl_ms. Returns the token's seq, or 0 (then void).
+_SETTLE = """
+local seq = redis.call('ZSCORE', KEYS[1], ARGV[1])
+if seq then return tonumber(seq) end
+redis.call('SET', KEYS[2], '1', 'PX', ARGV[2])
+return 0
 """
 
 # KEYS: history hash. ARGV: version, data, ttl_ms ('' = no expiry). Returns 1 when stored.
@@ -86,13 +100,14 @@ local h = redis.call('HMGET', KEYS[2], 'v', 'd')
 return {redis.call('GET', KEYS[1]), h[1], h[2]}
 """
 
-# KEYS: snapshot hash, log. ARGV: seq, state, keep_from.
+# KEYS: snapshot hash, log, tokens. ARGV: seq, state, keep_from.
 _PUT_SNAPSHOT = """
 local current = tonumber(redis.call('HGET', KEYS[1], 'seq') or '-1')
 if current < tonumber(ARGV[1]) then
   redis.call('HSET', KEYS[1], 'seq', ARGV[1], 'state', ARGV[2])
 end
 redis.call('ZREMRANGEBYSCORE', KEYS[2], '-inf', '(' .. ARGV[3])
+if KEYS[3] then redis.call('ZREMRANGEBYSCORE', KEYS[3], '-inf', '(' .. ARGV[3]) end
 return 1
 """
 
@@ -146,6 +161,7 @@ class RedisStore(StateStore):
         self._snapshot_script = self._client.register_script(_PUT_SNAPSHOT)
         self._attach_script = self._client.register_script(_ATTACH)
         self._put_history_script = self._client.register_script(_PUT_HISTORY)
+        self._settle_script = self._client.register_script(_SETTLE)
         self._get_history_script = self._client.register_script(_GET_HISTORY)
 
     @classmethod
@@ -221,6 +237,7 @@ class RedisStore(StateStore):
         conversation: str | None,
         not_after: int | None,
         ttl_s: float | None,
+        token: str | None = None,
     ) -> tuple[int, list[LogEntry]]:
         head_key = self._key(namespace, "head")
         conv_key = head_key
@@ -232,13 +249,29 @@ class RedisStore(StateStore):
             "1" if conversation is not None else "0",
             "" if not_after is None else str(not_after),
             "" if ttl_s is None else str(max(1, round(ttl_s * 1000))),
+            "" if token is None else token,
         ]
-        keys = [head_key, self._key(namespace, "log"), conv_key]
+        void_key = head_key if token is None else self._token_key(namespace, token)
+        keys = [
+            head_key, self._key(namespace, "log"), conv_key, self._key(namespace, "tokens"),
+            void_key,
+        ]
         head, payload = self._call(self._append_script, keys=keys, args=args)
+        if int(head) == -2:
+            raise CommitVoided(f"append {token!r} was settled as not written")
         if int(head) == -1:
             assert conversation is not None and not_after is not None
             raise ConversationConflict(conflict_message(conversation, int(payload), not_after))
         return int(head), self._entries(payload)
+
+    def _token_key(self, namespace: str, token: str) -> str:
+        digest = hashlib.sha256(token.encode("utf-8")).hexdigest()
+        return self._key(namespace, f"void:{digest}")
+
+    def settle(self, namespace: str, token: str) -> int:
+        keys = [self._key(namespace, "tokens"), self._token_key(namespace, token)]
+        ttl = str(round(TOKEN_VOID_TTL_S * 1000))
+        return int(self._call(self._settle_script, keys=keys, args=[token, ttl]))
 
     def _conv_key(self, namespace: str, kind: str, conversation: str) -> str:
         digest = hashlib.sha256(conversation.encode("utf-8")).hexdigest()
@@ -270,15 +303,18 @@ class RedisStore(StateStore):
         return Snapshot(int(seq), state.decode("utf-8"))
 
     def put_snapshot(self, namespace: str, snapshot: Snapshot, keep_from: int) -> None:
-        keys = [self._key(namespace, "snapshot"), self._key(namespace, "log")]
+        keys = [
+            self._key(namespace, "snapshot"), self._key(namespace, "log"),
+            self._key(namespace, "tokens"),
+        ]
         self._call(
             self._snapshot_script, keys=keys, args=[snapshot.seq, snapshot.state, keep_from]
         )
 
     def clear(self, namespace: str) -> None:
-        names = ["head", "log", "snapshot", "fingerprint"]
+        names = ["head", "log", "snapshot", "fingerprint", "tokens"]
         keys = [self._key(namespace, n) for n in names]
-        for kind in ("conv", "hist"):
+        for kind in ("conv", "hist", "void"):
             pattern = self._key(namespace, f"{kind}:*")
             keys += self._call(lambda p=pattern: list(self._client.scan_iter(match=p, count=1000)))
         self._call(self._client.delete, *keys)

@@ -52,6 +52,9 @@ class CommitEntry:
     removed_in_prompt: bool = False
     """The prompt carried ``removed`` too (a restarted turn): the conversation records them
     with the turn (field ``"r"``, written only when true)."""
+    token: str | None = None
+    """Names this append attempt (field ``"p"``): after a failure without a clear answer the
+    committer asks the store whether it was written (:meth:`StateStore.settle`)."""
 
     def to_json(self) -> str:
         meta = None
@@ -70,6 +73,8 @@ class CommitEntry:
         }
         if self.removed_in_prompt:
             data["r"] = True
+        if self.token is not None:
+            data["p"] = self.token
         return json.dumps(data, separators=(",", ":"))
 
 
@@ -123,6 +128,12 @@ def _metadata(value: Any, k: int) -> tuple[NodeMetadata, ...] | None:
     return tuple(out)
 
 
+def _token(value: Any) -> str | None:
+    if value is not None and not isinstance(value, str):
+        raise TypeError("the append token must be a string")
+    return value
+
+
 def decode_entry(entry: LogEntry, where: str) -> Entry:
     """The entry in ``entry.data``; :class:`StoreCorrupted` naming ``where`` (store and
     namespace) and the seq when it is not one this version wrote."""
@@ -165,6 +176,7 @@ def decode_entry(entry: LogEntry, where: str) -> Entry:
             location=None if loc is None else KVLocation(str(loc[0]), str(loc[1])),
             ts=ts,
             removed_in_prompt=resent,
+            token=_token(data.get("p")),
         )
     except (ValueError, TypeError, KeyError, IndexError) as e:
         msg = (
@@ -233,6 +245,7 @@ class SharedState:
             conversation=entry.conversation,
             not_after=not_after,
             ttl_s=ttl_s,
+            token=entry.token if isinstance(entry, CommitEntry) else None,
         )
 
     def snapshot_due(self, seq: int) -> bool:

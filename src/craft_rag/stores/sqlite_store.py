@@ -25,6 +25,8 @@ from pathlib import Path
 from craft_rag.stores.base import (
     DEFAULT_SNAPSHOT_EVERY,
     STORE_FORMAT,
+    TOKEN_VOID_TTL_S,
+    CommitVoided,
     ConversationConflict,
     HistoryRecord,
     LogEntry,
@@ -58,6 +60,10 @@ _SCHEMA = (
     "WITHOUT ROWID",
     "CREATE TABLE IF NOT EXISTS craft_snapshot(ns TEXT PRIMARY KEY, seq INTEGER NOT NULL, "
     "state TEXT NOT NULL) WITHOUT ROWID",
+    # append token -> its entry's seq (trimmed with the log), or 0: settled as never written
+    # (expires: when that void ends).
+    "CREATE TABLE IF NOT EXISTS craft_token(ns TEXT NOT NULL, token TEXT NOT NULL, "
+    "seq INTEGER NOT NULL, expires REAL, PRIMARY KEY (ns, token)) WITHOUT ROWID",
 )
 
 
@@ -241,9 +247,17 @@ class SQLiteStore(StateStore):
         conversation: str | None,
         not_after: int | None,
         ttl_s: float | None,
+        token: str | None = None,
     ) -> tuple[int, list[LogEntry]]:
         now = self._clock()
         with self._transaction() as cur:
+            if token is not None:
+                row = cur.execute(
+                    "SELECT seq, expires FROM craft_token WHERE ns = ? AND token = ?",
+                    (namespace, token),
+                ).fetchone()
+                if row is not None and row[0] == 0 and row[1] > now:
+                    raise CommitVoided(f"append {token!r} was settled as not written")
             if conversation is not None and not_after is not None:
                 row = cur.execute(
                     "SELECT last_seq, expires FROM craft_conv WHERE ns = ? AND id = ?",
@@ -260,6 +274,11 @@ class SQLiteStore(StateStore):
                 cur.execute("SELECT seq FROM craft_head WHERE ns = ?", (namespace,)).fetchone()[0]
             )
             cur.execute("INSERT INTO craft_log VALUES (?, ?, ?)", (namespace, seq, data))
+            if token is not None:
+                cur.execute(
+                    "INSERT OR REPLACE INTO craft_token VALUES (?, ?, ?, NULL)",
+                    (namespace, token, seq),
+                )
             if conversation is not None:
                 expires = now + ttl_s if ttl_s is not None else None
                 cur.execute(
@@ -272,6 +291,24 @@ class SQLiteStore(StateStore):
                             f"DELETE FROM {table} WHERE ns = ? AND expires <= ?", (namespace, now)
                         )
             return self._head_and_after(cur, namespace, since)
+
+    def settle(self, namespace: str, token: str) -> int:
+        now = self._clock()
+        with self._transaction() as cur:
+            row = cur.execute(
+                "SELECT seq FROM craft_token WHERE ns = ? AND token = ?", (namespace, token)
+            ).fetchone()
+            if row is not None and row[0] > 0:
+                return int(row[0])
+            cur.execute(
+                "DELETE FROM craft_token WHERE ns = ? AND seq = 0 AND expires <= ?",
+                (namespace, now),
+            )
+            cur.execute(
+                "INSERT OR REPLACE INTO craft_token VALUES (?, ?, 0, ?)",
+                (namespace, token, now + TOKEN_VOID_TTL_S),
+            )
+            return 0
 
     def put_history(
         self, namespace: str, conversation: str, version: int, data: str, ttl_s: float | None
@@ -322,13 +359,17 @@ class SQLiteStore(StateStore):
                 (namespace, snapshot.seq, snapshot.state),
             )
             cur.execute("DELETE FROM craft_log WHERE ns = ? AND seq < ?", (namespace, keep_from))
+            cur.execute(
+                "DELETE FROM craft_token WHERE ns = ? AND seq > 0 AND seq < ?",
+                (namespace, keep_from),
+            )
 
     def clear(self, namespace: str) -> None:
         check_namespace(namespace)
         with self._transaction() as cur:
             for table in (
                 "craft_meta", "craft_head", "craft_log", "craft_conv", "craft_history",
-                "craft_snapshot",
+                "craft_snapshot", "craft_token",
             ):
                 cur.execute(f"DELETE FROM {table} WHERE ns = ?", (namespace,))
 
