@@ -15,8 +15,13 @@ is reported on its own :class:`~craft_rag.engine.results.ReuseReport`.
 Small models often echo the follow-up unchanged (the embedded SmolLM2-135M mostly does). When
 the reply is the follow-up itself and the caller passes the ``previous`` user message, the
 question retrieval uses is ``previous + " " + follow-up`` instead (``method="history"``): the
-follow-up's missing referent is almost always in the previous question. ``method`` says which
-rule produced the question.
+follow-up's missing referent is almost always in the previous question. Small models also
+answer the follow-up or invent a statement instead of rewriting it ("Who was his wife?" ->
+"His wife was Mary, a singer."), and retrieval would then follow the invention. A reply counts
+as a rewrite only when it reads as a question (ends with "?" or starts with a question word),
+keeps the follow-up's content words and is not much longer than follow-up plus previous
+message (:func:`is_rewrite`); anything else falls back to the ``"history"`` rule. ``method``
+says which rule produced the question.
 
 The follow-up is caller text: it is tokenized as plain text (control-token spellings stay
 text) and formatted into the instruction as a value, never as a template.
@@ -42,6 +47,18 @@ CONDENSE_INSTRUCTION = (
 DEFAULT_CONDENSE_MAX_TOKENS = 40
 
 _PREFIXES = ("standalone question:", "question:", "rewritten question:")
+
+_QUESTION_WORDS = frozenset(
+    "who whom whose what which when where why how is are was were do does did can could "  # noqa: SIM905
+    "would will should shall may might has have had name list tell give describe explain".split()
+)
+# Words a rewrite may replace (pronouns, articles, auxiliaries): the follow-up's other words
+# must survive the rewrite, or the model answered or changed the question.
+_REPLACEABLE = _QUESTION_WORDS | frozenset(
+    "he she it they him her them his hers its their theirs this that these those there the a "  # noqa: SIM905
+    "an of in on at to for by with and or from about as one ones".split()
+)
+_MAX_GROWTH_WORDS = 12
 
 
 @dataclass(frozen=True, slots=True)
@@ -100,9 +117,28 @@ def clean_condensed(text: str, original: str) -> str:
     return original
 
 
+def _words(text: str) -> list[str]:
+    return [w.strip(".,;:!?\"'()").casefold() for w in text.split() if w.strip(".,;:!?\"'()")]
+
+
+def is_rewrite(text: str, question: str, previous: str | None = None) -> bool:
+    """Whether ``text`` reads as a standalone rewrite of ``question``: a question (ends with
+    "?" or starts with a question word), keeping every word of ``question`` that is not a
+    pronoun, article or auxiliary (case-insensitive), at most ``previous`` + ``question`` +
+    12 words long. False for answers and invented statements. O(words)."""
+    words = _words(text)
+    if not words or not (text.rstrip().endswith("?") or words[0] in _QUESTION_WORDS):
+        return False
+    kept = set(words)
+    if any(w not in kept for w in _words(question) if w not in _REPLACEABLE):
+        return False
+    budget = len(_words(question)) + len(_words(previous or "")) + _MAX_GROWTH_WORDS
+    return len(words) <= budget
+
+
 def _condensed(result: GenerationResult, question: str, previous: str | None) -> Condensed:
     text, report = clean_condensed(result.text, question), result.report
-    if _same(text, question):
+    if _same(text, question) or not is_rewrite(text, question, previous):
         if previous and previous.strip() and not _same(previous, question):
             return Condensed(f"{previous.strip()} {question}", question, report, "history")
         return Condensed(question, question, report, "none")
