@@ -27,8 +27,9 @@ chunks are sent again when retrieved again).
 
 from __future__ import annotations
 
+import inspect
 from collections.abc import AsyncIterator, Callable, Iterable, Iterator, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Protocol, cast
 
 from langchain_core.callbacks import (
@@ -90,7 +91,7 @@ class _Turn:
     history: MessageHistory | None
     question: str
     documents: Sequence[Document] | None
-    llm_kwargs: dict[str, Any]
+    llm_kwargs: dict[str, Any] = field(repr=False)  # holds the cache_salt: never shown
 
     @property
     def cache_salt(self) -> str | None:
@@ -117,9 +118,11 @@ class CraftConversation(RunnableSerializable[ConversationInput, AIMessage]):
     them instead of calling ``retriever``). Config: ``{"configurable": {"session_id": ...}}``
     (or ``conversation_id``/``thread_id``), required; ``cache_salt`` there (or the ``cache_salt``
     field) isolates the session's prefix-cache entries and planner from other salts (vLLM
-    reuses KV only between requests with the same salt). A session keeps the salt of its first
-    turn: a later turn with another salt (or none) raises ``ValueError`` from the engine;
-    :meth:`end_session` first to change it.
+    reuses KV only between requests with the same salt). A session is scoped by its salt (its
+    tenant): the same session id under another salt is another tenant's session, with its own
+    engine conversation; give ``get_session_history`` two parameters ``(session_id,
+    cache_salt)`` so the message histories are per tenant too (a one-parameter factory gets
+    the session id alone: right for one tenant, shared between tenants otherwise).
     Output: the reply ``AIMessage`` (``response_metadata["craft"]`` is the reuse report). Turns
     of one session must not overlap (the engine refuses a second turn in flight). Cost per
     turn: one retrieval plus one engine request whose uncached part is the new chunks, the
@@ -127,10 +130,13 @@ class CraftConversation(RunnableSerializable[ConversationInput, AIMessage]):
     """
 
     llm: ChatCraftVLLM = Field(description="The engine-backed chat model serving each turn.")
-    get_session_history: Callable[[str], MessageHistory] | None = Field(
+    get_session_history: (
+        Callable[[str], MessageHistory] | Callable[[str, str | None], MessageHistory] | None
+    ) = Field(
         default=None,
-        description="Returns the message history of a session id (created when new); None: "
-        "keep no history beyond the engine's.",
+        description="Returns the message history of a session id, or of (session id, "
+        "cache_salt) when it takes two parameters (per tenant; created when new); None: keep "
+        "no history beyond the engine's.",
     )
     retriever: Runnable[str, list[Document]] | None = Field(
         default=None,
@@ -184,17 +190,30 @@ class CraftConversation(RunnableSerializable[ConversationInput, AIMessage]):
             msg = "no retriever configured: pass {'question': ..., 'documents': [...]}"
             raise ValueError(msg)
         llm_kwargs: dict[str, Any] = {"conversation_id": session_id}
-        salt = (config.get("configurable") or {}).get("cache_salt", self.cache_salt)
+        salt = self._salt(config)
         if salt is not None:
             llm_kwargs["cache_salt"] = salt
-        history = self.get_session_history(session_id) if self.get_session_history else None
+        history = self._history(session_id, salt)
         return _Turn(session_id, history, question, documents, llm_kwargs)
+
+    def _salt(self, config: RunnableConfig | None) -> Any:
+        """The tenant of a call: ``config["configurable"]["cache_salt"]``, else the field."""
+        return ((config or {}).get("configurable") or {}).get("cache_salt", self.cache_salt)
+
+    def _history(self, session_id: str, salt: str | None) -> MessageHistory | None:
+        """The session's message history (per tenant with a two-parameter factory)."""
+        factory = self.get_session_history
+        if factory is None:
+            return None
+        if _takes_two(factory):
+            return cast("Callable[[str, str | None], MessageHistory]", factory)(session_id, salt)
+        return cast("Callable[[str], MessageHistory]", factory)(session_id)
 
     def _prompt(self, turn: _Turn, documents: Sequence[Document]) -> list[BaseMessage]:
         question = turn.question
         earlier = turn.history.messages if turn.history is not None else []
         engine = self.llm.get_engine()
-        if earlier and engine.turn_count(turn.session_id) == 0:
+        if earlier and engine.turn_count(turn.session_id, cache_salt=turn.cache_salt) == 0:
             question = f"Earlier conversation:\n{_transcript(earlier)}\n\n{question}"
         context = build_context(documents, question, conversation_id=turn.session_id)
         return [HumanMessage(content=question, additional_kwargs={CRAFT_CONTEXT_KEY: context})]
@@ -303,13 +322,37 @@ class CraftConversation(RunnableSerializable[ConversationInput, AIMessage]):
 
     # ---- sessions ---------------------------------------------------------------------------
 
-    def end_session(self, session_id: str, *, clear_history: bool = False) -> bool:
+    def end_session(
+        self,
+        session_id: str,
+        *,
+        clear_history: bool = False,
+        config: RunnableConfig | None = None,
+    ) -> bool:
         """Forget a session in the engine (planner dedup state and prompt history); with
-        ``clear_history`` also clear its message history. True if the engine knew it."""
-        known = self.llm.get_engine().end_conversation(session_id)
-        if clear_history and self.get_session_history is not None:
-            self.get_session_history(session_id).clear()
+        ``clear_history`` also clear its message history. The session is the tenant's of
+        ``config`` (its ``cache_salt``, as for a turn; default the ``cache_salt`` field): a
+        session with the same id under another salt stays. True if the engine knew it."""
+        salt = self._salt(config)
+        known = self.llm.get_engine().end_conversation(session_id, cache_salt=salt)
+        if clear_history:
+            history = self._history(session_id, salt)
+            if history is not None:
+                history.clear()
         return bool(known)
+
+
+def _takes_two(factory: Callable[..., MessageHistory]) -> bool:
+    """Whether a history factory takes ``(session_id, cache_salt)`` (two positional
+    parameters) rather than the session id alone."""
+    try:
+        params = inspect.signature(factory).parameters.values()
+    except (TypeError, ValueError):  # a builtin without a signature: the one-argument form
+        return False
+    positional = (inspect.Parameter.POSITIONAL_ONLY, inspect.Parameter.POSITIONAL_OR_KEYWORD)
+    if any(p.kind is inspect.Parameter.VAR_POSITIONAL for p in params):
+        return False
+    return sum(1 for p in params if p.kind in positional) >= 2
 
 
 def _single(inputs: Iterable[ConversationInput]) -> ConversationInput:

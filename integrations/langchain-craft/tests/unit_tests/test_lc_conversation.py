@@ -162,13 +162,46 @@ def test_a_session_keeps_its_salt_and_salts_share_nothing(
     assert craft(a1)["cached_tokens"] == 0 and craft(a2)["cached_tokens"] > 0
     assert craft(b1)["cached_tokens"] == 0  # same prompt, another salt
     assert backend.salts == ["tenant-a", "tenant-a", "tenant-b"]
-    # A session keeps the salt of its first turn; end it to change the salt.
-    with pytest.raises(ValueError, match="was started with"):
-        conv.invoke("q2", {"configurable": {"session_id": "a1", "cache_salt": "tenant-b"}})
-    assert len(backend.added) == 3
-    assert conv.end_session("a1")
-    again = conv.invoke("q2", {"configurable": {"session_id": "a1", "cache_salt": "tenant-b"}})
-    assert craft(again)["turn"] == 1 and craft(again)["salted"]
+    # A session is its salt's: the same id under another salt is another tenant's session.
+    other = conv.invoke("q2", {"configurable": {"session_id": "a1", "cache_salt": "tenant-b"}})
+    assert craft(other)["turn"] == 1 and craft(other)["salted"]
+    mine = conv.invoke("q2", {"configurable": {"session_id": "a1"}})
+    assert craft(mine)["turn"] == 2
+    assert conv.end_session("a1", config={"configurable": {"cache_salt": "tenant-b"}})
+    assert conv.invoke("q3", {"configurable": {"session_id": "a1"}}).response_metadata[
+        "craft"
+    ]["turn"] == 3
+
+
+def test_tenants_sharing_a_session_id_share_nothing(
+    fake: tuple[CraftEngine, FakeBackend],
+) -> None:
+    """Two tenants (salts) both use session "support-1": each has its own engine conversation
+    and, with a (session_id, cache_salt) history factory, its own message history; ending one
+    (with clear_history) leaves the other's engine turns and history alone."""
+    engine, backend = fake
+    store: dict[tuple[str, str | None], ListHistory] = {}
+    conv = CraftConversation(
+        llm=ChatCraftVLLM(engine=engine, max_tokens=2),
+        retriever=RunnableLambda(lambda _: docs("a", "b")),
+        get_session_history=lambda sid, salt: store.setdefault((sid, salt), ListHistory()),
+        condense=False,
+    )
+    a = {"configurable": {"session_id": "support-1", "cache_salt": "tenant-a-secret"}}
+    b = {"configurable": {"session_id": "support-1", "cache_salt": "tenant-b-secret"}}
+    assert craft(conv.invoke("secret question of A", a))["turn"] == 1  # type: ignore[arg-type]
+    first_b = conv.invoke("hello from B", b)  # type: ignore[arg-type]
+    assert craft(first_b)["turn"] == 1
+    # B's prompt holds nothing of A's conversation (no transcript of A's history either).
+    b_prompt = backend.added[-1][1]
+    a_words = tuple(engine.tokenizer.encode("secret question of A"))
+    assert not any(
+        b_prompt[i : i + len(a_words)] == a_words for i in range(len(b_prompt) - len(a_words))
+    )
+    assert conv.end_session("support-1", clear_history=True, config=b)  # type: ignore[arg-type]
+    assert store[("support-1", "tenant-b-secret")].messages == []
+    assert len(store[("support-1", "tenant-a-secret")].messages) == 2
+    assert craft(conv.invoke("q2", a))["turn"] == 2  # type: ignore[arg-type]
 
 
 def test_an_evicted_session_starts_over_with_its_chunks() -> None:
