@@ -110,8 +110,9 @@ class CraftChatEngine(BaseChatEngine):
     """Append-only multi-turn RAG over ``retriever`` and a :class:`CraftVLLM`.
 
     One instance is one conversation (``conversation_id``, a fresh uuid by default) in one
-    cache namespace (``cache_salt``, default the LLM's; kept for the whole session, as the
-    engine requires); turns are sequential. Each turn: retrieve, run ``node_postprocessors``,
+    cache namespace (``cache_salt``, default the LLM's; kept for the whole session: the
+    conversation is that tenant's, and the same id under another salt is another tenant's
+    conversation); turns are sequential. Each turn: retrieve, run ``node_postprocessors``,
     plan with CRAFT (the engine's planner for the salt: reorder and drop chunks sent in earlier
     turns, reported on :attr:`last_reorder`), send that plan's new chunks and the question to
     the engine with ``plan=`` (served as planned, appended to the conversation, committed with
@@ -212,8 +213,10 @@ class CraftChatEngine(BaseChatEngine):
         return self._memory.get_all()
 
     def reset(self) -> None:
-        """Forget the conversation: engine history, planner dedup state and memory."""
-        self._llm.engine.end_conversation(self.conversation_id)
+        """Forget the conversation: engine history, planner dedup state and memory. Only this
+        chat engine's tenant's (its ``cache_salt``): another tenant's conversation with the same
+        id stays."""
+        self._llm.engine.end_conversation(self.conversation_id, cache_salt=self.cache_salt)
         self._memory.reset()
         self.last_reorder = None
         self.last_reuse_report = None
