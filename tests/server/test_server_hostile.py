@@ -79,13 +79,18 @@ def choices_answer(choices: object) -> Any:
 
 
 def assert_refused_committing_nothing(
-    engine: CraftEngine, url: str, field: str, error: type[Exception] = ServerError
+    engine: CraftEngine,
+    fake: FakeServer,
+    url: str,
+    field: str,
+    error: type[Exception] = ServerError,
 ) -> None:
     before = tree_size(engine)
     with pytest.raises(error, match=field) as info:
         engine.generate(chunks(), "q?", max_tokens=4, conversation_id="conv")
     assert url in str(info.value)
     assert tree_size(engine) == before
+    fake.hostile = None
     # The failed turn left no conversation behind: the next one is turn 1 again.
     assert engine.generate(chunks(), "q?", max_tokens=1, conversation_id="conv").report.turn == 1
 
@@ -101,7 +106,7 @@ def test_impossible_cached_tokens_is_a_server_error_and_nothing_is_committed(
 ) -> None:
     engine, fake, url = served
     fake.hostile = tokens_then_usage(cached)
-    assert_refused_committing_nothing(engine, url, "cached_tokens")
+    assert_refused_committing_nothing(engine, fake, url, "cached_tokens")
 
 
 def test_a_stream_past_max_tokens_is_refused_and_fills_nothing(
@@ -109,7 +114,7 @@ def test_a_stream_past_max_tokens_is_refused_and_fills_nothing(
 ) -> None:
     engine, fake, url = served
     fake.hostile = tokens_then_usage(0, tokens=3004)
-    assert_refused_committing_nothing(engine, url, "max_tokens")
+    assert_refused_committing_nothing(engine, fake, url, "max_tokens")
 
 
 @pytest.mark.parametrize(
@@ -137,20 +142,27 @@ def test_malformed_stream_field_is_a_server_error_naming_it(
 ) -> None:
     engine, fake, url = served
     fake.hostile = choices_answer(choices)
-    assert_refused_committing_nothing(engine, url, field)
+    assert_refused_committing_nothing(engine, fake, url, field)
 
 
 @pytest.mark.parametrize(
-    "line",
-    [b"data: {not json", b"data: [1, 2]", b'data: {"usage": 5, "choices": []}', b"data: \xff\xfe"],
-    ids=["not-json", "array", "usage-int", "not-utf8"],
+    ("line", "problem"),
+    [
+        (b"data: {not json", "malformed SSE event"),
+        (b"data: [1, 2]", "malformed SSE event"),
+        (b'data: {"usage": 5, "choices": []}', "usage"),
+        (b'data: {"usage": {"prompt_tokens_details": 5}}', "prompt_tokens_details"),
+        (b"data: \xff\xfe", "malformed SSE event"),
+        (b'data: {"error": {"message": "boom"}}', "failed mid-stream"),
+    ],
+    ids=["not-json", "array", "usage-int", "details-int", "not-utf8", "error-event"],
 )
 def test_malformed_event_is_a_server_error(
-    served: tuple[CraftEngine, FakeServer, str], line: bytes
+    served: tuple[CraftEngine, FakeServer, str], line: bytes, problem: str
 ) -> None:
     engine, fake, url = served
     fake.hostile = lambda handler, body: sse(handler, [line, b"data: [DONE]"])
-    assert_refused_committing_nothing(engine, url, "")
+    assert_refused_committing_nothing(engine, fake, url, problem)
 
 
 # ---- malformed connect-time answers -------------------------------------------------------------
@@ -209,7 +221,7 @@ def test_a_huge_sse_line_hits_the_line_cap(served: tuple[CraftEngine, FakeServer
     fake.hostile = lambda handler, body: flood(
         fake, handler, head=b'data: {"choices": [{"text": "', piece=b"x" * 65536
     )
-    assert_refused_committing_nothing(engine, url, "longer than")
+    assert_refused_committing_nothing(engine, fake, url, "longer than")
     assert fake.written < 16 << 20  # the client hung up long before the 96 MiB line ended
 
 

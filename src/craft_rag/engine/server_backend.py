@@ -23,11 +23,20 @@ KV events: the server's ZMQ publisher binds ``tcp://*:PORT``; we connect a SUB s
 ints there; :class:`craft_rag.engine.kv_events.BlockHasher` with ``int_hashes=True`` produces the
 same values. See :mod:`craft_rag.engine.server_driver` for the per-request streams.
 
-Errors: :class:`ServerUnavailable` (a ``ConnectionError``) when the server cannot be reached
-or drops a stream; :class:`ServerError` (an ``EngineFailure``) for 5xx answers after retries or
-a malformed stream; :class:`ServerRejected` (a ``ValueError``) for a 4xx answer. Connect errors
-and 5xx answers are retried with exponential backoff (``retries`` times) only before any token
-arrived, so a retry never duplicates output.
+Errors: :class:`ServerUnavailable` (a ``ConnectionError``) when the server cannot be reached,
+drops a stream or sends no token within ``read_timeout`` (a deadline between tokens: SSE
+keep-alive comments do not extend it); :class:`ServerError` (an ``EngineFailure``) for 5xx
+answers after retries and for any malformed or impossible answer (checked field by field in
+:mod:`craft_rag.engine.server_answers`, every read capped there, before anything is
+committed); :class:`ServerBusy` for 429 past the retries; :class:`ServerRejected` (a
+``ValueError``) for another 4xx. Connect errors, 5xx and 429 answers are retried (``retries``
+times; ``Retry-After`` honoured up to ``MAX_RETRY_AFTER_S``, else exponential backoff) only
+before any token arrived, so a retry never duplicates output.
+
+Restarts: after any connection loss the connect-time checks run again before the next prompt
+is sent; a server that came back with another model, tokenizer, block size, context length or
+hashing is refused (``ServerError``) on every request, since its prompts would not be
+token-exact nor its KV events match.
 """
 
 from __future__ import annotations
@@ -36,13 +45,26 @@ import json
 import threading
 import time
 from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass, fields
 from pathlib import Path
 from typing import Any
 
 from craft_rag.engine.kv_events import BlockHasher, EvictionListener, KVEventSync
 from craft_rag.engine.results import SamplingRequest, StepOutput
+from craft_rag.engine.server_answers import (
+    MAX_JSON_BODY_BYTES,
+    event_cached_tokens,
+    event_deltas,
+    metrics_block_size,
+    parse_event,
+    served_model,
+    sse_lines,
+    tokenize_ids,
+)
+from craft_rag.engine.server_http import ServerConnection
 from craft_rag.engine.server_settings import (
     KV_EVENTS_PORT_OFFSET,
+    ServerBusy,
     ServerError,
     ServerRejected,
     ServerSettings,
@@ -55,6 +77,7 @@ from craft_rag.tokenizer import Tokenizer
 __all__ = [
     "KV_EVENTS_PORT_OFFSET",
     "ServerBackend",
+    "ServerBusy",
     "ServerError",
     "ServerRejected",
     "ServerSettings",
@@ -68,11 +91,23 @@ __all__ = [
 _PROBE_TEXT = "craft-rag tokenizer probe: The quick brown fox jumps over 13 lazy dogs."
 
 
+@dataclass(frozen=True, slots=True)
+class _Facts:
+    """What the connect-time checks learn; a restarted server must answer the same."""
+
+    model_name: str
+    max_model_len: int
+    block_size: int
+    prefix_caching: bool
+    hash_algo: str
+
+
 class ServerBackend:
     """A connection to one vLLM OpenAI-compatible server (see the module doc).
 
-    Invariants: ``max_model_len``, ``block_size``, ``model_name`` are the server's, read once
-    at connect time; one ``httpx.Client`` (thread-safe, pooled) serves every request thread.
+    Invariants: ``max_model_len``, ``block_size``, ``model_name`` are the server's, read at
+    connect time and never changed (a restarted server must match them, see the module doc);
+    one ``httpx.Client`` (thread-safe, pooled) serves every request thread.
     """
 
     published_batches_supported = False
@@ -85,77 +120,72 @@ class ServerBackend:
         *,
         transport: Any = None,
         sleep: Callable[[float], object] = time.sleep,
+        clock: Callable[[], float] = time.monotonic,
     ) -> None:
         """Connect and check the server (module doc). ``transport``: an ``httpx`` transport
         (tests). Cost: four small HTTP round trips and a 1-token generation."""
-        import httpx
-
         self.settings = settings
-        self._sleep = sleep
-        headers = {"Authorization": f"Bearer {settings.api_key}"} if settings.api_key else {}
-        timeout = httpx.Timeout(
-            settings.read_timeout, connect=settings.connect_timeout, pool=settings.read_timeout
-        )
-        self._client = httpx.Client(
-            base_url=settings.base_url, timeout=timeout, headers=headers, transport=transport
-        )
-        self._closed = threading.Event()
+        self._http = ServerConnection(settings, transport=transport, sleep=sleep, clock=clock)
+        self._tokenizer = tokenizer
+        self._check_lock = threading.Lock()
         self.eos_token_ids = _eos_token_ids(model_path)
         try:
             self._connect(tokenizer)
         except BaseException:
-            self._client.close()
+            self._http.close()
             raise
 
     # ---- connect-time checks -----------------------------------------------------------------
 
     def _connect(self, tokenizer: Tokenizer) -> None:
-        models = self._json("GET", "/v1/models").get("data") or []
-        names = [str(m.get("id")) for m in models if isinstance(m, dict)]
-        wanted = self.settings.model_name
-        if wanted is None and len(names) == 1:
-            wanted = names[0]
-        if wanted not in names:
-            msg = (
-                f"the server at {self.settings.base_url} serves {names}; pass "
-                "ServerSettings(model_name=...) naming one of them"
-            )
-            raise ValueError(msg)
-        model = next(m for m in models if m.get("id") == wanted)
-        self.model_name: str = str(wanted)
-        self.max_model_len: int = int(model.get("max_model_len") or 0)
-        if self.max_model_len < 1:
-            msg = f"the server at {self.settings.base_url} reports no max_model_len for {wanted}"
-            raise ServerError(msg)
+        facts = self._read_facts(tokenizer)
+        self._facts = facts
+        self.model_name: str = facts.model_name
+        self.max_model_len: int = facts.max_model_len
+        self.block_size: int = facts.block_size
+        self.prefix_caching: bool = facts.prefix_caching
+        self.hash_algo: str = facts.hash_algo
+        self._probe()
 
-        info = parse_cache_config(self._text("/metrics"))
-        size = self.settings.block_size or int(info.get("block_size", "0") or 0)
+    def _read_facts(self, tokenizer: Tokenizer) -> _Facts:
+        base = self.settings.base_url
+        name, max_len = served_model(
+            self._http.json("GET", "/v1/models"), self.settings.model_name, base
+        )
+        info = parse_cache_config(self._http.text("/metrics"))
+        size = self.settings.block_size or metrics_block_size(info, base) or 0
         if size < 1:
             msg = (
-                f"could not read the block size from {self.settings.base_url}/metrics; pass "
+                f"could not read the block size from {base}/metrics; pass "
                 "ServerSettings(block_size=...) (craft-rag serve uses 32)"
             )
             raise ValueError(msg)
-        self.block_size: int = size
-        self.prefix_caching: bool = info.get("enable_prefix_caching", "True") == "True"
-        self.hash_algo: str = self.settings.hash_algo or info.get(
-            "prefix_caching_hash_algo", "sha256"
+        remote = tokenize_ids(
+            self._http.json(
+                "POST", "/tokenize", {"prompt": _PROBE_TEXT, "add_special_tokens": False}
+            ),
+            base,
         )
-
-        remote = self._json(
-            "POST", "/tokenize", {"prompt": _PROBE_TEXT, "add_special_tokens": False}
-        )
-        local = tokenizer.encode(_PROBE_TEXT)
-        if list(remote.get("tokens") or []) != local:
+        if remote != tokenizer.encode(_PROBE_TEXT):
             msg = (
-                f"the server's tokenizer ({self.model_name}) differs from the local one; pass "
-                "the served model's folder as EngineSettings(model=DIR) so prompts are "
+                f"the tokenizer of the server at {base} ({name}) differs from the local one; "
+                "pass the served model's folder as EngineSettings(model=DIR) so prompts are "
                 "token-exact"
             )
             raise ValueError(msg)
+        return _Facts(
+            name,
+            max_len,
+            size,
+            info.get("enable_prefix_caching", "True") == "True",
+            self.settings.hash_algo or info.get("prefix_caching_hash_algo", "sha256"),
+        )
 
+    def _probe(self) -> None:
+        """A 1-token request: the server must report cached tokens."""
         probe: dict[str, Any] = {}
-        for piece in self.stream([*local[:4]], SamplingRequest(max_tokens=1), None):
+        ids = self._tokenizer.encode(_PROBE_TEXT)[:4]
+        for piece in self._stream(ids, SamplingRequest(max_tokens=1), None, None, check=False):
             probe = piece
         if probe.get("cached_tokens") is None:
             msg = (
@@ -163,6 +193,32 @@ class ServerBackend:
                 "it with --enable-prompt-tokens-details (`craft-rag serve` does)"
             )
             raise RuntimeError(msg)
+
+    def _recheck(self) -> None:
+        """After a connection loss: the connect-time checks again, before any prompt goes
+        out. ``ServerError`` (and still stale, so every later request checks again) when
+        the server came back different. Cost: as at connect time, once per loss."""
+        with self._check_lock:
+            if not self._http.lost:
+                return
+            try:
+                facts = self._read_facts(self._tokenizer)
+                changed = [
+                    f"{f.name} {getattr(facts, f.name)!r} (was {getattr(self._facts, f.name)!r})"
+                    for f in fields(_Facts)
+                    if getattr(facts, f.name) != getattr(self._facts, f.name)
+                ]
+                if changed:
+                    raise ValueError(", ".join(changed))
+                self._probe()
+            except (ValueError, RuntimeError) as exc:
+                msg = (
+                    f"the server at {self.settings.base_url} restarted (or was replaced) and no "
+                    f"longer matches this engine: {exc}; prompts would not be token-exact, so "
+                    "none is sent: restart it as it was, or create a new CraftEngine"
+                )
+                raise ServerError(msg) from exc
+            self._http.lost = False
 
     def block_hasher(self) -> BlockHasher | None:
         """Expected hashes in the server's KV event format (64-bit ints); ``None`` without
@@ -186,68 +242,6 @@ class ServerBackend:
         return KVEventSync(endpoint, listener)
 
     # ---- HTTP --------------------------------------------------------------------------------
-
-    def _retrying(self, what: str, call: Callable[[], Any]) -> Any:
-        """``call()`` with bounded retries on connect errors and 5xx answers."""
-        import httpx
-
-        attempts = self.settings.retries + 1
-        for attempt in range(attempts):
-            last = attempt == attempts - 1
-            try:
-                return call()
-            except (httpx.ConnectError, httpx.ConnectTimeout, httpx.RemoteProtocolError) as exc:
-                if last:
-                    raise self._unavailable(what, exc, attempts) from exc
-            except httpx.TimeoutException as exc:
-                msg = (
-                    f"{what} at {self.settings.base_url} timed out ({exc!r}); the server is "
-                    "overloaded or stuck: raise read_timeout or check the server"
-                )
-                raise ServerUnavailable(msg) from exc
-            except _Retryable as exc:
-                if last:
-                    msg = (
-                        f"{what} at {self.settings.base_url} failed after {attempts} "
-                        f"attempts: {exc}"
-                    )
-                    raise ServerError(msg) from exc
-            self._sleep(self.settings.backoff * 2**attempt)
-        raise AssertionError("unreachable")  # pragma: no cover
-
-    def _unavailable(self, what: str, exc: BaseException, attempts: int) -> ServerUnavailable:
-        msg = (
-            f"the vLLM server at {self.settings.base_url} is unreachable ({what}: {exc!r}, "
-            f"{attempts} attempts); start it (`craft-rag serve --port PORT`) or fix the URL"
-        )
-        return ServerUnavailable(msg)
-
-    def _checked(self, response: Any, what: str) -> Any:
-        if response.status_code >= 500:
-            raise _Retryable(f"HTTP {response.status_code}: {response.text[:300]}")
-        if response.status_code >= 400:
-            msg = (
-                f"{what} at {self.settings.base_url} was refused with HTTP "
-                f"{response.status_code}: {response.text[:500]}"
-            )
-            raise ServerRejected(msg)
-        return response
-
-    def _json(self, method: str, path: str, body: Any = None) -> dict[str, Any]:
-        def call() -> Any:
-            return self._checked(self._client.request(method, path, json=body), path).json()
-
-        out = self._retrying(f"{method} {path}", call)
-        if not isinstance(out, dict):
-            msg = f"{path} at {self.settings.base_url} did not answer a JSON object"
-            raise ServerError(msg)
-        return out
-
-    def _text(self, path: str) -> str:
-        def call() -> Any:
-            return self._checked(self._client.get(path), path).text
-
-        return str(self._retrying(f"GET {path}", call))
 
     def body(
         self, token_ids: Sequence[int], sampling: SamplingRequest, cache_salt: str | None
@@ -285,60 +279,76 @@ class ServerBackend:
         cache_salt: str | None,
         cancelled: threading.Event | None = None,
     ) -> Iterator[dict[str, Any]]:
-        """Run one completion and yield its SSE deltas as ``{"token_ids", "text",
-        "finish_reason", "cached_tokens"}`` (the last has ``done: True``). Retries happen
-        only before the first delta. Stops early (closing the stream, so the server aborts
-        the request) once ``cancelled`` is set."""
+        """Run one completion and yield its SSE deltas as ``{"token_ids", "text"}``, then
+        ``{"done": True, "finish_reason", "cached_tokens"}``. Retries happen only before the
+        first delta. Stops early (closing the stream, so the server aborts the request) once
+        ``cancelled`` is set. After a connection loss the server is checked again first
+        (module doc). Every event is checked (:mod:`~craft_rag.engine.server_answers`); more
+        tokens than ``max_tokens`` or an impossible ``cached_tokens`` is a ``ServerError``
+        before the final delta, so nothing of the request is committed."""
+        return self._stream(token_ids, sampling, cache_salt, cancelled, check=True)
+
+    def _stream(
+        self,
+        token_ids: Sequence[int],
+        sampling: SamplingRequest,
+        cache_salt: str | None,
+        cancelled: threading.Event | None,
+        *,
+        check: bool,
+    ) -> Iterator[dict[str, Any]]:
         import httpx
 
         body = self.body(token_ids, sampling, cache_salt)
         what = "POST /v1/completions"
+        base = self.settings.base_url
 
         def open_stream() -> Any:
-            request = self._client.build_request("POST", "/v1/completions", json=body)
-            response = self._client.send(request, stream=True)
-            if response.status_code >= 400:
-                response.read()
-                response.close()
-                self._checked(response, what)
-            return response
+            if check and self._http.lost:
+                self._recheck()  # also when a retry below reached a restarted server
+            return self._http.open("POST", "/v1/completions", body)
 
-        response = self._retrying(what, open_stream)
+        response = self._http.retrying(what, open_stream)
+        deadline = self._http.deadline()
         finish: str | None = None
         cached: int | None = None
+        sent = 0
         done = False
         try:
-            for line in response.iter_lines():
+            for line in sse_lines(response.iter_raw(), base, deadline):
                 if cancelled is not None and cancelled.is_set():
                     return
-                if not line.startswith("data:"):
-                    continue
+                if not line.startswith(b"data:"):
+                    continue  # comments and other fields: no progress, the deadline runs on
                 data = line[5:].strip()
-                if data == "[DONE]":
+                if data == b"[DONE]":
                     done = True
                     break
-                event = _parse_event(data, self.settings.base_url)
-                usage = event.get("usage")
-                if isinstance(usage, dict):
-                    details = usage.get("prompt_tokens_details")
-                    if isinstance(details, dict) and details.get("cached_tokens") is not None:
-                        cached = int(details["cached_tokens"])
-                for choice in event.get("choices") or ():
-                    finish = choice.get("finish_reason") or finish
-                    ids = choice.get("token_ids")
-                    if ids is None:
+                event = parse_event(data, base)
+                reported = event_cached_tokens(event, len(token_ids), base)
+                cached = cached if reported is None else reported
+                for delta in event_deltas(event, base):
+                    sent += len(delta.token_ids)
+                    if sent > sampling.max_tokens:
                         msg = (
-                            f"the server at {self.settings.base_url} sent no token_ids; it must "
-                            "support return_token_ids (vLLM >= 0.10)"
+                            f"the server at {base} streamed more than max_tokens="
+                            f"{sampling.max_tokens} tokens ({sent} so far); the reply is refused"
                         )
                         raise ServerError(msg)
-                    yield {"token_ids": tuple(int(t) for t in ids), "text": choice.get("text", "")}
+                    if delta.token_ids:
+                        deadline.reset()
+                    finish = delta.finish_reason or finish
+                    yield {"token_ids": delta.token_ids, "text": delta.text}
         except (httpx.TransportError, httpx.StreamError) as exc:
-            raise self._unavailable(f"{what} stream", exc, 1) from exc
+            raise self._http.unavailable(f"{what} stream", exc, 1) from exc
+        except ServerUnavailable:
+            self._http.lost = True
+            raise
         finally:
             response.close()
         if not done:
-            msg = f"the stream from {self.settings.base_url} ended without [DONE]"
+            self._http.lost = True
+            msg = f"the stream from {base} ended without [DONE]"
             raise ServerUnavailable(msg)
         yield {"done": True, "finish_reason": finish, "cached_tokens": cached}
 
@@ -348,11 +358,8 @@ class ServerBackend:
         False when the server answers ``{"success": false}`` (running requests hold blocks:
         nothing was reset); an answer without that field counts as success."""
 
-        def call() -> Any:
-            return self._checked(self._client.post("/reset_prefix_cache"), "reset")
-
         try:
-            response = self._retrying("POST /reset_prefix_cache", call)
+            raw = self._http.read("POST", "/reset_prefix_cache", MAX_JSON_BODY_BYTES)
         except ServerRejected as exc:
             msg = (
                 f"the server at {self.settings.base_url} has no /reset_prefix_cache; start it "
@@ -361,7 +368,7 @@ class ServerBackend:
             )
             raise RuntimeError(msg) from exc
         try:
-            answer = response.json()
+            answer = json.loads(raw)
         except ValueError:  # an empty or non-JSON body: older servers answered 200 alone
             return True
         return not (isinstance(answer, dict) and answer.get("success") is False)
@@ -372,28 +379,7 @@ class ServerBackend:
 
     def shutdown(self) -> None:
         """Close the HTTP connections. Idempotent."""
-        if not self._closed.is_set():
-            self._closed.set()
-            self._client.close()
-
-
-class _Retryable(Exception):
-    """A 5xx answer: worth another attempt."""
-
-
-def _parse_event(data: str, base_url: str) -> dict[str, Any]:
-    try:
-        event = json.loads(data)
-    except json.JSONDecodeError as exc:
-        msg = f"malformed SSE event from {base_url}: {data[:200]!r}"
-        raise ServerError(msg) from exc
-    if not isinstance(event, dict):
-        msg = f"malformed SSE event from {base_url}: {data[:200]!r}"
-        raise ServerError(msg)
-    if "error" in event:
-        msg = f"the server at {base_url} failed mid-stream: {event['error']}"
-        raise ServerError(msg)
-    return event
+        self._http.close()
 
 
 def _eos_token_ids(model_path: str | None) -> frozenset[int]:

@@ -4,7 +4,8 @@ and the errors a server request raises. Split from :mod:`craft_rag.engine.server
 
 Errors: :class:`ServerUnavailable` (a ``ConnectionError``) when the server cannot be reached
 or drops a stream; :class:`ServerError` (an ``EngineFailure``) for 5xx answers after retries or
-a malformed stream; :class:`ServerRejected` (a ``ValueError``) for a 4xx answer.
+a malformed or impossible answer (:class:`ServerBusy` for 429 past the retries);
+:class:`ServerRejected` (a ``ValueError``) for another 4xx answer.
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ from craft_rag.validation import check_int, check_number
 
 __all__ = [
     "KV_EVENTS_PORT_OFFSET",
+    "ServerBusy",
     "ServerError",
     "ServerRejected",
     "ServerSettings",
@@ -47,8 +49,13 @@ class ServerError(EngineFailure):
     """The server answered with a 5xx status (after retries) or a malformed stream."""
 
 
+class ServerBusy(ServerError):
+    """The server answered 429 (too many requests) past the retries, or asked to wait longer
+    than the bounded ``Retry-After`` wait: back off and send the request again later."""
+
+
 class ServerRejected(ValueError):
-    """The server refused the request (4xx): the request itself is invalid."""
+    """The server refused the request (4xx other than 429): the request itself is invalid."""
 
 
 @dataclass(frozen=True, slots=True)
