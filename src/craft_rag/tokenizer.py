@@ -137,6 +137,11 @@ class HFTokenizer:
             ids.extend(piece)
         return ids
 
+    def decode(self, ids: Sequence[int]) -> str:
+        """The text of ``ids`` with control tokens spelled as their strings (the prompt as
+        the model sees it; what the integrations report as the prompt sent). O(len(ids))."""
+        return str(self._tok.decode(list(ids), skip_special_tokens=False))
+
     def encode_template(self, text: str) -> list[int]:
         """Ids of trusted template text: added-token strings become their control ids (what
         ``tokenizers`` does by default). Never pass caller text here."""

@@ -21,10 +21,22 @@ from typing import TYPE_CHECKING, Any, TypeVar
 
 from langchain_core.callbacks import AsyncCallbackManagerForLLMRun, CallbackManagerForLLMRun
 from langchain_core.messages.ai import InputTokenDetails, UsageMetadata
+from langchain_core.utils.utils import _build_model_kwargs
 from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, model_validator
 
-from craft_rag import Chunk
+from craft_rag import DEFAULT_INSTRUCTIONS, Chunk
 from craft_rag.engine import EngineRequest, MessagesRequest, RagRequest, SamplingRequest
+from craft_rag.engine.model_args import (
+    MAX_TOKENS_ALIASES,
+    SERVER_ALIASES,
+    call_sampling,
+    check_prompt_text,
+    check_sampling_extra,
+    engine_settings_with,
+    server_with,
+    settings_dict,
+)
+from craft_rag.engine.server_settings import ServerSettings
 from langchain_craft._documents import validate_conversation_id
 
 if TYPE_CHECKING:
@@ -68,13 +80,95 @@ def usage_metadata(result: GenerationResult) -> UsageMetadata:
     )
 
 
-def final_metadata(result: GenerationResult, model_name: str) -> dict[str, Any]:
-    """``response_metadata`` / ``generation_info`` of a finished request."""
-    return {
+def final_metadata(
+    result: GenerationResult, model_name: str, prompt: dict[str, Any] | None = None
+) -> dict[str, Any]:
+    """``response_metadata`` / ``generation_info`` of a finished request: the reuse report
+    under ``craft`` and, given, the prompt sent under ``craft_prompt``."""
+    metadata = {
         "model_name": model_name,
         "finish_reason": result.finish_reason,
         "craft": report_dict(result),
     }
+    if prompt is not None:
+        metadata[PROMPT_KEY] = prompt
+    return metadata
+
+
+PROMPT_KEY = "craft_prompt"
+"""``response_metadata``/``generation_info`` key of the exact prompt sent: ``{"text": ...,
+"token_ids": [...]}`` (``text``: the ids decoded with control tokens spelled out; ``None``
+when the engine's tokenizer cannot decode)."""
+
+SERVER_ONLY = ("api_key", "timeout", "max_retries")
+"""ChatOpenAI's connection settings: they act on the server (``base_url``) only."""
+
+ENGINE_ARGS = (
+    "context_window", "max_model_len", "vllm_kwargs", "dtype", "gpu_memory_utilization",
+    "tensor_parallel_size", "trust_remote_code", "download_dir", "quantization",
+)
+"""LangChain ``VLLM`` / LlamaIndex ``Vllm`` engine arguments: they shape the started engine."""
+
+
+def _normalise_arguments(cls: type[BaseModel], values: dict[str, Any]) -> dict[str, Any]:
+    """The familiar names (``craft_rag.engine.model_args``) moved onto this model's fields:
+    the server URL aliases onto ``server`` (with ``api_key``/``timeout``/``max_retries``),
+    engine arguments and ``model`` into ``engine_settings``, ``max_new_tokens`` onto
+    ``max_tokens``; any other unknown name goes to ``model_kwargs`` with a warning, as
+    ``ChatOpenAI`` does, where it must be a vLLM sampling parameter (``ValueError``
+    otherwise)."""
+    values = dict(values)
+    urls = {k: values.pop(k) for k in SERVER_ALIASES if values.get(k) is not None}
+    if len(set(urls.values())) > 1:
+        msg = f"give the server URL once, got {urls}"
+        raise ValueError(msg)
+    connection = {k: values.pop(k, None) for k in SERVER_ONLY}
+    server = server_with(
+        values.get("server"), next(iter(urls.values()), None), **connection
+    )
+    values["server"] = server
+    for alias in MAX_TOKENS_ALIASES:
+        if alias in values:
+            value = values.pop(alias)
+            if values.get("max_tokens", value) != value:
+                msg = f"max_tokens and {alias} differ; give one"
+                raise ValueError(msg)
+            values["max_tokens"] = value
+    engine_args = {k: values.pop(k) for k in ENGINE_ARGS if k in values}
+    model = values.get("model")
+    shaped = bool(engine_args) or model is not None or values.get("engine_settings")
+    if values.get("engine") is not None and (shaped or server is not None):
+        msg = (
+            "engine= is a running engine: its model, window and server are set; pass "
+            "model=/base_url=/engine_settings= without engine= to start one"
+        )
+        raise ValueError(msg)
+    if shaped:
+        context_window = engine_args.pop("context_window", None)
+        if "max_model_len" in engine_args:
+            window = engine_args.pop("max_model_len")
+            if context_window is not None and window != context_window:
+                msg = "context_window and max_model_len differ; give one"
+                raise ValueError(msg)
+            context_window = window
+        settings = engine_settings_with(
+            values.get("engine_settings"),
+            model=model,
+            context_window=context_window,
+            vllm_kwargs=engine_args.pop("vllm_kwargs", None),
+            engine_args=engine_args,
+        )
+        values["engine_settings"] = settings_dict(settings)
+    return _build_model_kwargs(values, _field_names(cls))
+
+
+def _field_names(cls: type[BaseModel]) -> set[str]:
+    names = set()
+    for name, field in cls.model_fields.items():
+        names.add(name)
+        if field.alias:
+            names.add(field.alias)
+    return names
 
 
 class CraftEngineParams(BaseModel):
@@ -87,15 +181,51 @@ class CraftEngineParams(BaseModel):
         exclude=True,
         description="A craft_rag.engine.engine.CraftEngine; None starts the embedded default.",
     )
-    engine_settings: dict[str, Any] = Field(
-        default_factory=dict,
-        description="EngineSettings fields for the engine started when `engine` is None.",
-    )
-    server: str | None = Field(
+    model: str | None = Field(
         default=None,
         description=(
-            "URL of a vLLM OpenAI-compatible server (`craft-rag serve`) for the engine started "
-            "when `engine` is None; engine_settings['model'] then names the local tokenizer folder."
+            "The model to serve: a local Hugging Face folder or a hub id (taken from the "
+            "Hugging Face cache, downloaded where the hub is reachable); None: the embedded "
+            "SmolLM2-135M-Instruct. With base_url, the local copy of the served model "
+            "(its tokenizer and chat template build the token-exact prompt)."
+        ),
+    )
+    engine_settings: dict[str, Any] = Field(
+        default_factory=dict,
+        description=(
+            "EngineSettings fields (a dict or an EngineSettings) for the engine started when "
+            "`engine` is None; model=, context_window=, vllm_kwargs= are merged in."
+        ),
+    )
+    server: str | ServerSettings | None = Field(
+        default=None,
+        description=(
+            "A vLLM OpenAI-compatible server (`craft-rag serve`, `vllm serve`) for the engine "
+            "started when `engine` is None; also base_url=/api_base=/openai_api_base= (with or "
+            "without /v1). model= then names the local copy of the served model."
+        ),
+    )
+    model_kwargs: dict[str, Any] = Field(
+        default_factory=dict,
+        description=(
+            "vLLM sampling parameters passed on unchanged (top_k, min_p, presence_penalty, "
+            "repetition_penalty, ...); unknown constructor arguments land here with a warning "
+            "(ChatOpenAI's convention) and must be one of them."
+        ),
+    )
+    system_prompt: str | None = Field(
+        default=None,
+        description=(
+            "System message fixed at the head of every prompt of the engine this model starts "
+            "(shared by every request, so its KV is reused); with engine= it must equal the "
+            "engine's (CraftEngine(system_prompt=...))."
+        ),
+    )
+    context_prompt: str | None = Field(
+        default=None,
+        description=(
+            "Text before the first document of every RAG prompt of the engine this model starts "
+            "(CraftEngine(instructions=...)); None: the default instructions."
         ),
     )
     model_name: str | None = Field(
@@ -126,13 +256,44 @@ class CraftEngineParams(BaseModel):
     _engine_lock: threading.Lock = PrivateAttr(default_factory=threading.Lock)
     _text_tokenizer: Any = PrivateAttr(default=None)
 
+    @model_validator(mode="before")
+    @classmethod
+    def _familiar_arguments(cls, values: Any) -> Any:
+        """Map the familiar constructor names (see :func:`_normalise_arguments`)."""
+        if not isinstance(values, dict):
+            return values
+        return _normalise_arguments(cls, values)
+
     @model_validator(mode="after")
     def _name_the_model(self) -> Any:
         """``model_name`` is never None: the served model's name (LangChain tracing, callbacks
-        and ``_identifying_params`` read it)."""
+        and ``_identifying_params`` read it). ``model_kwargs`` are vLLM sampling parameters
+        and the prompt texts agree with a given engine's (``ValueError`` otherwise)."""
+        self.model_kwargs = check_sampling_extra(self.model_kwargs, "model_kwargs")
+        check_prompt_text(self.system_prompt, "system_prompt")
+        check_prompt_text(self.context_prompt, "context_prompt")
+        if self.engine is not None:
+            self._check_engine_prompts(self.engine)
         if not self.model_name:
             self.model_name = self.served_model_name()
         return self
+
+    def _check_engine_prompts(self, engine: Any) -> None:
+        """A given engine renders its own head: a different ``system_prompt`` or
+        ``context_prompt`` here would be ignored, so it is refused."""
+        wanted = (
+            ("system_prompt", self.system_prompt, "system_prompt"),
+            ("context_prompt", self.context_prompt, "instructions"),
+        )
+        for name, value, attribute in wanted:
+            has = getattr(engine, attribute, None)
+            if value is not None and value != has:
+                msg = (
+                    f"{name}={value!r} differs from the engine's {attribute} ({has!r}); the "
+                    f"engine renders every prompt's head: start it with CraftEngine("
+                    f"{attribute}=...), or pass {name}= without engine= to start one"
+                )
+                raise ValueError(msg)
 
     def get_token_ids(self, text: str) -> list[int]:
         """Token ids of ``text`` with the served model's own tokenizer, as plain text (no
@@ -146,10 +307,10 @@ class CraftEngineParams(BaseModel):
             if self._text_tokenizer is None:
                 try:
                     from craft_rag import HFTokenizer
-                    from craft_rag.engine import resolve_model
+                    from craft_rag.engine.model import local_model_folder
                 except ImportError as exc:
                     raise ImportError(ENGINE_INSTALL_HINT) from exc
-                folder = Path(resolve_model(self.engine_settings.get("model")))
+                folder = Path(local_model_folder(self.engine_settings.get("model")))
                 self._text_tokenizer = HFTokenizer(folder / "tokenizer.json")
             tokenizer = self._text_tokenizer
         return list(tokenizer.encode(text))
@@ -168,7 +329,12 @@ class CraftEngineParams(BaseModel):
                 except ImportError as exc:
                     raise ImportError(ENGINE_INSTALL_HINT) from exc
                 self._owned_engine = CraftEngine(
-                    EngineSettings(**self.engine_settings), server=self.server
+                    EngineSettings(**self.engine_settings),
+                    server=self.server,
+                    system_prompt=self.system_prompt,
+                    instructions=(
+                        DEFAULT_INSTRUCTIONS if self.context_prompt is None else self.context_prompt
+                    ),
                 )
             return self._owned_engine  # type: ignore[no-any-return]
 
@@ -187,7 +353,11 @@ class CraftEngineParams(BaseModel):
         model = getattr(getattr(engine, "settings", None), "model", None)
         if model is None:
             model = self.engine_settings.get("model")
-        return Path(str(model)).name if model else DEFAULT_MODEL_NAME
+        if not model:
+            return DEFAULT_MODEL_NAME
+        text = str(model)
+        # A hub id is its own name; a folder is named by its last part.
+        return text if _is_hub_id(text) else Path(text).name
 
     @property
     def _identifying_params(self) -> dict[str, Any]:
@@ -198,7 +368,18 @@ class CraftEngineParams(BaseModel):
             "top_p": self.top_p,
             "seed": self.seed,
             "stop": self.stop,
+            "model_kwargs": self.model_kwargs,
+            "system_prompt": self.system_prompt,
+            "context_prompt": self.context_prompt,
         }
+
+    def sent_prompt(self, result: GenerationResult) -> dict[str, Any]:
+        """What was sent for ``result``: ``{"text", "token_ids"}`` (see :data:`PROMPT_KEY`).
+        O(prompt tokens) (one decode)."""
+        ids = list(result.prompt_token_ids)
+        engine = self.engine if self.engine is not None else self._owned_engine
+        decode = getattr(getattr(engine, "tokenizer", None), "decode", None)
+        return {"text": decode(ids) if callable(decode) else None, "token_ids": ids}
 
     def _craft_ls_params(self, params: Any, kwargs: Mapping[str, Any]) -> Any:
         """LangSmith params of either model: provider and served model name."""
@@ -229,8 +410,9 @@ class CraftEngineParams(BaseModel):
             seed=self.seed,
             stop=tuple(self.stop or ()),
             read_prefix_cache=self.read_prefix_cache,
+            extra=self.model_kwargs,
         )
-        return base.with_overrides(**call)
+        return base.with_overrides(**call_sampling(call, self.model_kwargs))
 
     def _engine_request(
         self,
@@ -282,6 +464,13 @@ class CraftEngineParams(BaseModel):
                 if run_manager is not None and piece.text:
                     await run_manager.on_llm_new_token(piece.text, chunk=chunk)  # type: ignore[arg-type]
                 yield chunk
+
+
+def _is_hub_id(model: str) -> bool:
+    """``org/name`` that is not an existing folder: a Hugging Face hub id."""
+    return model.count("/") == 1 and not model.startswith((".", "/", "~")) and not (
+        Path(model).expanduser().is_dir()
+    )
 
 
 # Per-call keyword arguments that are not sampling (LangChain passes invoke(..., **kwargs) on;

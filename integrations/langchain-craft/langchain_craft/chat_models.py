@@ -221,7 +221,9 @@ class ChatCraftVLLM(CraftEngineParams, BaseChatModel):
     def _to_chunk(self, piece: Any) -> ChatGenerationChunk:
         if piece.result is None:
             return ChatGenerationChunk(message=AIMessageChunk(content=piece.text))
-        metadata = final_metadata(piece.result, self.served_model_name())
+        metadata = final_metadata(
+            piece.result, self.served_model_name(), self.sent_prompt(piece.result)
+        )
         return ChatGenerationChunk(
             message=AIMessageChunk(
                 content=piece.text,

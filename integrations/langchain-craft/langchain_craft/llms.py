@@ -62,7 +62,8 @@ class CraftVLLM(CraftEngineParams, BaseLLM):
     def _to_chunk(self, piece: Any) -> GenerationChunk:
         if piece.result is None:
             return GenerationChunk(text=piece.text)
-        info = final_metadata(piece.result, self.served_model_name())
+        prompt = self.sent_prompt(piece.result)
+        info = final_metadata(piece.result, self.served_model_name(), prompt)
         info["usage"] = dict(usage_metadata(piece.result))
         return GenerationChunk(text=piece.text, generation_info=info)
 

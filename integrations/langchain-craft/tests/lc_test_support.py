@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 from langchain_craft import ChatCraftVLLM
 
 
@@ -13,6 +15,14 @@ class CraftChatModelTraits:
     @property
     def chat_model_class(self) -> type[ChatCraftVLLM]:
         return ChatCraftVLLM
+
+    @property
+    def standard_chat_model_params(self) -> dict[str, Any]:
+        """The suite's standard parameters without ``api_key``/``timeout``/``max_retries``:
+        they act on a server only, and these tests use the in-process engine, where
+        ChatCraftVLLM refuses them (ValueError) rather than ignore them."""
+        params: dict[str, Any] = super().standard_chat_model_params  # type: ignore[misc]
+        return {k: v for k, v in params.items() if k not in ("api_key", "timeout", "max_retries")}
 
     @property
     def has_tool_calling(self) -> bool:

@@ -46,7 +46,7 @@ from craft_rag.engine.driver import (
 from craft_rag.engine.forms import RequestForms
 from craft_rag.engine.kv_events import BlockHasher
 from craft_rag.engine.messages import ChatTurn, MessageRenderer
-from craft_rag.engine.model import resolve_model
+from craft_rag.engine.model import local_model_folder
 from craft_rag.engine.planners import (
     DEFAULT_MAX_SALT_NAMESPACES,
     CacheSalt,
@@ -177,6 +177,8 @@ class CraftEngine(RequestForms):
         ``ImportError`` (vLLM or converter missing) and :class:`EngineStartError` name the fix.
         """
         self.settings = settings or EngineSettings()
+        self.system_prompt = system_prompt  # fixed at the head of every prompt (read-only)
+        self.instructions = instructions  # before each request's first document
         salted_factory = None
         bound = max_conversations
         if store is not None:
@@ -193,7 +195,9 @@ class CraftEngine(RequestForms):
         )
         self._ids = itertools.count(1)
         self._renderer_lock = threading.Lock()
-        model_path = resolve_model(self.settings.model) if backend is None else None
+        # A hub id becomes its local snapshot: the prompt is built from its tokenizer and
+        # chat template, so the engine needs the files, as vLLM does.
+        model_path = local_model_folder(self.settings.model) if backend is None else None
         self._model_path = model_path
         self._chat_renderer = chat_renderer
         self._message_renderer: MessageRenderer | None = None

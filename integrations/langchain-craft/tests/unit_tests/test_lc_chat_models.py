@@ -280,7 +280,7 @@ def test_no_cache_baseline(fake: tuple[CraftEngine, FakeBackend]) -> None:
 def test_bad_input_is_a_clear_error(fake: tuple[CraftEngine, FakeBackend]) -> None:
     model = ChatCraftVLLM(engine=fake[0], max_tokens=2)
     with pytest.raises(ValueError, match="unsupported call arguments"):
-        model.invoke("hi", frequency_penalty=1.0)
+        model.invoke("hi", frobnicate=1.0)  # frequency_penalty is a vLLM name: mapped
     with pytest.raises(ValueError, match="serves 'SmolLM2-135M-Instruct', not 'gpt-4'"):
         model.invoke("hi", model="gpt-4")
     with pytest.raises(ValueError, match="text only"):
