@@ -14,10 +14,17 @@ import threading
 import time
 from collections import OrderedDict
 from collections.abc import Callable, Iterable, Sequence
-from dataclasses import dataclass, field
-from typing import Any, Protocol
+from typing import Any
 
 from craft_rag.chunk import Chunk
+from craft_rag.conversation_types import (
+    _FORMAT,
+    DEFAULT_MAX_CONVERSATIONS,
+    DEFAULT_TTL_S,
+    ConversationHistory,
+    ConversationState,
+    ConversationStoreProtocol,
+)
 from craft_rag.types import ChunkKey, ConversationId
 from craft_rag.validation import (
     check_int,
@@ -25,81 +32,15 @@ from craft_rag.validation import (
     validate_conversation_id,
 )
 
-DEFAULT_MAX_CONVERSATIONS = 10_000
-DEFAULT_TTL_S = 3600.0
-_FORMAT = "craft-rag/conversations/v1"
-
-
-@dataclass(slots=True)
-class ConversationState:
-    """One conversation. Owner: :class:`ConversationStore` (under its lock).
-
-    ``turns[:live_from]`` were dropped from the conversation's prompt (history budget, context
-    length): their chunks are no longer "already sent" and are sent again if retrieved again.
-    They still count as turns (``turn_count``), so turn numbers stay stable. ``tokens[i]`` is
-    turn ``i``'s stored segment (chunks, question, reply, close) as the engine rendered it;
-    None once dropped, or while not known here (a turn another worker served, until its
-    history is loaded, :mod:`craft_rag.stores.histories`)."""
-
-    sent: set[ChunkKey] = field(default_factory=set)
-    turns: list[tuple[ChunkKey, ...]] = field(default_factory=list)
-    last_used: float = 0.0
-    live_from: int = 0
-    tokens: list[tuple[int, ...] | None] = field(default_factory=list)
-    dropped_since: int = 0
-    """Turns dropped since the last recorded turn (the next turn reports them)."""
-    held_since: float | None = None
-    """When the turn in flight was planned (None: none in flight)."""
-    version: int = 0
-    """The shared-store seq the token history matches (0: never stored or loaded)."""
-
-
-@dataclass(frozen=True, slots=True)
-class ConversationHistory:
-    """A read-only view of one conversation's live turns (what a prompt is rendered from)."""
-
-    turns: tuple[tuple[int, ...] | None, ...]
-    """Token ids of each live turn (None: not known here, see :class:`ConversationState`)."""
-    keys: tuple[tuple[ChunkKey, ...], ...]
-    """The chunk keys each live turn carries (parallel to ``turns``)."""
-    turn_count: int
-    """Every turn recorded, dropped ones included."""
-    dropped_since: int
-    in_flight: bool
-    version: int
-
-    @property
-    def tokens(self) -> int:
-        """Tokens of the live turns known here."""
-        return sum(len(t) for t in self.turns if t is not None)
-
-
-class ConversationStoreProtocol(Protocol):
-    """The seam where another conversation store plugs in (the planner and the engine's
-    renderer use only these). Every method is O(1) or O(chunks of one conversation)."""
-
-    def turn_count(self, conversation_id: ConversationId) -> int: ...
-
-    def split(
-        self, conversation_id: ConversationId, chunks: Iterable[Chunk]
-    ) -> tuple[list[Chunk], list[Chunk]]: ...
-
-    def history(self, conversation_id: ConversationId) -> ConversationHistory | None: ...
-
-    def hold(self, conversation_id: ConversationId) -> bool: ...
-
-    def release(self, conversation_id: ConversationId) -> None: ...
-
-    def record_turn(
-        self,
-        conversation_id: ConversationId,
-        ordered: Sequence[ChunkKey],
-        tokens: Sequence[int] | None = None,
-    ) -> int: ...
-
-    def forget_oldest_turns(self, conversation_id: ConversationId, n: int) -> int: ...
-
-    def end(self, conversation_id: ConversationId) -> bool: ...
+__all__ = [
+    "DEFAULT_MAX_CONVERSATIONS",
+    "DEFAULT_TTL_S",
+    "ConversationHistory",
+    "ConversationRegistry",
+    "ConversationState",
+    "ConversationStore",
+    "ConversationStoreProtocol",
+]
 
 
 class ConversationStore:

@@ -7,7 +7,7 @@ from collections import OrderedDict
 from collections.abc import Callable
 from typing import Any
 
-from craft_rag.conversation import _FORMAT, ConversationState
+from craft_rag.conversation_types import _FORMAT, ConversationState
 from craft_rag.types import ChunkKey, ConversationId
 from craft_rag.validation import (
     state_dict,
