@@ -95,6 +95,13 @@ def _fake_backend(field: str) -> Factory:
     return lambda v: FakeBackend(**{field: v})
 
 
+def _redis_store(field: str) -> Factory:
+    pytest.importorskip("redis")
+    from craft_rag.stores.redis_store import RedisStore
+
+    return lambda v: RedisStore("redis://127.0.0.1:6390/0", **{field: v})
+
+
 def _trace(field: str) -> Factory:
     pytest.importorskip("craft_rag_bench")
     from craft_rag_bench.workloads import TraceConfig
@@ -152,6 +159,7 @@ CASES: list[tuple[str, Callable[[str], Factory], str]] = [
     ("ConversationStore", _conversations, "ttl_s"),
     ("Chunk", _chunk, "score"),
     ("FakeBackend", _fake_backend, "step_delay"),
+    ("RedisStore", _redis_store, "timeout_s"),
     ("TraceConfig", _trace, "repeat"),
     ("TraceConfig", _trace, "zipf"),
     ("TraceConfig", _trace, "near_duplicates"),

@@ -37,6 +37,7 @@ from craft_rag.stores.base import (
     parse_options,
     positive_int_option,
 )
+from craft_rag.validation import check_number
 
 _OPTIONS = {
     "snapshot_every": "commits between snapshots; the log keeps up to twice that",
@@ -150,6 +151,7 @@ class RedisStore(StateStore):
             msg = "the redis store needs the redis client: pip install 'craft-rag[redis]'"
             raise ImportError(msg) from e
         self._redis = redis
+        check_number(timeout_s, "timeout_s (seconds)", positive=True)
         self.url = _display(url or client_url)
         self.snapshot_every = snapshot_every
         self.fallback = fallback
