@@ -135,6 +135,8 @@ def test_a_stream_past_max_tokens_is_refused_and_fills_nothing(
         (5, "choices"),
         ([5], "choices"),
         ([None], "choices"),
+        ([{"index": 1, "text": "x", "token_ids": [7]}], "index"),
+        ([{"index": "0", "text": "x", "token_ids": [7]}], "index"),
     ],
 )
 def test_malformed_stream_field_is_a_server_error_naming_it(
@@ -304,6 +306,17 @@ def test_429_without_retry_after_backs_off_and_past_the_retries_is_not_a_value_e
             run(b)
         assert not isinstance(info.value, ValueError)
         assert sleeps == [0.01, 0.02]
+        b.shutdown()
+
+
+def test_a_503_retry_after_is_honoured_too() -> None:
+    fake = FakeServer()
+    with running(fake) as url:
+        sleeps: list[float] = []
+        b = backend(url, sleeps)
+        fake.fail_next, fake.fail_headers = [503], {"Retry-After": "3"}
+        assert run(b)[-1]["done"]
+        assert sleeps == [3.0]
         b.shutdown()
 
 

@@ -262,6 +262,9 @@ def event_deltas(event: Mapping[str, Any], base_url: str) -> list[Delta]:
     for choice in choices:
         if not isinstance(choice, dict):
             raise bad_field(base_url, where, "choices[]", choice, "not an object")
+        index = choice.get("index", 0)
+        if index != 0 or isinstance(index, bool):  # n=1: another index is another sequence
+            raise bad_field(base_url, where, "choices[].index", index, "not 0 (one sequence)")
         ids = choice.get("token_ids")
         if ids is None:
             msg = (
