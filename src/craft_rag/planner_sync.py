@@ -35,7 +35,6 @@ write happen after the lock is released, so other requests never wait on that I/
 
 from __future__ import annotations
 
-import json
 import logging
 import threading
 from collections.abc import Callable, Sequence
@@ -47,7 +46,7 @@ from craft_rag.conversation import ConversationStore
 from craft_rag.plan_lease import PlanLease, PlanLeases
 from craft_rag.plans import PlannerConfig
 from craft_rag.prefix_tree import ChunkPrefixTree, KVLocation, NodeMetadata
-from craft_rag.stores import ConversationConflict, StateStore, StoreUnavailable
+from craft_rag.stores import ConversationConflict, StateStore, StoreCorrupted, StoreUnavailable
 from craft_rag.stores.base import LogRead
 from craft_rag.stores.histories import SharedPosition
 from craft_rag.stores.shared import (
@@ -58,6 +57,7 @@ from craft_rag.stores.shared import (
     ReplayClock,
     SharedState,
     decode_entry,
+    decode_snapshot,
 )
 from craft_rag.types import ChunkKey, ConversationId
 from craft_rag.validation import check_int, validate_conversation_id
@@ -159,14 +159,10 @@ class SharedSync:
         own_tokens: Sequence[int] | None = None,
     ) -> tuple[int, int, int] | None:
         if read.snapshot is not None:
-            data = json.loads(read.snapshot.state)
-            self.access_table = ChunkAccessTable.from_json(data["access_table"])
-            self.prefix_tree = ChunkPrefixTree.from_json(
-                data["prefix_tree"], clock=self._replay_clock
-            )
-            conversations = ConversationStore.from_json(
-                data["conversations"], clock=self._replay_clock
-            )
+            # Decoded whole before anything changes: a bad snapshot is StoreCorrupted.
+            state = decode_snapshot(read.snapshot, shared.where, self._replay_clock)
+            self.access_table, self.prefix_tree = state.access_table, state.prefix_tree
+            conversations = state.conversations
             conversations.replicated = True
             # A snapshot carries no token ids: keep this worker's own for the turns it holds,
             # and its turns in flight.
@@ -174,7 +170,7 @@ class SharedSync:
             conversations.adopt_holds(self.conversations)
             self.conversations = conversations
             shared.applied = read.snapshot.seq
-            self._replay_clock.floor = float(data.get("clock", float("-inf")))
+            self._replay_clock.floor = state.clock
         own: tuple[int, int, int] | None = None
         clock = self._replay_clock
         unsettled = self._unsettled
@@ -304,6 +300,8 @@ class SharedSync:
                 f"{shared.where}: the commit of plan {plan_id} failed{why} and was not written; "
                 "the plan is still pending: commit it again once the store answers, or abort it"
             )
+            if isinstance(error, StoreCorrupted):  # the store answered: its data is bad
+                raise StoreCorrupted(msg) from error
             raise StoreUnavailable(msg) from error
 
     def _abort_unsettled(self, lease: PlanLease) -> bool:

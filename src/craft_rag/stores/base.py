@@ -277,9 +277,11 @@ class StateStore(abc.ABC):
                 "restart every worker of this namespace (they rebuild their state from the store)"
             )
             raise StoreCorrupted(msg)
-        if head == since or (entries and entries[0].seq == since + 1):
-            self._check_contiguous(namespace, since, entries)
+        if head == since or (entries and entries[0].seq <= since + 1):
+            self._check_contiguous(namespace, since, entries, head)
             return LogRead(head, tuple(entries))
+        if entries:  # damage among the entries themselves, whatever the snapshot says
+            self._check_contiguous(namespace, entries[0].seq - 1, entries, head)
         snapshot = self._snapshot(namespace)
         if snapshot is None or snapshot.seq <= since:
             msg = (
@@ -290,10 +292,20 @@ class StateStore(abc.ABC):
             )
             raise StoreCorrupted(msg)
         head, entries = self._range(namespace, snapshot.seq)
-        if entries and entries[0].seq != snapshot.seq + 1:
-            # Another snapshot and trim landed between the two reads: start over from it.
-            return self.read(namespace, since)
-        self._check_contiguous(namespace, snapshot.seq, entries)
+        if snapshot.seq > head:  # read after the snapshot was: a head below it is damage
+            msg = (
+                f"store {self.url} {namespace_label(namespace)}: the snapshot at seq "
+                f"{snapshot.seq} is past the log's head {head}; the store was damaged or "
+                "edited; clear the namespace or use a fresh store"
+            )
+            raise StoreCorrupted(msg)
+        if entries and entries[0].seq > snapshot.seq + 1:
+            # Another snapshot and trim landed between the two reads: start over from it (a
+            # newer snapshot each time, so this ends; damaged data is refused below).
+            newer = self._snapshot(namespace)
+            if newer is not None and newer.seq > snapshot.seq:
+                return self.read(namespace, since)
+        self._check_contiguous(namespace, snapshot.seq, entries, head)
         return LogRead(head, tuple(entries), snapshot)
 
     def _fingerprint_mismatch(self, namespace: str, found: str) -> StoreCorrupted:
@@ -305,15 +317,43 @@ class StateStore(abc.ABC):
         )
         return StoreCorrupted(msg)
 
-    def _check_contiguous(self, namespace: str, since: int, entries: list[LogEntry]) -> None:
-        for offset, entry in enumerate(entries, start=1):
-            if entry.seq != since + offset:
+    def _corrupted(self, namespace: str | None, what: str, detail: str) -> StoreCorrupted:
+        """The error for a stored value of the wrong shape: names the store, the namespace
+        (None: store-wide) and ``what`` (the entry, key or row); ``detail`` must already be
+        bounded (see :func:`craft_rag.stores.json_codec.preview`)."""
+        where = f"store {self.url}"
+        if namespace is not None:
+            where += f" {namespace_label(namespace)}"
+        msg = (
+            f"{where}: {what} is not what craft-rag writes ({detail}); the store was damaged "
+            "or written by another program; clear the namespace or use a fresh store"
+        )
+        return StoreCorrupted(msg)
+
+    def _check_contiguous(
+        self, namespace: str, since: int, entries: list[LogEntry], head: int
+    ) -> None:
+        """``entries`` are ``since + 1 .. head``, each once, in order (O(len(entries)))."""
+        expected = since
+        for expected, entry in enumerate(entries, start=since + 1):
+            if entry.seq != expected:
+                found = (
+                    f"log entry {entry.seq} appears twice or out of order"
+                    if entry.seq < expected
+                    else f"log entry {expected} is missing (found {entry.seq})"
+                )
                 msg = (
-                    f"store {self.url} {namespace_label(namespace)}: log entry {since + offset} is "
-                    f"missing (found {entry.seq}); the store was damaged; clear the namespace "
-                    "or use a fresh store"
+                    f"store {self.url} {namespace_label(namespace)}: {found}; the store was "
+                    "damaged; clear the namespace or use a fresh store"
                 )
                 raise StoreCorrupted(msg)
+        if entries and expected != head:
+            msg = (
+                f"store {self.url} {namespace_label(namespace)}: log entry {expected} is past "
+                f"the head {head}; the store was damaged; clear the namespace or use a fresh "
+                "store"
+            )
+            raise StoreCorrupted(msg)
 
     def __enter__(self) -> StateStore:
         return self

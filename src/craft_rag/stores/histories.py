@@ -31,6 +31,7 @@ from craft_rag.stores.base import (
     StoreUnavailable,
     namespace_label,
 )
+from craft_rag.stores.json_codec import is_stored_int, loads_strict
 from craft_rag.types import ChunkKey, ConversationId
 
 if TYPE_CHECKING:
@@ -75,9 +76,7 @@ class StoredHistory:
 
 
 def _turn(value: Any) -> tuple[int, ...]:
-    if not isinstance(value, list) or not all(
-        type(t) is int and t >= 0 for t in value
-    ):
+    if not isinstance(value, list) or not all(is_stored_int(t) for t in value):
         raise TypeError("a turn must be a list of token ids (ints >= 0)")
     return tuple(value)
 
@@ -92,7 +91,7 @@ def decode_history(data: str, conversation: str, where: str) -> StoredHistory:
     """The history in ``data``; :class:`StoreCorrupted` naming ``where`` (store and namespace)
     and the conversation when it is not one this version wrote. O(tokens)."""
     try:
-        raw = json.loads(data)
+        raw = loads_strict(data)  # no NaN, no repeated field, bounded nesting
         if not isinstance(raw, dict):
             raise TypeError("not a JSON object")
         turns = raw["t"]
@@ -100,10 +99,10 @@ def decode_history(data: str, conversation: str, where: str) -> StoredHistory:
         dropped = raw["d"]
         if not isinstance(turns, list) or not isinstance(keys, list) or len(turns) != len(keys):
             raise TypeError("turns and keys must be lists of the same length")
-        if type(dropped) is not int or dropped < 0:
+        if not is_stored_int(dropped):
             raise TypeError("the dropped-turn count must be an int >= 0")
         count = raw.get("n")
-        if count is not None and (type(count) is not int or count < len(turns)):
+        if count is not None and (not is_stored_int(count) or count < len(turns)):
             raise TypeError("the turn count must be an int >= the stored turns")
         return StoredHistory(
             tuple(_turn(t) for t in turns), tuple(_keys(k) for k in keys), dropped, count
@@ -130,19 +129,56 @@ def shared_position(planner: CraftPlanner) -> SharedPosition | None:
     return planner.shared_position()
 
 
+LOST_HISTORY_GRACE_S = 30.0
+"""How long after a turn was committed its token ids may still be on their way to the store
+(the committing worker stores them right after its commit); past that, a turn whose ids no
+worker can load is given up (:func:`load_history`)."""
+
+
 def load_history(planner: CraftPlanner, conversation_id: str | None) -> bool:
     """Before rendering (or fitting) a turn: when the store's record of ``conversation_id``
     moved past the local history's version and the store holds a newer history (another worker
     served a turn), bring the planner up to date and fill the token ids of its live turns from
     it. True when filled. One round trip with a sharing planner (two when filling), nothing
     otherwise. :class:`StoreCorrupted` (nothing changed) for a stored history this version did
-    not write."""
+    not write.
+
+    A conversation must stay usable whatever happened to a turn's ids (its worker died between
+    commit and store, the store failed that write): a live turn whose ids are still unknown
+    here afterwards, ``LOST_HISTORY_GRACE_S`` after the conversation's last commit, is
+    forgotten with the turns before it (``forget_turns``: logged, so every worker drops them
+    alike); their chunks count as new again and the next turn re-sends them. A conversation
+    with a turn in flight is left alone."""
     if conversation_id is None:
         return False
     position = shared_position(planner)
     if position is None:
         return False
     cid = ConversationId(conversation_id)
+    filled = _fill(planner, position, cid)
+    _give_up_lost_turns(planner, position, cid)
+    return filled
+
+
+def _give_up_lost_turns(
+    planner: CraftPlanner, position: SharedPosition, cid: ConversationId
+) -> int:
+    """Forget the live turns up to the last one whose token ids are unknown here, once they
+    can no longer arrive (see :func:`load_history`). Returns the turns forgotten."""
+    history = planner.conversations.history(cid)
+    if history is None or history.in_flight or None not in history.turns:
+        return 0
+    if planner._clock() - history.last_used < LOST_HISTORY_GRACE_S:
+        return 0  # the committing worker may still be storing them
+    n = max(i for i, t in enumerate(history.turns) if t is None) + 1
+    logger.warning("%s: conversation %r: the token ids of %d turn(s) were never stored (their "
+                   "worker failed after committing); they are dropped from its prompt and "
+                   "their chunks sent again", position.where, str(cid), n)
+    return planner.forget_turns(cid, n)
+
+
+def _fill(planner: CraftPlanner, position: SharedPosition, cid: ConversationId) -> bool:
+    conversation_id = str(cid)
     record = position.store.get_history(position.namespace, conversation_id)
     local = planner.conversations.history(cid)
     version = local.version if local is not None else 0

@@ -37,6 +37,7 @@ from craft_rag.stores.base import (
     parse_options,
     positive_int_option,
 )
+from craft_rag.stores.json_codec import MAX_STORED_INT, preview
 from craft_rag.validation import check_number
 
 _OPTIONS = {
@@ -68,9 +69,9 @@ end
 return {head, redis.call('ZRANGEBYSCORE', KEYS[2], '(' .. ARGV[2], '+inf')}
 """
 
-# KEYS: head, log. ARGV: since. Returns {head, entries}.
+# KEYS: head, log. ARGV: since. Returns {head as stored (checked by the caller), entries}.
 _RANGE = """
-local head = tonumber(redis.call('GET', KEYS[1]) or '0')
+local head = redis.call('GET', KEYS[1]) or '0'
 return {head, redis.call('ZRANGEBYSCORE', KEYS[2], '(' .. ARGV[1], '+inf')}
 """
 
@@ -204,18 +205,40 @@ class RedisStore(StateStore):
             )
             raise StoreCorrupted(msg) from e
 
-    @staticmethod
-    def _entries(raw: list[bytes]) -> list[LogEntry]:
+    def _int(self, raw: object, namespace: str | None, what: str) -> int:
+        """A stored count or seq: ASCII digits (Lua's ``tonumber`` would also take ``2.5``,
+        `` 3 `` or ``1e23``); :class:`StoreCorrupted` naming ``what`` otherwise."""
+        if type(raw) is int and 0 <= raw <= MAX_STORED_INT:
+            return raw
+        if isinstance(raw, bytes) and raw.isdigit() and len(raw) <= 19:
+            value = int(raw)
+            if value <= MAX_STORED_INT:
+                return value
+        raise self._corrupted(namespace, what, f"found {preview(raw)}")
+
+    def _text(self, raw: bytes, namespace: str | None, what: str) -> str:
+        try:
+            return raw.decode("utf-8")
+        except (UnicodeDecodeError, AttributeError):
+            raise self._corrupted(namespace, what, f"not UTF-8 text: {preview(raw)}") from None
+
+    def _entries(self, raw: list[bytes], namespace: str, since: int) -> list[LogEntry]:
+        """The log members ``seq|data`` (``since``: the seq before the first, for messages).
+        O(total size): one split and one decode per member."""
         out = []
-        for member in raw:
-            seq, _, data = member.decode("utf-8").partition("|")
-            out.append(LogEntry(int(seq), data))
+        for position, member in enumerate(raw, start=since + 1):
+            seq, sep, data = member.partition(b"|")
+            if not sep or not seq.isdigit() or seq.startswith(b"0") or len(seq) > 19:
+                what = f"log entry {position} (member {preview(member)})"
+                raise self._corrupted(namespace, what, "not 'seq|entry'")
+            out.append(LogEntry(int(seq), self._text(data, namespace, f"log entry {int(seq)}")))
         return out
 
     def attach(self, namespace: str, fingerprint: str) -> None:
         keys = ["craft-rag:format", self._key(namespace, "fingerprint")]
         stored = self._call(self._attach_script, keys=keys, args=[STORE_FORMAT, fingerprint])
-        found_format, found_fingerprint = (v.decode("utf-8") for v in stored)
+        found_format = self._text(stored[0], None, "the format key craft-rag:format")
+        found_fingerprint = self._text(stored[1], namespace, "the config fingerprint")
         if found_format != STORE_FORMAT:
             msg = (
                 f"store {self.url} has format {found_format!r}, this craft-rag reads "
@@ -229,7 +252,7 @@ class RedisStore(StateStore):
     def _range(self, namespace: str, since: int) -> tuple[int, list[LogEntry]]:
         keys = [self._key(namespace, "head"), self._key(namespace, "log")]
         head, raw = self._call(self._range_script, keys=keys, args=[since])
-        return int(head), self._entries(raw)
+        return self._int(head, namespace, "the log head"), self._entries(raw, namespace, since)
 
     def _append(
         self,
@@ -264,7 +287,7 @@ class RedisStore(StateStore):
         if int(head) == -1:
             assert conversation is not None and not_after is not None
             raise ConversationConflict(conflict_message(conversation, int(payload), not_after))
-        return int(head), self._entries(payload)
+        return int(head), self._entries(payload, namespace, since)
 
     def _token_key(self, namespace: str, token: str) -> str:
         digest = hashlib.sha256(token.encode("utf-8")).hexdigest()
@@ -292,9 +315,14 @@ class RedisStore(StateStore):
             self._conv_key(namespace, "hist", conversation),
         ]
         last, version, data = self._call(self._get_history_script, keys=keys, args=[])
+        what = f"the record of conversation {preview(conversation)}"
+        last_seq = 0 if last is None else self._int(last, namespace, what)
         if version is None or data is None:
-            return HistoryRecord(int(last or 0))
-        return HistoryRecord(int(last or 0), int(version), data.decode("utf-8"))
+            return HistoryRecord(last_seq)
+        what = f"the prompt history of conversation {preview(conversation)}"
+        return HistoryRecord(
+            last_seq, self._int(version, namespace, what), self._text(data, namespace, what)
+        )
 
     def _snapshot(self, namespace: str) -> Snapshot | None:
         seq, state = self._call(
@@ -302,7 +330,8 @@ class RedisStore(StateStore):
         )
         if seq is None or state is None:
             return None
-        return Snapshot(int(seq), state.decode("utf-8"))
+        at = self._int(seq, namespace, "the snapshot's seq")
+        return Snapshot(at, self._text(state, namespace, f"the snapshot at seq {at}"))
 
     def put_snapshot(self, namespace: str, snapshot: Snapshot, keep_from: int) -> None:
         keys = [

@@ -19,11 +19,14 @@ from __future__ import annotations
 
 import json
 import logging
+import math
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from craft_rag.prefix_tree import KVLocation, NodeMetadata
+from craft_rag.access_table import ChunkAccessTable
+from craft_rag.conversation import ConversationStore
+from craft_rag.prefix_tree import ChunkPrefixTree, KVLocation, NodeMetadata
 from craft_rag.stores.base import (
     LogEntry,
     LogRead,
@@ -32,6 +35,7 @@ from craft_rag.stores.base import (
     StoreCorrupted,
     namespace_label,
 )
+from craft_rag.stores.json_codec import is_stored_int, loads_strict, preview
 from craft_rag.types import BlockHash, ChunkKey, ConversationId
 
 logger = logging.getLogger(__name__)
@@ -110,22 +114,53 @@ def _keys(value: Any) -> tuple[ChunkKey, ...]:
     return tuple(ChunkKey(k) for k in value)
 
 
+def _span(value: Any) -> tuple[int, int] | None:
+    if value is None:
+        return None
+    if (
+        not isinstance(value, list) or len(value) != 2
+        or not is_stored_int(value[0]) or not is_stored_int(value[1]) or value[0] > value[1]
+    ):
+        raise TypeError("a token span must be [start, end] with 0 <= start <= end")
+    return value[0], value[1]
+
+
+def _hashes(value: Any) -> tuple[BlockHash, ...] | None:
+    if value is None:
+        return None
+    if not isinstance(value, list) or not all(isinstance(h, str) for h in value):
+        raise TypeError("block hashes must be a list of hex strings")
+    return tuple(BlockHash(bytes.fromhex(h)) for h in value)
+
+
 def _metadata(value: Any, k: int) -> tuple[NodeMetadata, ...] | None:
     if value is None:
         return None
     if not isinstance(value, list) or len(value) != k:
         raise TypeError("metadata must have one item per key")
     out = []
-    for span, hashes in value:
-        out.append(
-            NodeMetadata(
-                token_span=None if span is None else (int(span[0]), int(span[1])),
-                block_hashes=None
-                if hashes is None
-                else tuple(BlockHash(bytes.fromhex(h)) for h in hashes),
-            )
-        )
+    for item in value:
+        if not isinstance(item, list) or len(item) != 2:
+            raise TypeError("a metadata item must be [span, block hashes]")
+        out.append(NodeMetadata(token_span=_span(item[0]), block_hashes=_hashes(item[1])))
     return tuple(out)
+
+
+def _location(value: Any) -> KVLocation | None:
+    if value is None:
+        return None
+    if not isinstance(value, list) or len(value) != 2 or not all(
+        isinstance(v, str) for v in value
+    ):
+        raise TypeError("a KV location must be [engine id, tier]")
+    return KVLocation(value[0], value[1])
+
+
+def _ts(value: Any) -> float:
+    # JSON NaN/Infinity are refused by the parser; 1e400 parses to inf, refused here.
+    if type(value) not in (int, float) or not math.isfinite(value):
+        raise TypeError("ts must be a finite number")
+    return float(value)
 
 
 def _token(value: Any) -> str | None:
@@ -134,35 +169,41 @@ def _token(value: Any) -> str | None:
     return value
 
 
+def _conversation(value: Any, *, optional: bool) -> ConversationId | None:
+    if value is None and optional:
+        return None
+    if not isinstance(value, str) or not value:
+        raise TypeError("conversation id must be a non-empty string")
+    return ConversationId(value)
+
+
 def decode_entry(entry: LogEntry, where: str) -> Entry:
     """The entry in ``entry.data``; :class:`StoreCorrupted` naming ``where`` (store and
-    namespace) and the seq when it is not one this version wrote."""
+    namespace) and the seq when it is not exactly one this version writes (strict JSON: no
+    NaN, no repeated field; every field of its type and range). O(entry size)."""
     try:
-        data = json.loads(entry.data)
+        data = loads_strict(entry.data)
+        if not isinstance(data, dict):
+            raise TypeError("not a JSON object")
         kind = data["v"]
-        ts = float(data["ts"])
+        ts = _ts(data["ts"])
         if kind in ("e", "f"):
-            conv = data["c"]
-            if not isinstance(conv, str) or not conv:
-                raise TypeError("conversation id must be a non-empty string")
+            conv = _conversation(data["c"], optional=False)
+            assert conv is not None
             if kind == "e":
-                return EndEntry(ConversationId(conv), ts)
+                return EndEntry(conv, ts)
             n = data["n"]
-            if not isinstance(n, int) or n < 0:
+            if not is_stored_int(n):
                 raise TypeError("forgotten turn count must be an int >= 0")
-            return ForgetEntry(ConversationId(conv), n, ts)
+            return ForgetEntry(conv, n, ts)
         if kind != "c":
-            raise TypeError(f"unknown entry kind {kind!r}")
+            raise TypeError(f"unknown entry kind {preview(kind)}")
         keys = _keys(data["k"])
-        conv = data["c"]
-        if conv is not None and (not isinstance(conv, str) or not conv):
-            raise TypeError("conversation id must be a non-empty string or null")
         turn, reused = data["t"], data["u"]
-        if not isinstance(turn, int) or turn < 1:
+        if not is_stored_int(turn, 1):
             raise TypeError("turn must be an int >= 1")
-        if reused is not None and (not isinstance(reused, int) or not 0 <= reused <= len(keys)):
+        if reused is not None and (not is_stored_int(reused) or reused > len(keys)):
             raise TypeError("reused chunk count out of range")
-        loc = data["l"]
         resent = data.get("r", False)
         if not isinstance(resent, bool):
             raise TypeError("removed_in_prompt must be a bool")
@@ -170,10 +211,10 @@ def decode_entry(entry: LogEntry, where: str) -> Entry:
             keys=keys,
             removed=_keys(data["d"]),
             turn=turn,
-            conversation=None if conv is None else ConversationId(conv),
+            conversation=_conversation(data["c"], optional=True),
             reused_chunks=reused,
             metadata=_metadata(data["m"], len(keys)),
-            location=None if loc is None else KVLocation(str(loc[0]), str(loc[1])),
+            location=_location(data["l"]),
             ts=ts,
             removed_in_prompt=resent,
             token=_token(data.get("p")),
@@ -182,6 +223,51 @@ def decode_entry(entry: LogEntry, where: str) -> Entry:
         msg = (
             f"{where}: log entry {entry.seq} is not a craft-rag commit ({e}); the store was "
             "written by another program or version; clear the namespace or use a fresh store"
+        )
+        raise StoreCorrupted(msg) from e
+
+
+@dataclass(frozen=True, slots=True)
+class SnapshotState:
+    """A decoded, validated snapshot: the planner state at ``seq`` and the replay clock's
+    floor then."""
+
+    seq: int
+    access_table: ChunkAccessTable
+    prefix_tree: ChunkPrefixTree
+    conversations: ConversationStore
+    clock: float
+
+
+def decode_snapshot(
+    snapshot: Snapshot, where: str, clock: Callable[[], float]
+) -> SnapshotState:
+    """The state in ``snapshot`` (tree and conversations on ``clock``); :class:`StoreCorrupted`
+    naming ``where`` and the snapshot's seq when it is not one this version wrote (strict
+    JSON, every part validated by its ``from_json``). Nothing is changed on failure. O(state)."""
+    try:
+        data = loads_strict(snapshot.state)
+        if not isinstance(data, dict):
+            raise TypeError("not a JSON object")
+        floor = data.get("clock", float("-inf"))
+        if floor != float("-inf"):
+            floor = _ts(floor)
+        for part in ("access_table", "prefix_tree", "conversations"):
+            if not isinstance(data[part], dict):
+                raise TypeError(f"{part} is not a JSON object")
+        return SnapshotState(
+            snapshot.seq,
+            ChunkAccessTable.from_json(data["access_table"], path="access_table"),
+            ChunkPrefixTree.from_json(data["prefix_tree"], clock=clock, path="prefix_tree"),
+            ConversationStore.from_json(
+                data["conversations"], clock=clock, path="conversations"
+            ),
+            float(floor),
+        )
+    except (ValueError, TypeError, KeyError, IndexError) as e:
+        msg = (
+            f"{where}: the snapshot at seq {snapshot.seq} is not one craft-rag wrote "
+            f"({preview(str(e), 200)}); clear the namespace or use a fresh store"
         )
         raise StoreCorrupted(msg) from e
 

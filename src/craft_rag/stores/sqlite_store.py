@@ -39,6 +39,7 @@ from craft_rag.stores.base import (
     parse_options,
     positive_int_option,
 )
+from craft_rag.stores.json_codec import MAX_STORED_INT, preview
 
 _OPTIONS = {
     "snapshot_every": "commits between snapshots; the log keeps up to twice that",
@@ -115,9 +116,10 @@ class SQLiteStore(StateStore):
             with self._transaction() as cur:
                 for statement in _SCHEMA:
                     cur.execute(statement)
-                row = cur.execute(
-                    "SELECT value FROM craft_meta WHERE ns = '' AND key = 'format'"
-                ).fetchone()
+                row = self._text_row(
+                    cur, "SELECT value FROM craft_meta WHERE ns = '' AND key = 'format'", (),
+                    None, "the format row",
+                )
                 if row is None:
                     cur.execute(
                         "INSERT INTO craft_meta VALUES ('', 'format', ?)", (STORE_FORMAT,)
@@ -198,28 +200,87 @@ class SQLiteStore(StateStore):
     def attach(self, namespace: str, fingerprint: str) -> None:
         check_namespace(namespace)
         with self._transaction() as cur:
-            row = cur.execute(
-                "SELECT value FROM craft_meta WHERE ns = ? AND key = 'fingerprint'", (namespace,)
-            ).fetchone()
+            what = "the config fingerprint"
+            row = self._text_row(
+                cur, "SELECT value FROM craft_meta WHERE ns = ? AND key = 'fingerprint'",
+                (namespace,), namespace, what,
+            )
+            if row is not None and type(row[0]) is not str:
+                raise self._corrupted(namespace, what, f"found {preview(row[0])}")
             if row is None:
                 cur.execute(
                     "INSERT INTO craft_meta VALUES (?, 'fingerprint', ?)", (namespace, fingerprint)
                 )
                 cur.execute("INSERT OR IGNORE INTO craft_head VALUES (?, 0)", (namespace,))
             elif row[0] != fingerprint:
-                raise self._fingerprint_mismatch(namespace, row[0])
+                raise self._fingerprint_mismatch(namespace, str(row[0]))
 
-    @staticmethod
     def _head_and_after(
-        cur: sqlite3.Cursor, namespace: str, since: int
+        self, cur: sqlite3.Cursor, namespace: str, since: int
     ) -> tuple[int, list[LogEntry]]:
+        """The head and the entries after ``since``, each checked to be what craft-rag
+        writes (an INTEGER seq, TEXT entry in UTF-8): two type checks per row."""
         row = cur.execute("SELECT seq FROM craft_head WHERE ns = ?", (namespace,)).fetchone()
-        head = int(row[0]) if row is not None else 0
+        head = 0 if row is None else self._int(row[0], namespace, "the log head")
+        try:
+            rows = cur.execute(
+                "SELECT seq, entry FROM craft_log WHERE ns = ? AND seq > ? ORDER BY seq",
+                (namespace, since),
+            ).fetchall()
+        except sqlite3.OperationalError as e:
+            if not _is_decode_error(e):
+                raise
+            raise self._bad_text(cur, namespace, since) from None
+        out = []
+        for position, (seq, entry) in enumerate(rows, start=since + 1):
+            if type(seq) is not int:
+                what = f"log entry {position} (seq {preview(seq)})"
+                raise self._corrupted(namespace, what, "its seq is not an integer")
+            if type(entry) is not str:
+                raise self._corrupted(namespace, f"log entry {seq}", f"found {preview(entry)}")
+            out.append(LogEntry(seq, entry))
+        return head, out
+
+    def _bad_text(self, cur: sqlite3.Cursor, namespace: str, since: int) -> StoreCorrupted:
+        """The error for a log entry that is not UTF-8 (found on the error path only)."""
         rows = cur.execute(
-            "SELECT seq, entry FROM craft_log WHERE ns = ? AND seq > ? ORDER BY seq",
+            "SELECT seq, CAST(entry AS BLOB) FROM craft_log WHERE ns = ? AND seq > ? "
+            "ORDER BY seq",
             (namespace, since),
         ).fetchall()
-        return head, [LogEntry(int(seq), str(entry)) for seq, entry in rows]
+        for seq, raw in rows:
+            try:
+                bytes(raw).decode("utf-8")
+            except UnicodeDecodeError:
+                return self._corrupted(namespace, f"log entry {seq}", "not UTF-8 text")
+        return self._corrupted(namespace, "a log entry", "not UTF-8 text")
+
+    def _int(self, value: object, namespace: str | None, what: str) -> int:
+        if type(value) is int and 0 <= value <= MAX_STORED_INT:
+            return value
+        raise self._corrupted(namespace, what, f"found {preview(value)}")
+
+    def _live(self, value: object, now: float, namespace: str, what: str) -> bool:
+        """Whether a row with expiry ``value`` (None: never) is live at ``now``."""
+        if value is None:
+            return True
+        if isinstance(value, int | float) and not isinstance(value, bool) and value == value:
+            return value > now
+        raise self._corrupted(namespace, what, f"its expiry is {preview(value)}")
+
+    def _text_row(
+        self, cur: sqlite3.Cursor, sql: str, args: tuple[object, ...], namespace: str | None,
+        what: str,
+    ) -> tuple[object, ...] | None:
+        """``cur.execute(sql, args).fetchone()``; a TEXT value that is not UTF-8 is
+        :class:`StoreCorrupted` naming ``what``."""
+        try:
+            row = cur.execute(sql, args).fetchone()
+        except sqlite3.OperationalError as e:
+            if not _is_decode_error(e):
+                raise
+            raise self._corrupted(namespace, what, "not UTF-8 text") from None
+        return None if row is None else tuple(row)
 
     def _range(self, namespace: str, since: int) -> tuple[int, list[LogEntry]]:
         # A read transaction (deferred would do; IMMEDIATE keeps one code path and is cheap
@@ -263,15 +324,19 @@ class SQLiteStore(StateStore):
                     "SELECT last_seq, expires FROM craft_conv WHERE ns = ? AND id = ?",
                     (namespace, conversation),
                 ).fetchone()
-                if row is not None and (row[1] is None or row[1] > now) and row[0] > not_after:
-                    raise ConversationConflict(conflict_message(conversation, row[0], not_after))
+                what = f"the record of conversation {preview(conversation)}"
+                if row is not None and self._live(row[1], now, namespace, what):
+                    last = self._int(row[0], namespace, what)
+                    if last > not_after:
+                        raise ConversationConflict(conflict_message(conversation, last, not_after))
             cur.execute(
                 "INSERT INTO craft_head VALUES (?, 1) "
                 "ON CONFLICT(ns) DO UPDATE SET seq = seq + 1",
                 (namespace,),
             )
-            seq = int(
-                cur.execute("SELECT seq FROM craft_head WHERE ns = ?", (namespace,)).fetchone()[0]
+            seq = self._int(
+                cur.execute("SELECT seq FROM craft_head WHERE ns = ?", (namespace,)).fetchone()[0],
+                namespace, "the log head",
             )
             cur.execute("INSERT INTO craft_log VALUES (?, ?, ?)", (namespace, seq, data))
             if token is not None:
@@ -330,26 +395,42 @@ class SQLiteStore(StateStore):
 
     def get_history(self, namespace: str, conversation: str) -> HistoryRecord:
         now = self._clock()
+        record = f"the record of conversation {preview(conversation)}"
+        history = f"the prompt history of conversation {preview(conversation)}"
         with self._transaction() as cur:
             conv = cur.execute(
                 "SELECT last_seq, expires FROM craft_conv WHERE ns = ? AND id = ?",
                 (namespace, conversation),
             ).fetchone()
-            hist = cur.execute(
-                "SELECT version, data, expires FROM craft_history WHERE ns = ? AND id = ?",
-                (namespace, conversation),
-            ).fetchone()
-        last = int(conv[0]) if conv is not None and (conv[1] is None or conv[1] > now) else 0
-        if hist is None or (hist[2] is not None and hist[2] <= now):
+            hist = self._text_row(
+                cur, "SELECT version, data, expires FROM craft_history WHERE ns = ? AND id = ?",
+                (namespace, conversation), namespace, history,
+            )
+        last = 0
+        if conv is not None and self._live(conv[1], now, namespace, record):
+            last = self._int(conv[0], namespace, record)
+        if hist is None or not self._live(hist[2], now, namespace, history):
             return HistoryRecord(last)
-        return HistoryRecord(last, int(hist[0]), str(hist[1]))
+        if type(hist[1]) is not str:
+            raise self._corrupted(namespace, history, f"found {preview(hist[1])}")
+        return HistoryRecord(last, self._int(hist[0], namespace, history), hist[1])
 
     def _snapshot(self, namespace: str) -> Snapshot | None:
-        with self._transaction() as cur:
+        with self._transaction() as cur:  # read as bytes: rare, and names a bad one's seq
             row = cur.execute(
-                "SELECT seq, state FROM craft_snapshot WHERE ns = ?", (namespace,)
+                "SELECT seq, typeof(state), CAST(state AS BLOB) FROM craft_snapshot WHERE ns = ?",
+                (namespace,),
             ).fetchone()
-        return None if row is None else Snapshot(int(row[0]), str(row[1]))
+        if row is None:
+            return None
+        seq = self._int(row[0], namespace, "the snapshot's seq")
+        what = f"the snapshot at seq {seq}"
+        if row[1] != "text":
+            raise self._corrupted(namespace, what, f"a value of type {preview(row[1])}")
+        try:
+            return Snapshot(seq, bytes(row[2]).decode("utf-8"))
+        except UnicodeDecodeError:
+            raise self._corrupted(namespace, what, "not UTF-8 text") from None
 
     def put_snapshot(self, namespace: str, snapshot: Snapshot, keep_from: int) -> None:
         with self._transaction() as cur:
@@ -399,6 +480,11 @@ def _enable_wal(conn: sqlite3.Connection, timeout_s: float) -> None:
                 raise
         time.sleep(delay)
         delay = min(delay * 2, 0.1)
+
+
+def _is_decode_error(error: sqlite3.OperationalError) -> bool:
+    """sqlite3's error for a TEXT value that is not UTF-8 (tampered data, not a bad file)."""
+    return str(error).startswith("Could not decode to UTF-8")
 
 
 def _is_locked(error: sqlite3.DatabaseError) -> bool:
