@@ -150,6 +150,7 @@ class ConversationStore:
                 dropped_since=state.dropped_since,
                 in_flight=self._in_flight(conversation_id, state, self._clock()),
                 version=state.version,
+                last_used=state.last_used,
             )
 
     def split(

@@ -53,6 +53,8 @@ class ConversationHistory:
     dropped_since: int
     in_flight: bool
     version: int
+    last_used: float = 0.0
+    """When its last turn was recorded (a shared store: the committing worker's clock)."""
 
     @property
     def tokens(self) -> int:
