@@ -14,9 +14,13 @@ Two kinds of calls:
   :class:`~.synthesizer.CraftSynthesizer` and :class:`~.chat_engine.CraftChatEngine` use it.
 
 Every response carries the engine's :class:`craft_rag.engine.results.ReuseReport` in
-``additional_kwargs["reuse_report"]`` and the full ``GenerationResult`` in ``raw``; a query
-engine's ``Response.metadata["craft_reuse"]`` gets it too, whatever synthesizer it uses
-(:mod:`~llama_index.llms.craft_vllm.reuse`). Streaming
+``additional_kwargs["craft_reuse"]`` (``"reuse_report"``: deprecated alias), the exact prompt
+sent in ``additional_kwargs["craft_prompt"]`` (text and token ids; also a
+:class:`~.calls.CraftPromptEvent` on the dispatcher) and the full ``GenerationResult`` in
+``raw``; a query engine's ``Response.metadata["craft_reuse"]`` gets the report too, whatever
+synthesizer it uses (:mod:`~llama_index.llms.craft_vllm.reuse`). The constructor takes
+LlamaIndex's familiar names (``model``, ``api_base``, ``context_window``, ``max_new_tokens``,
+``vllm_kwargs``, ...: :mod:`~.arguments`) and refuses unknown ones. Streaming
 is real: each delta is yielded when the engine's driver thread produces it; the last streamed
 response (empty delta) carries the report. All twelve entry points go through
 :mod:`~llama_index.llms.craft_vllm.calls`.
@@ -24,7 +28,7 @@ response (empty delta) carries the report. All twelve entry points go through
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
 from llama_index.core.base.llms.types import (
@@ -44,6 +48,7 @@ from llama_index.core.llms.llm import LLM
 from llama_index.core.llms.llm import (
     default_completion_to_prompt as _identity_completion_to_prompt,
 )
+from llama_index.llms.craft_vllm.arguments import engine_model_matches, sort_arguments
 from llama_index.llms.craft_vllm.calls import (
     REUSE_KEY,
     EngineCall,
@@ -58,7 +63,14 @@ from llama_index.llms.craft_vllm.prompts import chat_turns, completion_ids
 from llama_index.llms.craft_vllm.reuse import install_reuse_metadata
 from llama_index.postprocessor.craft import CraftReorderPostprocessor
 
-from craft_rag import Chunk, CraftPlanner, Plan, check_text, validate_conversation_id
+from craft_rag import (
+    DEFAULT_INSTRUCTIONS,
+    Chunk,
+    CraftPlanner,
+    Plan,
+    check_text,
+    validate_conversation_id,
+)
 from craft_rag.engine import (
     CraftEngine,
     EngineSettings,
@@ -69,10 +81,14 @@ from craft_rag.engine import (
     TokensRequest,
     validate_cache_salt,
 )
+from craft_rag.engine.model_args import call_sampling, check_prompt_text
 
 __all__ = ["EMBEDDED_MODEL_NAME", "REUSE_KEY", "CraftVLLM"]
 
 EMBEDDED_MODEL_NAME = "SmolLM2-135M-Instruct (embedded)"
+_EMBEDDED_NAMES = frozenset({
+    EMBEDDED_MODEL_NAME, "SmolLM2-135M-Instruct", "HuggingFaceTB/SmolLM2-135M-Instruct",
+})
 
 _CONTEXT_KWARGS = frozenset({"cache_salt", "formatted"})
 """Per-call keyword arguments that are not sampling (the rest go to ``with_overrides``)."""
@@ -81,10 +97,17 @@ _CONTEXT_KWARGS = frozenset({"cache_salt", "formatted"})
 class CraftVLLM(LLM):
     """LlamaIndex LLM over one :class:`craft_rag.engine.engine.CraftEngine`.
 
-    Pass a running ``engine`` (shared, not closed by this object), or ``engine_settings`` (or
-    nothing, for the embedded default model) to start one that :meth:`close` stops; with
-    ``server="http://HOST:PORT"`` that engine serves through a vLLM OpenAI-compatible server
-    (``settings.model``: the local folder of its tokenizer; see ``craft-rag serve``).
+    Pass a running ``engine`` (shared, not closed by this object), or ``model=`` (a local
+    folder or a hub id) and/or ``engine_settings`` (an ``EngineSettings`` or a dict of its
+    fields; nothing: the embedded default model) to start one that :meth:`close` stops; with
+    ``api_base=``/``base_url=``/``server=`` (``http://HOST:PORT``, ``/v1`` or not) that engine
+    serves through a vLLM OpenAI-compatible server (``model``: the local copy of the served
+    model, whose tokenizer builds the prompt; see ``craft-rag serve``). ``context_window``,
+    ``vllm_kwargs``, ``dtype``... shape the started engine; ``max_new_tokens`` is
+    ``max_tokens``; ``top_k``, ``presence_penalty``... (and ``additional_kwargs``) go to vLLM's
+    sampling; ``system_prompt``/``context_prompt`` are the head of every prompt of the started
+    engine (with ``engine=``: must equal the engine's). An unknown argument is a
+    ``ValueError`` listing the accepted ones.
 
     The engine's state is left alone: requests are planned and committed by the engine's
     planner for :attr:`cache_salt` (``engine.planner_for(cache_salt)``, which must be a
@@ -96,7 +119,13 @@ class CraftVLLM(LLM):
     Thread-safe as far as the engine is (one driver thread serialises vLLM).
     """
 
-    model: str = Field(default=EMBEDDED_MODEL_NAME, description="Model name for LLMMetadata.")
+    model: str = Field(
+        default=EMBEDDED_MODEL_NAME,
+        description=(
+            "The model served: a local folder or a hub id, selected when this LLM starts its "
+            "engine (with engine=: must name the engine's model); LLMMetadata.model_name."
+        ),
+    )
     max_tokens: int = Field(default=64, gt=0, description="Default max new tokens per request.")
     temperature: float = Field(
         default=0.0, ge=0.0, allow_inf_nan=False, description="Sampling temperature."
@@ -105,6 +134,18 @@ class CraftVLLM(LLM):
         default=1.0, gt=0.0, le=1.0, allow_inf_nan=False, description="Nucleus sampling p."
     )
     seed: int | None = Field(default=None, description="Per-request sampling seed.")
+    stop: list[str] | None = Field(default=None, description="Stop strings.")
+    additional_kwargs: dict[str, Any] = Field(
+        default_factory=dict,
+        description="vLLM sampling parameters passed on (top_k, min_p, penalties, ...).",
+    )
+    context_prompt: str | None = Field(
+        default=None,
+        description=(
+            "Text before the first document of every RAG prompt of the engine this LLM starts "
+            "(CraftEngine(instructions=...)); None: the default instructions."
+        ),
+    )
     read_prefix_cache: bool = Field(
         default=True,
         description="False: compute every prompt in full (the no-cache baseline on one engine).",
@@ -125,7 +166,7 @@ class CraftVLLM(LLM):
         self,
         engine: CraftEngine | None = None,
         *,
-        engine_settings: EngineSettings | None = None,
+        engine_settings: EngineSettings | Mapping[str, Any] | None = None,
         server: str | ServerSettings | None = None,
         **data: Any,
     ) -> None:
@@ -136,26 +177,69 @@ class CraftVLLM(LLM):
                 "engine.set_planner(planner) yourself before building the LLM"
             )
             raise ValueError(msg)
-        if engine is not None and engine_settings is not None:
-            msg = "pass either engine= (a running CraftEngine) or engine_settings=, not both"
-            raise ValueError(msg)
-        if engine is not None and server is not None:
-            msg = "pass either engine= or server= (a vLLM server URL), not both"
-            raise ValueError(msg)
         if engine is not None and not isinstance(engine, CraftEngine):
             msg = f"engine must be a craft_rag CraftEngine, got {type(engine).__name__}"
             raise ValueError(msg)
-        super().__init__(**data)  # validates cache_salt before an engine is started
+        given_model = data.get("model")
+        args = sort_arguments(
+            data,
+            set(type(self).model_fields),
+            engine_given=engine is not None,
+            engine_settings=engine_settings,
+            server=server,
+        )
+        super().__init__(**args.fields)  # validates cache_salt before an engine is started
+        check_prompt_text(self.system_prompt, "system_prompt")
+        check_prompt_text(self.context_prompt, "context_prompt")
         owns = engine is None
         if engine is None:
-            engine = CraftEngine(engine_settings or EngineSettings(), server=server)
-        if "model" not in data and engine.settings.model is not None:
+            assert args.settings is not None
+            instructions = DEFAULT_INSTRUCTIONS if self.context_prompt is None else (
+                self.context_prompt
+            )
+            engine = CraftEngine(
+                args.settings,
+                server=args.server,
+                system_prompt=self.system_prompt,
+                instructions=instructions,
+            )
+        else:
+            self._check_engine(engine, given_model)
+        if given_model is None and engine.settings.model is not None:
             self.model = str(engine.settings.model)
         self._engine = engine
         self._owns_engine = owns
         self.planner_for(self.cache_salt)  # fail now if the engine plans with something else
         # Reports reach Response.metadata["craft_reuse"] on any synthesizer (see reuse.py).
         install_reuse_metadata()
+
+    def _check_engine(self, engine: CraftEngine, model: object) -> None:
+        """A running engine has its model and prompt head: ``model``, ``system_prompt`` and
+        ``context_prompt`` given here must name them (``ValueError`` otherwise: they would
+        not act)."""
+        served = engine.settings.model
+        if model is not None and not (
+            engine_model_matches(served, str(model))
+            or (served is None and model in _EMBEDDED_NAMES)
+        ):
+            msg = (
+                f"model={model!r} is not the model this engine serves "
+                f"({served or EMBEDDED_MODEL_NAME!r}); leave model= out with engine=, or pass "
+                "model= without engine= to start an engine for it"
+            )
+            raise ValueError(msg)
+        for name, value, attribute in (
+            ("system_prompt", self.system_prompt, "system_prompt"),
+            ("context_prompt", self.context_prompt, "instructions"),
+        ):
+            has = getattr(engine, attribute, None)
+            if value is not None and value != has:
+                msg = (
+                    f"{name}={value!r} differs from the engine's {attribute} ({has!r}): the "
+                    f"engine renders every prompt's head; start it with CraftEngine("
+                    f"{attribute}=...), or pass {name}= without engine= to start one"
+                )
+                raise ValueError(msg)
 
     @field_validator("cache_salt")
     @classmethod
@@ -237,11 +321,12 @@ class CraftVLLM(LLM):
             temperature=self.temperature,
             top_p=self.top_p,
             seed=self.seed,
+            stop=tuple(self.stop or ()),
             read_prefix_cache=self.read_prefix_cache,
+            extra=self.additional_kwargs,
         )
-        sampling = base.with_overrides(
-            **{k: v for k, v in kwargs.items() if k not in _CONTEXT_KWARGS}
-        )
+        call = {k: v for k, v in kwargs.items() if k not in _CONTEXT_KWARGS}
+        sampling = base.with_overrides(**call_sampling(call, self.additional_kwargs))
         return sampling, validate_cache_salt(kwargs.get("cache_salt", self.cache_salt))
 
     def _messages_call(self, messages: Sequence[ChatMessage], kwargs: dict[str, Any]) -> EngineCall:

@@ -23,6 +23,7 @@ from llama_index.core.base.llms.types import (
     CompletionResponse,
     MessageRole,
 )
+from llama_index.core.instrumentation.events import BaseEvent
 from llama_index.llms.craft_vllm.reuse import ReuseCollector, open_collectors
 from llama_index.postprocessor.craft import CraftCommitEvent
 from llama_index_instrumentation import get_dispatcher
@@ -38,13 +39,49 @@ from craft_rag.engine import (
 
 dispatcher = get_dispatcher(__name__)
 
-REUSE_KEY = "reuse_report"
-"""Key of the :class:`~craft_rag.engine.results.ReuseReport` in ``additional_kwargs``."""
+REUSE_KEY = "craft_reuse"
+"""The one key of the :class:`~craft_rag.engine.results.ReuseReport` in this package: LLM
+responses' ``additional_kwargs``, query and chat responses' ``metadata``."""
+LEGACY_REUSE_KEY = "reuse_report"
+"""Deprecated alias of :data:`REUSE_KEY` (still written; removed in the next release)."""
+PROMPT_KEY = "craft_prompt"
+"""``additional_kwargs`` key of the exact prompt sent: ``{"text", "token_ids"}`` (``text``:
+the ids decoded with control tokens spelled out; ``None`` when the tokenizer cannot decode)."""
 
 R = TypeVar("R", CompletionResponse, ChatResponse)
 
-MakeResponse = Callable[[str, str | None, GenerationResult | None], R]
-"""``(text so far, delta, result)`` -> a LlamaIndex response; ``result`` only on the last."""
+
+@dataclass(frozen=True, slots=True)
+class Served:
+    """A finished request: the engine's result and the prompt it sent (:data:`PROMPT_KEY`)."""
+
+    result: GenerationResult
+    prompt: dict[str, Any]
+
+
+MakeResponse = Callable[[str, str | None, Served | None], R]
+"""``(text so far, delta, served)`` -> a LlamaIndex response; ``served`` only on the last."""
+
+
+class CraftPromptEvent(BaseEvent):
+    """The exact prompt of one finished ``CraftVLLM`` request, on the instrumentation
+    dispatcher (next to LlamaIndex's ``LLMCompletionEndEvent``/``LLMChatEndEvent``, whose
+    response carries it too under ``additional_kwargs["craft_prompt"]``)."""
+
+    text: str | None
+    token_ids: list[int]
+    request_id: str
+
+    @classmethod
+    def class_name(cls) -> str:
+        return "CraftPromptEvent"
+
+
+def sent_prompt(engine: CraftEngine, result: GenerationResult) -> dict[str, Any]:
+    """``{"text", "token_ids"}`` of what ``result``'s request sent. O(prompt tokens)."""
+    ids = list(result.prompt_token_ids)
+    decode = getattr(engine.tokenizer, "decode", None)
+    return {"text": decode(ids) if callable(decode) else None, "token_ids": ids}
 
 
 @dataclass(frozen=True, slots=True)
@@ -73,38 +110,52 @@ class EngineCall:
         """Start the request (``engine.submit``)."""
         return self.engine.submit(self.request)
 
-    def served(self, result: GenerationResult) -> GenerationResult:
+    def served(self, result: GenerationResult) -> Served:
         """Emit ``CraftCommitEvent(source="engine")`` for the plan the engine just committed
-        (it commits a served plan exactly when the request finished) and hand the report to
-        the open reuse collectors. Returns ``result``."""
+        (it commits a served plan exactly when the request finished) and a
+        :class:`CraftPromptEvent`, and hand the report to the open reuse collectors."""
         for collector in self.collectors:
             collector.add(result.report)
         if self.plan is not None:
             assert result.report.plan_id == self.plan.plan_id, "the engine served another plan"
             dispatcher.event(CraftCommitEvent(plan=self.plan, source="engine", reuse=result.report))
-        return result
+        prompt = sent_prompt(self.engine, result)
+        dispatcher.event(
+            CraftPromptEvent(
+                text=prompt["text"],
+                token_ids=prompt["token_ids"],
+                request_id=result.report.request_id,
+            )
+        )
+        return Served(result, prompt)
 
 
-def response_kwargs(result: GenerationResult) -> dict[str, Any]:
-    return {REUSE_KEY: result.report, "finish_reason": result.finish_reason}
+def response_kwargs(served: Served) -> dict[str, Any]:
+    report = served.result.report
+    return {
+        REUSE_KEY: report,
+        LEGACY_REUSE_KEY: report,
+        PROMPT_KEY: served.prompt,
+        "finish_reason": served.result.finish_reason,
+    }
 
 
 def completion_response(
-    text: str, delta: str | None, result: GenerationResult | None
+    text: str, delta: str | None, served: Served | None
 ) -> CompletionResponse:
-    if result is None:
+    if served is None:
         return CompletionResponse(text=text, delta=delta)
     return CompletionResponse(
-        text=text, delta=delta, raw=result, additional_kwargs=response_kwargs(result)
+        text=text, delta=delta, raw=served.result, additional_kwargs=response_kwargs(served)
     )
 
 
-def chat_response(text: str, delta: str | None, result: GenerationResult | None) -> ChatResponse:
+def chat_response(text: str, delta: str | None, served: Served | None) -> ChatResponse:
     message = ChatMessage(role=MessageRole.ASSISTANT, content=text)
-    if result is None:
+    if served is None:
         return ChatResponse(message=message, delta=delta)
     return ChatResponse(
-        message=message, delta=delta, raw=result, additional_kwargs=response_kwargs(result)
+        message=message, delta=delta, raw=served.result, additional_kwargs=response_kwargs(served)
     )
 
 
@@ -126,8 +177,8 @@ class _Deltas:
 
 def respond(call: EngineCall, make: MakeResponse[R]) -> R:
     """Run ``call`` to completion (blocks); one response with the result."""
-    result = call.served(call.submit().result())
-    return make(result.text, None, result)
+    served = call.served(call.submit().result())
+    return make(served.result.text, None, served)
 
 
 def respond_stream(call: EngineCall, make: MakeResponse[R]) -> Generator[R, None, None]:
@@ -149,5 +200,5 @@ async def arespond_stream(call: EngineCall, make: MakeResponse[R]) -> AsyncGener
 
 async def arespond(call: EngineCall, make: MakeResponse[R]) -> R:
     """Async :func:`respond` (``RequestHandle.aresult``: never blocks the event loop)."""
-    result = call.served(await call.submit().aresult())
-    return make(result.text, None, result)
+    served = call.served(await call.submit().aresult())
+    return make(served.result.text, None, served)

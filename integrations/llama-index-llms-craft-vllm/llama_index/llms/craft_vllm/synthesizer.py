@@ -47,6 +47,7 @@ from llama_index.core.response_synthesizers.base import BaseSynthesizer, QueryTe
 from llama_index.core.schema import NodeWithScore
 from llama_index.core.types import RESPONSE_TEXT_TYPE
 from llama_index.llms.craft_vllm.base import REUSE_KEY, CraftVLLM
+from llama_index.llms.craft_vllm.calls import LEGACY_REUSE_KEY
 from llama_index.postprocessor.craft import KeySource, split_nodes
 from llama_index_instrumentation import get_dispatcher
 
@@ -63,7 +64,8 @@ class CraftSynthesizer(BaseSynthesizer):
 
     Non-text and empty nodes cannot be rendered as chunks: they stay in ``source_nodes`` and
     their ids are listed under ``metadata["craft_skipped_nodes"]``. The engine's reuse report is
-    ``metadata["reuse_report"]`` (for streaming responses, once the stream is consumed).
+    ``metadata["craft_reuse"]`` (``"reuse_report"``: deprecated alias; for streaming
+    responses, once the stream is consumed).
     ``sampling`` (``max_tokens``, ``temperature``...) go to every engine call.
     """
 
@@ -151,6 +153,7 @@ class CraftSynthesizer(BaseSynthesizer):
         """The delta of one streamed response; the last one's report goes into ``metadata``."""
         if REUSE_KEY in response.additional_kwargs:
             metadata[REUSE_KEY] = response.additional_kwargs[REUSE_KEY]
+            metadata[LEGACY_REUSE_KEY] = response.additional_kwargs[REUSE_KEY]  # deprecated
         return response.delta or ""
 
     def _stream_text(

@@ -1,0 +1,131 @@
+"""``CraftVLLM``'s constructor arguments: LlamaIndex's familiar names (``Vllm``,
+``OpenAILike``) mapped onto the engine to start, the server, and sampling, or refused.
+
+The table itself is shared with the LangChain integration
+(:mod:`craft_rag.engine.model_args`); this module only sorts ``CraftVLLM(...)``'s keyword
+arguments into its three destinations. Runs once per ``CraftVLLM`` (construction).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from craft_rag.engine import EngineSettings, ServerSettings
+from craft_rag.engine.model_args import (
+    MAX_TOKENS_ALIASES,
+    REFUSED,
+    SERVER_ALIASES,
+    VLLM_SAMPLING,
+    check_sampling_extra,
+    engine_settings_with,
+    server_with,
+)
+from craft_rag.redact import redact_url
+
+SERVER_ONLY = ("api_key", "timeout", "max_retries")
+"""``OpenAILike``'s connection settings: they act on the server (``api_base``) only."""
+
+ENGINE_ARGS = (
+    "max_model_len", "dtype", "gpu_memory_utilization", "tensor_parallel_size",
+    "trust_remote_code", "download_dir", "quantization",
+)
+"""``Vllm``'s engine arguments: they shape the started engine."""
+
+
+@dataclass(slots=True)
+class SortedArguments:
+    """Where ``CraftVLLM(...)``'s keyword arguments go. Owner: ``CraftVLLM.__init__``."""
+
+    settings: EngineSettings | None = None
+    """The engine to start (``None``: an engine was given)."""
+    server: ServerSettings | None = None
+    fields: dict[str, Any] = field(default_factory=dict)
+    """The pydantic fields of ``CraftVLLM`` (``max_tokens`` with its aliases resolved)."""
+
+
+def sort_arguments(
+    data: dict[str, Any],
+    known_fields: set[str],
+    *,
+    engine_given: bool,
+    engine_settings: object,
+    server: object,
+) -> SortedArguments:
+    """Sort ``data`` (the keyword arguments other than ``engine``/``engine_settings``/
+    ``server``) into engine settings, server settings and fields. ``ValueError`` for an unknown
+    name (listing the accepted ones), a refused one, a value given twice, or engine-shaping
+    arguments next to a running ``engine``."""
+    data = dict(data)
+    urls = {k: data.pop(k) for k in SERVER_ALIASES if data.get(k) is not None}
+    if len(set(urls.values())) > 1:
+        shown = {k: redact_url(str(v)) for k, v in urls.items()}  # no credentials shown
+        msg = f"give the server URL once, got {shown}"
+        raise ValueError(msg)
+    connection = {k: data.pop(k, None) for k in SERVER_ONLY}
+    chosen_server = server_with(server, next(iter(urls.values()), None), **connection)
+    for alias in MAX_TOKENS_ALIASES:
+        if alias in data:
+            value = data.pop(alias)
+            if data.get("max_tokens", value) != value:
+                msg = f"max_tokens and {alias} differ; give one"
+                raise ValueError(msg)
+            data["max_tokens"] = value
+    extra = dict(data.pop("additional_kwargs", None) or {})
+    for name in list(data):
+        if name in VLLM_SAMPLING or name in REFUSED:
+            extra[name] = data.pop(name)
+    data["additional_kwargs"] = check_sampling_extra(extra, "additional_kwargs")
+    model = data.get("model")
+    engine_args = {k: data.pop(k) for k in ENGINE_ARGS if k in data}
+    context_window = data.pop("context_window", None)
+    vllm_kwargs = data.pop("vllm_kwargs", None)
+    unknown = sorted(set(data) - known_fields)
+    if unknown:
+        accepted = sorted(
+            known_fields | set(SERVER_ALIASES) | set(SERVER_ONLY) | set(MAX_TOKENS_ALIASES)
+            | set(ENGINE_ARGS) | {"context_window", "vllm_kwargs", "engine", "engine_settings",
+                                  "server"} | VLLM_SAMPLING
+        )
+        msg = f"CraftVLLM got unknown arguments {unknown}; accepted: {accepted}"
+        raise ValueError(msg)
+    shaping = [
+        name for name, value in (
+            ("engine_settings", engine_settings), ("server/api_base", chosen_server),
+            ("context_window", context_window), ("vllm_kwargs", vllm_kwargs),
+            *engine_args.items(),
+        ) if value is not None
+    ]
+    if engine_given:
+        if shaping:
+            msg = (
+                f"engine= is a running engine, so {shaping} cannot act; pass them without "
+                "engine= to start one"
+            )
+            raise ValueError(msg)
+        return SortedArguments(None, None, data)
+    if "max_model_len" in engine_args:
+        window = engine_args.pop("max_model_len")
+        if context_window is not None and window != context_window:
+            msg = "context_window and max_model_len differ; give one"
+            raise ValueError(msg)
+        context_window = window
+    settings = engine_settings_with(
+        engine_settings,
+        model=model,
+        context_window=context_window,
+        vllm_kwargs=vllm_kwargs,
+        engine_args=engine_args,
+    )
+    return SortedArguments(settings, chosen_server, data)
+
+
+def engine_model_matches(engine_model: object, model: str) -> bool:
+    """Whether ``model`` names the model a running engine serves: the same string, or the
+    folder's last part (``model="SmolLM2-135M-Instruct"`` for ``/cache/SmolLM2-135M-Instruct``)."""
+    if engine_model is None:
+        return False
+    text = str(engine_model).rstrip("/")
+    return model.rstrip("/") in (text, text.rsplit("/", 1)[-1])
+
+
