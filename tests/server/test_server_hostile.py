@@ -204,6 +204,16 @@ def models(entry: object) -> tuple[int, bytes]:
             "block_size",
         ),
         ("/metrics", (200, b"\xff\xfe\xfd"), "/metrics"),
+        (
+            "/metrics",
+            (200, b'vllm:cache_config_info{block_size="4",prefix_caching_hash_algo="x<y"} 1\n'),
+            "prefix_caching_hash_algo",
+        ),
+        (
+            "/metrics",
+            (200, b'vllm:cache_config_info{block_size="4",prefix_caching_hash_algo="md4"} 1\n'),
+            "prefix_caching_hash_algo",
+        ),
     ],
 )
 def test_malformed_connect_answer_is_a_server_error_naming_server_and_field(
@@ -238,6 +248,14 @@ def test_a_huge_error_body_is_not_read_whole(served: tuple[CraftEngine, FakeServ
     assert len(str(info.value)) < 2000 and url in str(info.value)
     assert fake.written < 16 << 20
     assert time.monotonic() - start < 10
+
+
+def test_a_thousand_models_are_named_briefly(model_dir: Path) -> None:
+    data = {"data": [{"id": f"m{i}", "max_model_len": 512} for i in range(1000)]}
+    fake = FakeServer(answers={"/v1/models": (200, json.dumps(data).encode())})
+    with running(fake) as url, pytest.raises(ValueError, match="1000 models") as info:
+        make_engine(url, model_dir)
+    assert len(str(info.value)) < 1000
 
 
 def test_a_huge_connect_answer_hits_the_body_cap(model_dir: Path) -> None:

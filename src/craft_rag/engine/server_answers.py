@@ -15,6 +15,7 @@ from __future__ import annotations
 import email.utils
 import json
 import math
+import re
 import time
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass
@@ -316,8 +317,10 @@ def served_model(answer: Mapping[str, Any], wanted: str | None, base_url: str) -
     if wanted is None and len(served) == 1:
         wanted = next(iter(served))
     if wanted not in served:
+        names = sorted(served)
+        shown = ", ".join(quote(n) for n in names[:10]) + (", ..." if len(names) > 10 else "")
         msg = (
-            f"the server at {base_url} serves {sorted(served)}; pass "
+            f"the server at {base_url} serves [{shown}] ({len(names)} models); pass "
             "ServerSettings(model_name=...) naming one of them"
         )
         raise ValueError(msg)
@@ -340,6 +343,25 @@ def metrics_block_size(info: Mapping[str, str], base_url: str) -> int | None:
     return answer_int(
         int(text), base_url, "/metrics", "block_size", minimum=1, maximum=MAX_BLOCK_SIZE
     )
+
+
+def metrics_hash_algo(info: Mapping[str, str], base_url: str) -> str:
+    """``prefix_caching_hash_algo`` from ``vllm:cache_config_info`` (``sha256`` when absent),
+    a known block hash function's name."""
+    from craft_rag.engine.block_hashes import hash_function
+
+    algo = info.get("prefix_caching_hash_algo") or "sha256"
+    if not re.fullmatch(r"[a-z0-9_]{1,32}", algo):
+        raise bad_field(base_url, "/metrics", "prefix_caching_hash_algo", algo, "not a name")
+    try:
+        hash_function(algo)
+    except ImportError:
+        pass  # needs vLLM here; the block hasher names that fix if it is ever built
+    except (ValueError, KeyError, AttributeError) as exc:
+        raise bad_field(
+            base_url, "/metrics", "prefix_caching_hash_algo", algo, f"unknown ({exc})"
+        ) from exc
+    return algo
 
 
 def tokenize_ids(answer: Mapping[str, Any], base_url: str) -> list[int]:

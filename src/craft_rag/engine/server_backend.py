@@ -56,6 +56,7 @@ from craft_rag.engine.server_answers import (
     event_cached_tokens,
     event_deltas,
     metrics_block_size,
+    metrics_hash_algo,
     parse_event,
     served_model,
     sse_lines,
@@ -178,7 +179,7 @@ class ServerBackend:
             max_len,
             size,
             info.get("enable_prefix_caching", "True") == "True",
-            self.settings.hash_algo or info.get("prefix_caching_hash_algo", "sha256"),
+            self.settings.hash_algo or metrics_hash_algo(info, base),
         )
 
     def _probe(self) -> None:
