@@ -161,3 +161,19 @@ def test_default_format_renders() -> None:
     asm = PromptAssembler(HashingTokenizer())
     prompt = asm.single_turn(make_chunks("x"), "q")
     assert prompt.prefix_tokens == len(enc(PromptFormat().head)) > 0
+
+
+def test_a_later_turn_without_chunks_renders_the_no_documents_text() -> None:
+    tok = HashingTokenizer()
+    none_ids = tuple(tok.encode("(none)"))
+    asm = PromptAssembler(tok, PromptFormat(no_documents="(none)"))
+    first = asm.single_turn([], "q1")
+    assert first.token_ids == (*asm.head_ids, *none_ids, *asm.question_ids("q1"))
+    history = (*first.token_ids, *asm.answer_ids("a1"))
+    later = asm.next_turn(history, [], "q2")
+    assert later.token_ids == (*history, *none_ids, *asm.question_ids("q2"))
+    with_chunks = asm.next_turn(history, make_chunks("x"), "q2")
+    assert with_chunks.token_ids[len(history) : len(history) + len(none_ids)] != none_ids
+    plain = PromptAssembler(tok, PromptFormat())  # default: nothing rendered
+    base = (*plain.single_turn([], "q1").token_ids, *plain.answer_ids("a1"))
+    assert plain.next_turn(base, [], "q2").token_ids == (*base, *plain.question_ids("q2"))

@@ -33,13 +33,17 @@ DEFAULT_INSTRUCTIONS = (
 class PromptFormat:
     """Text pieces of a prompt. ``chunk`` must contain ``{text}``; ``question`` must contain
     ``{question}``; ``answer`` must contain ``{answer}`` (it closes the assistant turn and opens
-    the next user turn, so turn 2's chunks follow it)."""
+    the next user turn, so turn 2's chunks follow it). ``no_documents`` is rendered in place of
+    the chunks of a turn that has none (all sent before, or none retrieved), so a format whose
+    documents are a message of their own never renders an empty message (empty: nothing is
+    rendered)."""
 
     head: str = DEFAULT_INSTRUCTIONS
     chunk: str = "Document: {text}\n\n"
     question: str = "Question: {question}\n"
     tail: str = "Answer:"
     answer: str = " {answer}\n\n"
+    no_documents: str = ""
 
     def __post_init__(self) -> None:
         for name, placeholder in (("chunk", "{text}"), ("question", "{question}"),
@@ -91,10 +95,20 @@ class PromptAssembler:
         self._cache_size = cache_size
         self._chunk_cache: OrderedDict[tuple[ChunkKey, str], tuple[int, ...]] = OrderedDict()
         self._head = tuple(encode_pieces(tokenizer, [(self.format.head, True)]))
+        self._no_documents = tuple(
+            encode_pieces(tokenizer, [(self.format.no_documents, True)])
+            if self.format.no_documents
+            else ()
+        )
 
     @property
     def head_ids(self) -> tuple[int, ...]:
         return self._head
+
+    @property
+    def no_documents_ids(self) -> tuple[int, ...]:
+        """What a turn without chunks renders in their place (``PromptFormat.no_documents``)."""
+        return self._no_documents
 
     def chunk_ids(self, chunk: Chunk) -> tuple[int, ...]:
         """Token ids of one rendered chunk (cached by key and text); the text is plain text.
@@ -136,6 +150,8 @@ class PromptAssembler:
         :meth:`answer_ids` of its reply (or :attr:`head_ids` for a first turn)."""
         ids = list(history)
         spans: list[tuple[int, int]] = []
+        if not chunks:
+            ids.extend(self._no_documents)
         for chunk in chunks:
             start = len(ids)
             ids.extend(self.chunk_ids(chunk))

@@ -178,7 +178,7 @@ def test_assembled_prompts_decode_to_the_chat_template_rendering(
     # Append-only: turn 2 starts with turn 1's prompt, token for token.
     assert second.token_ids[: first.num_tokens] == first.token_ids
     assert second.prefix_tokens == len(history)
-    # A turn whose chunks were all sent before: an empty documents' message, then the question.
+    # A turn whose chunks were all sent before: the no-documents text (never an empty message).
     third = assembler.next_turn(second.token_ids + assembler.answer_ids("1789."), [], "Why?")
     assert decode(list(third.token_ids), skip_special_tokens=False) == render_reference(
         render,

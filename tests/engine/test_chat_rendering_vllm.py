@@ -127,3 +127,36 @@ def test_conversation_turns_are_the_templates_question_messages(
     assert single.prompt_token_ids == engine.assembler.single_turn(
         ordered, "When did the harbour open?"
     ).token_ids
+
+
+def test_a_turn_whose_chunks_were_all_sent_renders_no_empty_message(
+    engine: CraftEngine, hf: Any
+) -> None:
+    from craft_rag.engine.chat_format import NO_DOCUMENTS
+
+    tok = engine.tokenizer
+    assert isinstance(tok, HFTokenizer)
+    decode = tok._tok.decode
+    instructions = engine.prompt_format.head.rpartition("<|im_start|>user\n")[2]
+    tag = uuid.uuid4().hex[:8]
+    pool = chunks(tag)
+    by_key = {c.key: c for c in pool}
+    cid = f"no-empty-{tag}"
+    first = engine.generate(pool[:2], "When did the harbour open?", conversation_id=cid,
+                            max_tokens=4)
+    second = engine.generate(pool[:2], "And the bridge?", conversation_id=cid, max_tokens=4)
+    assert set(second.report.removed_duplicates) == {pool[0].key, pool[1].key}
+    reply = [i for i in first.token_ids if i not in engine._backend.eos_token_ids]
+    messages = [
+        {"role": "user", "content": instructions + docs(engine, first.report.chunk_order, by_key)},
+        {"role": "user", "content": "When did the harbour open?"},
+        {"role": "assistant", "content": decode(reply)},
+        {"role": "user", "content": NO_DOCUMENTS},
+        {"role": "user", "content": "And the bridge?"},
+    ]
+    expected = hf.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+    text = decode(list(second.prompt_token_ids), skip_special_tokens=False)
+    assert text == expected
+    assert "<|im_start|>user\n<|im_end|>" not in text
+    assert second.prompt_token_ids[: len(first.prompt_token_ids)] == first.prompt_token_ids
+    assert engine.end_conversation(cid)

@@ -49,6 +49,10 @@ _SYSTEM = "CRAFTSYSTEMSENTINEL"
 _QUESTION_1 = "CRAFTQUESTIONONESENTINEL"
 _QUESTION_2 = "CRAFTQUESTIONTWOSENTINEL"
 
+NO_DOCUMENTS = "(No new documents for this question.)"
+"""The documents' message of a conversation turn that has no chunks (question as its own
+message): some templates refuse or drop an empty user message, and an empty one reads as noise."""
+
 Message = Mapping[str, str]
 RenderFn = Callable[[Sequence[Message], bool], str]
 """Renders chat messages to text: ``render(messages, add_generation_prompt)``."""
@@ -215,8 +219,9 @@ def format_from_pieces(
 
     ``question_message=True`` (the engine's conversation default): a user message
     ``instructions + chunks`` followed by a user message ``question`` (``question`` defaulting
-    to ``"{question}"``). ``ValueError`` when it is set but ``pieces`` has no
-    ``user_close_user_open``.
+    to ``"{question}"``); a turn without chunks renders :data:`NO_DOCUMENTS` as its
+    documents' message (never an empty message). ``ValueError`` when it is set but ``pieces``
+    has no ``user_close_user_open``.
     """
     _check_bool(question_message)
     if question_message:
@@ -229,14 +234,17 @@ def format_from_pieces(
         question_text = _escape_format(pieces.user_close_user_open) + (
             "{question}" if question is None else question
         )
+        no_documents = NO_DOCUMENTS
     else:
         question_text = "Question: {question}" if question is None else question
+        no_documents = ""
     return PromptFormat(
         head=pieces.user_open + instructions,
         chunk=chunk,
         question=question_text,
         tail=pieces.user_close_assistant_open,
         answer="{answer}" + _escape_format(pieces.assistant_close_user_open),
+        no_documents=no_documents,
     )
 
 
@@ -403,6 +411,8 @@ def render_reference(
     messages = list(system)
     for i, (texts, question, answer) in enumerate(turns):
         body = "".join(fmt.chunk.format(text=t) for t in texts)
+        if not texts:
+            body = fmt.no_documents
         asked = fmt.question.format(question=question)
         marker = "\x00" if i == 0 else ""
         if separator is not None and asked.startswith(separator):

@@ -8,9 +8,9 @@ history re-rendered into a template), so none of it is cached. Here the condense
 (:meth:`CraftEngine.side_prompt_ids`): everything but the instruction is the conversation's own
 prompt, already in vLLM's prefix cache, and the request is not stored in the conversation (the
 next turn continues from the same prefix). The instruction is rendered as a chunk-free turn in
-the conversation's format (with the question-message default: an empty documents' message,
-then the instruction as its own user message). It is served as a plain token request, so its cost
-is reported on its own :class:`~craft_rag.engine.results.ReuseReport`.
+the conversation's format (with the question-message default: the no-documents text as the
+documents' message, then the instruction as its own user message). It is served as a plain
+token request, so its cost is reported on its own :class:`~craft_rag.engine.results.ReuseReport`.
 
 Small models often echo the follow-up unchanged (the embedded SmolLM2-135M mostly does). When
 the reply is the follow-up itself and the caller passes the ``previous`` user message, the

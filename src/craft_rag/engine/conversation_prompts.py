@@ -244,6 +244,8 @@ class ConversationPrompts:
                 start = len(segment)
                 segment.extend(a.chunk_ids(chunk))
                 spans_rel.append((start, len(segment)))
+            if not chunks:
+                segment.extend(a.no_documents_ids)
             segment.extend(a.question_ids(question))
         head = a.head_ids
         budget = self.max_model_len - max_tokens
@@ -431,7 +433,8 @@ class ConversationPrompts:
         for ``conversation_id``."""
         with self._lock:
             a = self.assembler_for(conversation_id)
-            return sum(len(a.chunk_ids(c)) for c in chunks) + len(a.question_ids(question))
+            docs = sum(len(a.chunk_ids(c)) for c in chunks) if chunks else len(a.no_documents_ids)
+            return docs + len(a.question_ids(question))
 
     def side_prompt(
         self, conversation_id: str | None, text: str, cache_salt: str | None = None
@@ -450,6 +453,7 @@ class ConversationPrompts:
         ids = list(a.head_ids)
         for turn in history.turns if history is not None else ():
             ids.extend(turn or ())
+        ids.extend(a.no_documents_ids)
         with self._lock:
             ids.extend(a.question_ids(text))
         return tuple(ids)
