@@ -22,7 +22,14 @@ from typing import TYPE_CHECKING, Any, TypeVar
 from langchain_core.callbacks import AsyncCallbackManagerForLLMRun, CallbackManagerForLLMRun
 from langchain_core.messages.ai import InputTokenDetails, UsageMetadata
 from langchain_core.utils.utils import _build_model_kwargs
-from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, model_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    PrivateAttr,
+    field_serializer,
+    model_validator,
+)
 
 from craft_rag import DEFAULT_INSTRUCTIONS, Chunk
 from craft_rag.engine import EngineRequest, MessagesRequest, RagRequest, SamplingRequest
@@ -37,6 +44,7 @@ from craft_rag.engine.model_args import (
     settings_dict,
 )
 from craft_rag.engine.server_settings import ServerSettings
+from craft_rag.redact import MASK, redact_url
 from langchain_craft._documents import validate_conversation_id
 
 if TYPE_CHECKING:
@@ -120,7 +128,8 @@ def _normalise_arguments(cls: type[BaseModel], values: dict[str, Any]) -> dict[s
     values = dict(values)
     urls = {k: values.pop(k) for k in SERVER_ALIASES if values.get(k) is not None}
     if len(set(urls.values())) > 1:
-        msg = f"give the server URL once, got {urls}"
+        shown = {k: redact_url(str(v)) for k, v in urls.items()}
+        msg = f"give the server URL once, got {shown}"
         raise ValueError(msg)
     connection = {k: values.pop(k, None) for k in SERVER_ONLY}
     server = server_with(
@@ -248,6 +257,7 @@ class CraftEngineParams(BaseModel):
     cache_salt: str | None = Field(
         default=None,
         description="vLLM cache_salt isolating this model's prefix-cache entries (tenants).",
+        repr=False,  # a tenant's key to its cache namespace: never shown
     )
 
     model_config = ConfigDict(arbitrary_types_allowed=True, protected_namespaces=())
@@ -263,6 +273,18 @@ class CraftEngineParams(BaseModel):
         if not isinstance(values, dict):
             return values
         return _normalise_arguments(cls, values)
+
+    @field_serializer("server")
+    def _server_without_secrets(self, server: ServerSettings | str | None) -> Any:
+        """Dumps (``model_dump``, LangChain's callbacks and tracers) carry the server with
+        its URL redacted and ``api_key`` masked: credentials never leave the process."""
+        if not isinstance(server, ServerSettings):
+            return redact_url(server) if server is not None else None
+        shown = asdict(server)
+        shown["url"] = redact_url(server.url)
+        if server.api_key is not None:
+            shown["api_key"] = MASK
+        return shown
 
     @model_validator(mode="after")
     def _name_the_model(self) -> Any:

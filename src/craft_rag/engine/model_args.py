@@ -34,6 +34,7 @@ from typing import Any
 from craft_rag.engine.results import SAMPLING_KEYWORDS
 from craft_rag.engine.server_settings import ServerSettings, as_server_settings
 from craft_rag.engine.vllm_backend import EngineSettings
+from craft_rag.redact import redact_url
 
 __all__ = [
     "ENGINE_FIELDS",
@@ -197,7 +198,10 @@ def server_with(
     if server is not None and base_url is not None:
         url = server.url if isinstance(server, ServerSettings) else server
         if _root(str(url)) != _root(str(base_url)):
-            msg = f"server={url!r} and base_url={base_url!r} differ; give the server URL once"
+            msg = (
+                f"server={redact_url(str(url))!r} and base_url={redact_url(str(base_url))!r} "
+                "differ; give the server URL once"
+            )
             raise ValueError(msg)
     chosen = server if server is not None else base_url
     given: dict[str, Any] = {k: v for k, v in (("api_key", api_key), ("read_timeout", timeout),

@@ -67,8 +67,14 @@ class ServerConnection:
         timeout = httpx.Timeout(
             settings.read_timeout, connect=settings.connect_timeout, pool=settings.read_timeout
         )
+        # base_url carries no credentials (httpx logs every request URL at INFO): a URL's
+        # user:password@ goes as basic auth instead.
         self._client = httpx.Client(
-            base_url=settings.base_url, timeout=timeout, headers=headers, transport=transport
+            base_url=settings.base_url,
+            auth=settings.auth,
+            timeout=timeout,
+            headers=headers,
+            transport=transport,
         )
         self._closed = threading.Event()
 

@@ -11,10 +11,11 @@ a malformed or impossible answer (:class:`ServerBusy` for 429 past the retries);
 from __future__ import annotations
 
 import re
-from dataclasses import dataclass
-from urllib.parse import urlsplit
+from dataclasses import dataclass, fields
+from urllib.parse import unquote, urlsplit
 
 from craft_rag.engine.driver import EngineFailure
+from craft_rag.redact import MASK, redact_url
 from craft_rag.validation import check_int, check_number
 
 __all__ = [
@@ -67,7 +68,9 @@ class ServerSettings:
     learns evictions only from commits). ``block_size``/``hash_algo``: ``None`` reads them
     from the server's ``/metrics``. ``hash_seed``: the server's ``PYTHONHASHSEED`` if it
     set one (``None``: vLLM's fixed default for sha256). ``retries``: extra attempts after a
-    connect error or 5xx, waiting ``backoff * 2**i`` seconds.
+    connect error or 5xx, waiting ``backoff * 2**i`` seconds. Credentials (the URL's
+    ``user:password@``, ``api_key``) are sent to the server and shown nowhere: not in
+    :attr:`base_url`, messages, log lines or the repr.
     """
 
     url: str
@@ -89,17 +92,20 @@ class ServerSettings:
         parts = urlsplit(self.url)
         if parts.scheme not in ("http", "https") or not parts.hostname:
             msg = (
-                f"server URL {self.url!r} is not http(s)://HOST[:PORT]; e.g. "
+                f"server URL {redact_url(self.url)!r} is not http(s)://HOST[:PORT]; e.g. "
                 "server='http://127.0.0.1:8000' (start one with `craft-rag serve`)"
             )
             raise ValueError(msg)
         try:
             parts.port  # noqa: B018  (raises ValueError for a bad port)
         except ValueError as exc:
-            msg = f"server URL {self.url!r} has an invalid port: {exc}"
+            msg = f"server URL {redact_url(self.url)!r} has an invalid port: {exc}"
             raise ValueError(msg) from exc
         if parts.path.rstrip("/") not in ("", "/v1") or parts.query or parts.fragment:
-            msg = f"server URL {self.url!r} must be the server root, e.g. http://127.0.0.1:8000"
+            msg = (
+                f"server URL {redact_url(self.url)!r} must be the server root, e.g. "
+                "http://127.0.0.1:8000"
+            )
             raise ValueError(msg)
         check_number(self.connect_timeout, "connect_timeout (seconds)", positive=True)
         check_number(self.read_timeout, "read_timeout (seconds)", positive=True)
@@ -118,8 +124,33 @@ class ServerSettings:
 
     @property
     def base_url(self) -> str:
+        """``scheme://host[:port]`` WITHOUT the URL's ``user:password@``: the HTTP client's
+        base (so httpx's request log lines carry no credentials) and what every message names.
+        The credentials travel as :attr:`auth`."""
         parts = urlsplit(self.url)
-        return f"{parts.scheme}://{parts.netloc}"
+        return f"{parts.scheme}://{parts.netloc.rpartition('@')[2]}"
+
+    @property
+    def auth(self) -> tuple[str, str] | None:
+        """HTTP basic credentials from the URL's ``user:password@`` (percent-decoded, as
+        httpx reads them), or ``None``: the client sends them as the ``Authorization``
+        header (taking precedence over ``api_key``'s bearer header, as before)."""
+        parts = urlsplit(self.url)
+        if parts.username is None and parts.password is None:
+            return None
+        return unquote(parts.username or ""), unquote(parts.password or "")
+
+    def __repr__(self) -> str:
+        # Secrets never shown: the URL's password (redact_url) and the API key.
+        shown = []
+        for f in fields(self):
+            value = getattr(self, f.name)
+            if f.name == "url":
+                value = redact_url(value)
+            elif f.name == "api_key" and value is not None:
+                value = MASK
+            shown.append(f"{f.name}={value!r}")
+        return f"ServerSettings({', '.join(shown)})"
 
     @property
     def kv_events_endpoint(self) -> str | None:

@@ -29,6 +29,7 @@ from tqdm import tqdm
 from craft_rag.chunk import make_chunk
 from craft_rag.cli_args import check_input_file, int_range, non_negative_int, seed_int
 from craft_rag.planner import CraftPlanner, PlannerConfig
+from craft_rag.redact import redact_url
 from craft_rag.replay import percentile
 from craft_rag.trace import TraceRequest, read_trace
 
@@ -254,7 +255,7 @@ def run_demo(args: argparse.Namespace) -> int:
     payload["max_tokens"] = args.max_tokens
     payload["block_size"] = args.block_size
     payload["seconds"] = round(time.perf_counter() - started, 1)
-    payload["server"] = server
+    payload["server"] = redact_url(server) if server else None  # results are shared
     if args.json:
         json.dump(payload, sys.stdout, indent=2)
         sys.stdout.write("\n")
