@@ -30,12 +30,15 @@ def is_secret_option(name: str) -> bool:
 
 
 def _redact_query(text: str) -> str:
-    """``a=b&password=c`` -> ``a=b&password=***`` (``&`` and ``;`` separate options)."""
+    """``a=b&password=c`` -> ``a=b&password=***`` (``&`` and ``;`` separate options); a
+    field without ``=`` (a secret pasted in the wrong place?) is hidden whole."""
     parts = re.split(r"([&;])", text)
     for i in range(0, len(parts), 2):
         name, eq, _ = parts[i].partition("=")
         if eq and is_secret_option(name):
             parts[i] = f"{name}={MASK}"
+        elif not eq and parts[i]:
+            parts[i] = MASK
     return "".join(parts)
 
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 import hashlib
 from collections.abc import Callable, Mapping
 
+from craft_rag.redact import redact_url
 from craft_rag.stores.base import (
     DEFAULT_SNAPSHOT_EVERY,
     STORE_FORMAT,
@@ -58,13 +59,17 @@ def open_store(url: str) -> StateStore:
     if not isinstance(url, str) or "://" not in url:
         msg = (
             f"store must be a URL like memory://, sqlite:///path/state.db or "
-            f"redis://host:6379/0, got {url!r}; supported schemes: {sorted(STORE_SCHEMES)}"
+            f"redis://host:6379/0, got {redact_url(url)!r}; supported schemes: "
+            f"{sorted(STORE_SCHEMES)}"
         )
         raise ValueError(msg)
     scheme = url.split("://", 1)[0].lower()
     factory = STORE_SCHEMES.get(scheme)
     if factory is None:
-        msg = f"unknown store scheme {scheme!r} in {url!r}; supported: {sorted(STORE_SCHEMES)}"
+        msg = (
+            f"unknown store scheme {scheme[:20]!r} in {redact_url(url)!r}; supported: "
+            f"{sorted(STORE_SCHEMES)}"
+        )
         raise ValueError(msg)
     return factory(url)
 

@@ -34,6 +34,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from urllib.parse import parse_qsl
 
+from craft_rag.redact import redact_url
+
 STORE_FORMAT = "craft-rag/store/v1"
 DEFAULT_SNAPSHOT_EVERY = 10_000
 """A snapshot is written every this many commits; the log then keeps the entries after the
@@ -129,10 +131,18 @@ def parse_options(url: str, query: str, allowed: Mapping[str, str]) -> dict[str,
     """The ``?a=b&c=d`` options of a store URL; ``ValueError`` for an unknown or repeated one
     (``allowed`` maps each option to a description for the message)."""
     options: dict[str, str] = {}
-    for name, value in parse_qsl(query, keep_blank_values=True, strict_parsing=bool(query)):
+    try:
+        pairs = parse_qsl(query, keep_blank_values=True, strict_parsing=bool(query))
+    except ValueError:  # its message quotes the field, which may be a misplaced secret
+        msg = f"store URL {redact_url(url)!r}: the options must be name=value pairs joined by &"
+        raise ValueError(msg) from None
+    for name, value in pairs:
         if name not in allowed or name in options:
             known = ", ".join(f"{k} ({v})" for k, v in sorted(allowed.items())) or "none"
-            msg = f"store URL {url!r}: unknown or repeated option {name!r}; options: {known}"
+            msg = (
+                f"store URL {redact_url(url)!r}: unknown or repeated option {name[:40]!r}; "
+                f"options: {known}"
+            )
             raise ValueError(msg)
         options[name] = value
     return options
@@ -143,7 +153,10 @@ def positive_int_option(url: str, options: Mapping[str, str], name: str, default
     if raw is None:
         return default
     if not raw.isdigit() or int(raw) < 1:
-        msg = f"store URL {url!r}: {name} must be a positive integer, got {raw!r}"
+        msg = (
+            f"store URL {redact_url(url)!r}: {name} must be a positive integer, got "
+            f"{raw[:20]!r}"
+        )
         raise ValueError(msg)
     return int(raw)
 
@@ -153,7 +166,10 @@ def fallback_option(url: str, options: Mapping[str, str]) -> str | None:
     if raw is None:
         return None
     if raw != "memory":
-        msg = f"store URL {url!r}: fallback must be 'memory' (local state), got {raw!r}"
+        msg = (
+            f"store URL {redact_url(url)!r}: fallback must be 'memory' (local state), got "
+            f"{raw[:20]!r}"
+        )
         raise ValueError(msg)
     return raw
 

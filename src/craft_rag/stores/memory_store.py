@@ -12,6 +12,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
+from craft_rag.redact import redact_url
 from craft_rag.stores.base import (
     DEFAULT_SNAPSHOT_EVERY,
     TOKEN_VOID_TTL_S,
@@ -77,7 +78,10 @@ class MemoryStore(StateStore):
         rest = url[len("memory://") :]
         where, _, query = rest.partition("?")
         if where:
-            msg = f"store URL {url!r}: memory:// takes no host or path (one store per process)"
+            msg = (
+                f"store URL {redact_url(url)!r}: memory:// takes no host or path (one store "
+                "per process)"
+            )
             raise ValueError(msg)
         options = parse_options(url, query, _OPTIONS)
         every = positive_int_option(url, options, "snapshot_every", DEFAULT_SNAPSHOT_EVERY)

@@ -17,8 +17,9 @@ from __future__ import annotations
 
 import hashlib
 from typing import Any
-from urllib.parse import urlsplit, urlunsplit
+from urllib.parse import unquote, urlsplit
 
+from craft_rag.redact import MASK, redact_url
 from craft_rag.stores.base import (
     DEFAULT_SNAPSHOT_EVERY,
     STORE_FORMAT,
@@ -123,14 +124,38 @@ return {redis.call('GET', KEYS[1]), redis.call('GET', KEYS[2])}
 
 
 def _display(url: str) -> str:
-    """``url`` without its password and options (for messages)."""
-    parts = urlsplit(url)
-    netloc = parts.hostname or ""
-    if parts.port is not None:
-        netloc += f":{parts.port}"
-    if parts.username:
-        netloc = f"{parts.username}:***@{netloc}"
-    return urlunsplit((parts.scheme, netloc, parts.path, "", ""))
+    """``url`` without its password and options (for messages and reprs)."""
+    return redact_url(url.split("?", 1)[0].split("#", 1)[0])
+
+
+def _check_url(url: str) -> list[str]:
+    """``ValueError`` (naming the URL without its secrets) unless ``url`` is
+    ``redis[s]://[[user]:password@]host[:port][/db]``; its secrets (to scrub from client
+    errors, which may quote the URL)."""
+    display = redact_url(url)
+    try:
+        parts = urlsplit(url)
+        port = parts.port
+    except ValueError:
+        msg = f"store URL {display!r}: not HOST[:PORT] with a port 1-65535 (redis://host:6379/0)"
+        raise ValueError(msg) from None
+    if port is not None and not 0 < port < 65536:
+        msg = f"store URL {display!r}: the port must be a number 1-65535 (redis://host:6379/0)"
+        raise ValueError(msg)
+    if parts.path not in ("", "/") and not (
+        parts.path[1:].isdigit() and parts.path[1:].isascii()
+    ):
+        msg = f"store URL {display!r}: the path must be a database number, e.g. redis://host/0"
+        raise ValueError(msg)
+    if parts.fragment:
+        msg = f"store URL {display!r}: a store URL has no #fragment"
+        raise ValueError(msg)
+    # A user name alone (redis://KEY@host) may be the secret; beside a password it is not.
+    # Strings under 4 characters are not scrubbed: they would garble the message, and no
+    # client error quotes them.
+    secret = parts.password if parts.password else parts.username
+    found = [s for s in (secret, unquote(secret or "")) if s and len(s) >= 4]
+    return list(dict.fromkeys(found))
 
 
 class RedisStore(StateStore):
@@ -154,11 +179,16 @@ class RedisStore(StateStore):
         self._redis = redis
         check_number(timeout_s, "timeout_s (seconds)", positive=True)
         self.url = _display(url or client_url)
+        self._secrets = _check_url(client_url)
         self.snapshot_every = snapshot_every
         self.fallback = fallback
-        self._client: Any = redis.Redis.from_url(
-            client_url, socket_connect_timeout=timeout_s, socket_timeout=timeout_s
-        )
+        try:
+            self._client: Any = redis.Redis.from_url(
+                client_url, socket_connect_timeout=timeout_s, socket_timeout=timeout_s
+            )
+        except ValueError as e:  # the client's message may quote the URL, secrets and all
+            msg = f"store URL {self.url!r} is not a Redis URL ({self._scrub(e)})"
+            raise ValueError(msg) from None
         self._append_script = self._client.register_script(_APPEND)
         self._range_script = self._client.register_script(_RANGE)
         self._snapshot_script = self._client.register_script(_PUT_SNAPSHOT)
@@ -185,6 +215,14 @@ class RedisStore(StateStore):
     def _key(namespace: str, name: str) -> str:
         return f"craft-rag:{{{check_namespace(namespace)}}}:{name}"
 
+    def _scrub(self, error: BaseException) -> str:
+        """``error``'s text with this store's secrets masked (client errors may quote the
+        URL or the credentials); bounded."""
+        text = str(error)
+        for secret in self._secrets:
+            text = text.replace(secret, MASK)
+        return (redact_url(text) if "@" in text else text)[:500]
+
     def _call(self, fn: Any, *args: Any, **kwargs: Any) -> Any:
         """Run one client call; connection faults -> :class:`StoreUnavailable` with the fix,
         wrong key types (keys written by another program) -> :class:`StoreCorrupted`."""
@@ -193,14 +231,14 @@ class RedisStore(StateStore):
             return fn(*args, **kwargs)
         except (errors.ConnectionError, errors.TimeoutError) as e:
             msg = (
-                f"cannot reach Redis at {self.url} ({e}); start it (redis-server --bind "
-                "127.0.0.1 --port 6379, see docs/deployment.md), fix the URL, or add "
+                f"cannot reach Redis at {self.url} ({self._scrub(e)}); start it (redis-server "
+                "--bind 127.0.0.1 --port 6379, see docs/deployment.md), fix the URL, or add "
                 "?fallback=memory to go on with local (unshared) state"
             )
             raise StoreUnavailable(msg) from e
         except errors.ResponseError as e:
             msg = (
-                f"store {self.url} holds keys craft-rag cannot use ({e}); delete the "
+                f"store {self.url} holds keys craft-rag cannot use ({self._scrub(e)}); delete the "
                 "craft-rag:* keys of this namespace or use another Redis database"
             )
             raise StoreCorrupted(msg) from e

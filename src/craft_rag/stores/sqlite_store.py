@@ -22,6 +22,7 @@ from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
+from craft_rag.redact import redact_url
 from craft_rag.stores.base import (
     DEFAULT_SNAPSHOT_EVERY,
     STORE_FORMAT,
@@ -153,7 +154,7 @@ class SQLiteStore(StateStore):
         rest = url[len("sqlite://") :]
         path, _, query = rest.partition("?")
         if not path:
-            msg = f"store URL {url!r} names no file; use sqlite:///absolute/path/state.db"
+            msg = f"store URL {redact_url(url)!r} names no file; use sqlite:///absolute/path/state.db"
             raise ValueError(msg)
         options = parse_options(url, query, _OPTIONS)
         return cls(
