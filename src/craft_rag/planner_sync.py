@@ -281,7 +281,10 @@ class SharedSync:
         plan_id = lease.plan.plan_id
         why = f" ({error})" if error is not None else ""
         try:
-            seq = shared.store.settle(shared.namespace, token)
+            try:
+                seq = shared.store.settle(shared.namespace, token)
+            except StoreUnavailable:  # one more try: the blip that failed the append may last
+                seq = shared.store.settle(shared.namespace, token)
             read = shared.pull() if seq > 0 else None
         except Exception as e:
             msg = (

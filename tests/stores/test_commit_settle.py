@@ -48,7 +48,7 @@ def proxy(redis_url: str) -> Iterator[tuple[DelayProxy, str]]:
     """A delaying proxy in front of the test Redis, and the store URL through it."""
     parts = urlsplit(redis_url)
     proxy = DelayProxy(parts.hostname or "127.0.0.1", parts.port or 6379)
-    yield proxy, f"redis://127.0.0.1:{proxy.port}{parts.path}?timeout_ms=300"
+    yield proxy, f"redis://127.0.0.1:{proxy.port}{parts.path}?timeout_ms=500"
     proxy.close()
 
 
@@ -84,7 +84,7 @@ def test_a_commit_answered_after_the_timeout_is_done_not_lost(
     other = CraftPlanner(CONFIG, store=redis_url)
     slow.commit(_serve(slow, (1, 2), 1), turn_tokens=turn_ids(1))
     plan = _serve(slow, (2, 3, 4), 2)
-    delays.delay_reply_to(COMMIT, 1.0)  # Redis writes it at once, answers after 1 s
+    delays.delay_reply_to(COMMIT, 1.2)  # Redis writes it at once, answers after 1.2 s
     result = slow.commit(plan, turn_tokens=turn_ids(2))  # settled: it was written
     assert delays.delayed == 1
     assert result.turn == 2 and not slow.is_pending(plan)
@@ -102,11 +102,11 @@ def test_a_commit_request_delayed_past_the_timeout_is_voided_and_can_be_retried(
     other = CraftPlanner(CONFIG, store=redis_url)
     slow.commit(_serve(slow, (1, 2), 1), turn_tokens=turn_ids(1))
     plan = _serve(slow, (2, 3, 4), 2)
-    delays.delay_request(COMMIT, 0.8)  # reaches Redis after the client gave up
+    delays.delay_request(COMMIT, 1.2)  # reaches Redis after the client gave up
     with pytest.raises(StoreUnavailable, match=r"was not written.*still pending"):
         slow.commit(plan, turn_tokens=turn_ids(2))
     assert slow.is_pending(plan)
-    time.sleep(1.2)  # the held request lands now, and is refused: its token is void
+    time.sleep(1.5)  # the held request lands now, and is refused: its token is void
     assert commits_of(slow.store, "chat") == [1]  # type: ignore[arg-type]
     assert slow.commit(plan, turn_tokens=turn_ids(2)).turn == 2
     assert commits_of(slow.store, "chat") == [1, 2]  # type: ignore[arg-type]
@@ -169,6 +169,18 @@ class _LostReply(SQLiteStore):
         return out
 
 
+class _Mute(_LostReply):
+    """... whose next ``mute_settle`` settles get no answer either."""
+
+    mute_settle = 0
+
+    def settle(self, namespace: str, token: str) -> int:
+        if self.mute_settle:
+            self.mute_settle -= 1
+            raise StoreUnavailable("injected: no answer")
+        return super().settle(namespace, token)
+
+
 def test_sqlite_commit_written_but_unanswered_is_settled_as_done(tmp_path: Path) -> None:
     store = _LostReply(tmp_path / "state.db")
     slow = CraftPlanner(CONFIG, store=store)
@@ -185,20 +197,11 @@ def test_settle_that_gets_no_answer_keeps_the_plan_and_settles_on_retry(tmp_path
     unknown, the plan stays pending, a pull in between keeps the turn's token ids, and the
     retry returns the recorded result without writing twice."""
 
-    class _Mute(_LostReply):
-        mute_settle = False
-
-        def settle(self, namespace: str, token: str) -> int:
-            if self.mute_settle:
-                self.mute_settle = False
-                raise StoreUnavailable("injected: no answer")
-            return super().settle(namespace, token)
-
     store = _Mute(tmp_path / "state.db")
     slow = CraftPlanner(CONFIG, store=store)
     slow.commit(_serve(slow, (1, 2), 1), turn_tokens=turn_ids(1))
     plan = _serve(slow, (2, 3), 2)
-    store.lose_reply = store.mute_settle = True
+    store.lose_reply, store.mute_settle = True, 2
     with pytest.raises(StoreUnavailable, match="did not answer"):
         slow.commit(plan, turn_tokens=turn_ids(2))
     assert slow.is_pending(plan)
@@ -221,3 +224,63 @@ def test_abort_of_an_unsettled_commit_voids_it(tmp_path: Path) -> None:
     again = _serve(slow, (1, 2), 1)  # the conversation is free again
     slow.commit(again, turn_tokens=turn_ids(1))
     assert commits_of(store, "chat") == [1]
+
+
+def test_abort_after_an_unanswered_commit_settles_it(tmp_path: Path) -> None:
+    """The engine aborts a turn whose commit raised: written after all -> abort says so
+    (False) and the turn is recorded with its token ids; not written -> voided, True."""
+
+    store = _Mute(tmp_path / "state.db")
+    slow = CraftPlanner(CONFIG, store=store)
+    plan = _serve(slow, (1, 2), 1)
+    store.lose_reply, store.mute_settle = True, 2
+    with pytest.raises(StoreUnavailable, match="did not answer"):
+        slow.commit(plan, turn_tokens=turn_ids(1))
+    assert slow.abort(plan) is False  # it was written: the turn stands
+    history = slow.conversations.history("chat")  # type: ignore[arg-type]
+    assert history is not None and list(history.turns[-1] or ()) == turn_ids(1)
+    plan = _serve(slow, (3, 4), 2)
+    store.fail_before, store.mute_settle = True, 2
+    with pytest.raises(StoreUnavailable, match="did not answer"):
+        slow.commit(plan, turn_tokens=turn_ids(2))
+    assert slow.abort(plan) is True  # never written: voided, the conversation is free
+    assert commits_of(store, "chat") == [1]
+    assert _serve(slow, (3, 4), 2).turn == 2
+
+
+def test_engine_turn_answered_late_by_redis_keeps_its_reply_and_the_conversation(
+    proxy: tuple[DelayProxy, str], redis_url: str
+) -> None:
+    """The engine's turn whose commit Redis answers after timeout_ms returns its reply, and
+    the next turns go on, on this worker and on another."""
+    from craft_rag.engine.chat_format import jinja_renderer
+    from craft_rag.engine.engine import CraftEngine
+    from craft_rag.stores import open_store
+    from craft_rag.testing import CHATML, FAKE_FORMAT, FakeBackend, make_chunks
+    from craft_rag.tokenizer import HashingTokenizer
+
+    def engine(url: str) -> CraftEngine:
+        backend = FakeBackend(max_model_len=1024)
+        return CraftEngine(
+            backend=backend, tokenizer=HashingTokenizer(), prompt_format=FAKE_FORMAT,
+            block_hasher=backend.hasher, chat_renderer=jinja_renderer(CHATML),
+            store=open_store(url),
+        )
+
+    delays, url = proxy
+    a, b = engine(url), engine(redis_url)
+    docs = make_chunks(6, words=12)
+    try:
+        a.generate(docs[:2], "q1", conversation_id="chat", max_tokens=3)
+        delays.delay_reply_to(COMMIT, 1.2)
+        r2 = a.generate(docs[2:4], "q2", conversation_id="chat", max_tokens=3)
+        assert delays.delayed == 1 and r2.report.turn == 2 and r2.token_ids
+        r3 = b.generate([docs[3], docs[4]], "q3", conversation_id="chat", max_tokens=3)
+        assert r3.report.turn == 3 and r3.report.removed_duplicates == (docs[3].key,)
+        head = r2.prompt_token_ids + r2.token_ids
+        assert r3.prompt_token_ids[: len(head)] == head
+        r4 = a.generate([docs[5]], "q4", conversation_id="chat", max_tokens=3)
+        assert r4.report.turn == 4
+    finally:
+        a.close()
+        b.close()
