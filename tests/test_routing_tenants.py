@@ -72,3 +72,4 @@ def test_router_errors_never_show_a_salt() -> None:
         router.route(make_chunks("b"), prompt_tokens=200, conversation_id="c", salt="")
     errors.append(str(bad.value))
     assert errors and all(SECRET_A not in e and SECRET_B not in e for e in errors)
+

@@ -87,6 +87,34 @@ def test_salts_stay_out_of_reprs(make_fake_engine: Factory) -> None:
         assert SECRET_A not in text
 
 
+def test_integration_models_keep_salts_out_of_their_reprs() -> None:
+    """The LLM classes and the LangChain conversation take a default cache_salt: their reprs
+    (what tracebacks, debuggers and log lines show) never include it."""
+    from craft_rag.testing import make_fake_engine as make
+
+    engine, _ = make()
+    try:
+        shown: list[str] = []
+        try:
+            from langchain_craft import ChatCraftVLLM, CraftConversation
+        except ImportError:
+            pass
+        else:
+            chat = ChatCraftVLLM(engine=engine, cache_salt=SECRET_A)
+            conv = CraftConversation(llm=chat, cache_salt=SECRET_B)
+            shown += [repr(chat), str(chat), repr(conv), str(conv)]
+        try:
+            from llama_index.llms.craft_vllm import CraftVLLM
+        except ImportError:
+            pass
+        else:
+            llm = CraftVLLM(engine, cache_salt=SECRET_A)
+            shown += [repr(llm), str(llm)]
+        assert shown and all(SECRET_A not in s and SECRET_B not in s for s in shown)
+    finally:
+        engine.close()
+
+
 @pytest.mark.engine
 def test_real_engine_tenants_share_an_id_without_sharing_the_conversation(
     craft_engine: CraftEngine,

@@ -149,6 +149,7 @@ class CraftConversation(RunnableSerializable[ConversationInput, AIMessage]):
     cache_salt: str | None = Field(
         default=None,
         description='Default cache salt; config["configurable"]["cache_salt"] overrides it.',
+        repr=False,  # a tenant's key to its cache namespace: never shown
     )
     condense: bool = Field(
         default=True,

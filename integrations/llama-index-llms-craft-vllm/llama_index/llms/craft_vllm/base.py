@@ -157,6 +157,7 @@ class CraftVLLM(LLM):
             "requests with the same salt, and each salt has its own CRAFT planner. None: the "
             "shared namespace. A call's cache_salt= keyword overrides it."
         ),
+        repr=False,  # a tenant's key to its cache namespace: never shown
     )
 
     _engine: CraftEngine = PrivateAttr()
