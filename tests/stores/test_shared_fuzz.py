@@ -113,3 +113,24 @@ def test_workers_with_turns_in_flight_hold_one_state(make_store: StoreFactory, s
     _check_agreement(workers, make_store, [], rng, f"seed {seed} end")
     # The fuzzer reached what it is about: turns in flight, commits refused, evictions.
     assert outcomes["committed"] > 10 and outcomes["aborted"] > 0, outcomes
+
+
+def test_a_conversation_evicted_by_the_log_while_its_turn_is_in_flight(
+    make_store: StoreFactory,
+) -> None:
+    """Worker 1 holds turn 2 of chat-0 in flight; worker 2's commits evict chat-0 (bound 3):
+    the hold protects nothing (it is not in the log), and the turn's commit starts chat-0 anew
+    on every worker alike."""
+    one, two = (CraftPlanner(CONFIG, store=make_store()) for _ in range(2))
+    one.commit(one.plan(CHUNKS[:2], "chat-0"), turn_tokens=[1])
+    plan = one.plan(CHUNKS[1:3], "chat-0")
+    assert plan.turn == 2 and one.in_flight("chat-0")
+    for i in range(1, 4):
+        two.commit(two.plan(CHUNKS[i : i + 2], f"chat-{i}"))
+    one.sync()
+    assert one.committed_turns("chat-0") == 0  # evicted here too, in flight or not
+    one.commit(plan, turn_tokens=[2])
+    two.sync()
+    for planner in (one, two):
+        assert planner.conversations.turns("chat-0") == [(CHUNKS[2].key,)]  # type: ignore[arg-type]
+    assert state_of(one) == state_of(two)

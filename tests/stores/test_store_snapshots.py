@@ -4,6 +4,7 @@ worker loading one keeps its own conversations' token ids."""
 from __future__ import annotations
 
 import json
+import time
 from collections.abc import Callable
 
 from craft_rag import Chunk, CraftPlanner, PlannerConfig, make_chunk
@@ -90,3 +91,26 @@ def test_snapshots_are_written_outside_the_planner_lock() -> None:
     planner.forget_turns("chat-1", 1)  # seq 9: a snapshot from a forget entry
     assert store.locked == [False, False, False]
     assert store._snapshot("default").seq == 9  # type: ignore[union-attr]
+
+
+def test_a_snapshot_written_by_the_previous_version_still_loads(make_store: StoreFactory) -> None:
+    """Snapshots of today's main carry token ids and history versions: a worker loads them
+    (and keeps the ids: they are right for that state)."""
+    source = CraftPlanner(CONFIG, clock=time.time)  # a store's planners' clock
+    source.commit(source.plan(chunks(1, 2), "chat"), turn_tokens=[5, 6, 7], prefix_tokens=2)
+    old = {
+        "access_table": source.access_table.to_json(),
+        "prefix_tree": source.prefix_tree.to_json(),
+        "conversations": source.conversations.to_json(),  # with "tokens"
+        "clock": 0.0,
+    }
+    assert "tokens" in old["conversations"]["conversations"][0]
+    store = make_store()
+    CraftPlanner(CONFIG, store=store)  # attach the namespace
+    for i in range(3):
+        store.append("default", f'{{"v":"e","c":"x{i}","ts":0}}', since=i)
+    store.put_snapshot("default", Snapshot(2, json.dumps(old)), keep_from=3)
+    late = CraftPlanner(CONFIG, store=make_store())
+    late._check_invariants()
+    history = late.conversations.history("chat")  # type: ignore[arg-type]
+    assert history is not None and history.turns == ((5, 6, 7),)
