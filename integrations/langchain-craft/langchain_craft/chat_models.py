@@ -162,6 +162,9 @@ class ChatCraftVLLM(CraftEngineParams, BaseChatModel):
             msg = "the messages hold no text to answer"
             raise ValueError(msg)
         chat = [(_role(m), t) for m, t in zip(messages, texts, strict=True)]
+        if self.system_prompt and chat[0][0] != "system":
+            # The engine's head covers RAG prompts; a plain chat gets it as its system message.
+            chat.insert(0, ("system", self.system_prompt))
         return self._engine_request((), "", None, stop, kwargs, messages=chat)
 
     def _context_request(

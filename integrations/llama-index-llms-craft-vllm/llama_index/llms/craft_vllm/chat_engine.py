@@ -47,6 +47,7 @@ from llama_index.core.memory import BaseMemory, ChatMemoryBuffer
 from llama_index.core.postprocessor.types import BaseNodePostprocessor
 from llama_index.core.schema import NodeWithScore, QueryBundle
 from llama_index.llms.craft_vllm.base import REUSE_KEY, CraftVLLM
+from llama_index.llms.craft_vllm.calls import LEGACY_REUSE_KEY
 from llama_index.postprocessor.craft import (
     CraftReorderPostprocessor,
     CraftReorderResult,
@@ -65,7 +66,15 @@ from craft_rag.engine import (
 )
 
 
-class _BlockingStreamResponse(StreamingAgentChatResponse):
+class _StreamResponse(StreamingAgentChatResponse):
+    """LlamaIndex's streaming response with ``metadata`` (as ``AgentChatResponse`` has): the
+    turn's condense step at once, its reuse report (``craft_reuse``) once the stream is
+    consumed."""
+
+    metadata: dict[str, Any] | None = None
+
+
+class _BlockingStreamResponse(_StreamResponse):
     """LlamaIndex's streaming response, read without spinning: its ``response_gen`` polls the
     writer thread's queue with ``time.sleep(0)``, a busy loop that takes a core and the GIL
     from the in-process engine while the prompt is prefilled (measured on the 2-core CPU
@@ -144,6 +153,8 @@ class CraftChatEngine(BaseChatEngine):
         condense: bool = True,
         condense_prompt: str = CONDENSE_INSTRUCTION,
         condense_max_tokens: int = DEFAULT_CONDENSE_MAX_TOKENS,
+        system_prompt: str | None = None,
+        context_prompt: str | None = None,
         **sampling: Any,
     ) -> None:
         if not isinstance(llm, CraftVLLM):
@@ -161,6 +172,8 @@ class CraftChatEngine(BaseChatEngine):
         if not isinstance(condense_max_tokens, int) or condense_max_tokens < 1:
             msg = f"condense_max_tokens must be an int >= 1, got {condense_max_tokens!r}"
             raise ValueError(msg)
+        _check_head(llm, system_prompt, context_prompt)
+        self._pending_metadata: dict[str, Any] | None = None  # the stream being read
         self._condense = bool(condense)
         self._condense_prompt = condense_prompt
         self._condense_max_tokens = condense_max_tokens
@@ -202,7 +215,13 @@ class CraftChatEngine(BaseChatEngine):
                 f"{type(index).__name__}"
             )
             raise ValueError(msg)
-        return cls(as_retriever(similarity_top_k=similarity_top_k), llm or CraftVLLM(), **kwargs)
+        if llm is None:
+            # The prompt head belongs to the engine: the LLM started here gets it.
+            llm = CraftVLLM(
+                system_prompt=kwargs.get("system_prompt"),
+                context_prompt=kwargs.get("context_prompt"),
+            )
+        return cls(as_retriever(similarity_top_k=similarity_top_k), llm, **kwargs)
 
     @property
     def memory(self) -> BaseMemory:
@@ -306,12 +325,23 @@ class CraftChatEngine(BaseChatEngine):
             nodes = await pp.apostprocess_nodes(nodes, query_bundle=turn.bundle)
         return self._plan(turn, nodes)
 
+    def _stream_metadata(self, turn: _Turn) -> dict[str, Any]:
+        """The metadata of a streamed turn: the condense step now; :meth:`_record` adds the
+        report when the stream's last response arrives (turns are sequential)."""
+        metadata: dict[str, Any] = {CONDENSE_METADATA_KEY: turn.condensed}
+        self._pending_metadata = metadata
+        return metadata
+
     def _record(self, response: CompletionResponse) -> ChatResponse:
         """One engine response as a chat delta; the last one's report becomes
         :attr:`last_reuse_report`."""
         report = response.additional_kwargs.get(REUSE_KEY)
         if isinstance(report, ReuseReport):
             self.last_reuse_report = report
+            if self._pending_metadata is not None:
+                self._pending_metadata.update(
+                    {REUSE_METADATA_KEY: report, LEGACY_REUSE_KEY: report}
+                )
         return ChatResponse(
             message=ChatMessage(role=MessageRole.ASSISTANT, content=response.text),
             delta=response.delta,
@@ -328,6 +358,7 @@ class CraftChatEngine(BaseChatEngine):
             metadata={
                 REUSE_KEY: self.last_reuse_report,
                 REUSE_METADATA_KEY: self.last_reuse_report,
+                LEGACY_REUSE_KEY: self.last_reuse_report,  # deprecated alias
                 CONDENSE_METADATA_KEY: turn.condensed,
             },
         )
@@ -371,6 +402,7 @@ class CraftChatEngine(BaseChatEngine):
         response = _BlockingStreamResponse(
             chat_stream=self._chat_deltas(stream), source_nodes=turn.sources
         )
+        response.metadata = self._stream_metadata(turn)
         thread = Thread(target=response.write_response_to_history, args=(self._memory,))
         response.write_response_to_history_thread = thread
         thread.start()
@@ -382,9 +414,10 @@ class CraftChatEngine(BaseChatEngine):
         turn = await self._aprepare(message, chat_history)
         await self._memory.aput(turn.user)
         stream = self._llm.astream_complete_chunks(*turn.args, **turn.kwargs)
-        response = StreamingAgentChatResponse(
+        response = _StreamResponse(
             achat_stream=self._achat_deltas(stream), source_nodes=turn.sources
         )
+        response.metadata = self._stream_metadata(turn)
         response.awrite_response_to_history_task = asyncio.create_task(
             response.awrite_response_to_history(self._memory)
         )
@@ -417,6 +450,24 @@ class _Turn:
     def messages(self) -> list[ChatMessage]:
         """What the turn adds to memory: the user message, then the reply once there is one."""
         return [self.user] if self.reply is None else [self.user, self.reply]
+
+
+def _check_head(llm: CraftVLLM, system_prompt: str | None, context_prompt: str | None) -> None:
+    """The system and context prompts are the engine's fixed prompt head (shared by every
+    conversation, so its KV is reused): a chat engine can only ask for the head its LLM's
+    engine renders. ``ValueError`` naming the fix otherwise."""
+    for name, value, attribute in (
+        ("system_prompt", system_prompt, "system_prompt"),
+        ("context_prompt", context_prompt, "instructions"),
+    ):
+        has = getattr(llm.engine, attribute, None)
+        if value is not None and value != has:
+            msg = (
+                f"{name}={value!r} differs from the LLM's engine ({attribute}={has!r}): the "
+                f"engine renders the head of every prompt, so build the LLM with it, "
+                f"CraftVLLM({name}=...), or leave llm= out and as_craft_chat_engine starts one"
+            )
+            raise ValueError(msg)
 
 
 def as_craft_chat_engine(
