@@ -109,7 +109,7 @@ def test_sqlite_format_mismatch_is_refused(tmp_path: Path) -> None:
 def test_a_file_that_is_not_a_database_is_refused_untouched(tmp_path: Path) -> None:
     path = tmp_path / "state.db"
     path.write_bytes(b"not a database at all" * 100)
-    with pytest.raises(StoreCorrupted, match="not a readable craft-rag SQLite store"):
+    with pytest.raises(StoreCorrupted, match=r"not a readable SQLite database.*was not changed"):
         open_store(f"sqlite://{path}")
     assert path.read_bytes() == b"not a database at all" * 100
 

@@ -41,6 +41,14 @@ from craft_rag.stores.base import (
     positive_int_option,
 )
 from craft_rag.stores.json_codec import MAX_STORED_INT, preview
+from craft_rag.stores.sqlite_files import (
+    damaged,
+    foreign_tables,
+    is_locked,
+    open_error,
+    prepare_store_file,
+    write_error,
+)
 
 _OPTIONS = {
     "snapshot_every": "commits between snapshots; the log keeps up to twice that",
@@ -69,21 +77,6 @@ _SCHEMA = (
 )
 
 
-def _create_private(path: Path) -> None:
-    """Create ``path`` empty with mode 0600 unless it exists; refuse a symlink there."""
-    if path.is_symlink():
-        msg = f"SQLite store path {path} is a symlink; point the store URL at the real file"
-        raise ValueError(msg)
-    try:
-        fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_WRONLY | os.O_NOFOLLOW, 0o600)
-    except FileExistsError:
-        return
-    except FileNotFoundError:
-        msg = f"SQLite store folder {path.parent} does not exist; create it first"
-        raise ValueError(msg) from None
-    os.close(fd)
-
-
 class SQLiteStore(StateStore):
     """Store in one SQLite file (WAL). Thread-safe (one connection per instance, under a
     lock); safe across processes (SQLite's file locks). Each call is one transaction."""
@@ -106,12 +99,22 @@ class SQLiteStore(StateStore):
         self.snapshot_every = snapshot_every
         self._clock = clock
         self._lock = threading.Lock()
-        _create_private(self.path)
-        self._conn = sqlite3.connect(
-            self.path, timeout=busy_timeout_ms / 1000, isolation_level=None,
-            check_same_thread=False,
-        )
+        prepare_store_file(self.path)
         try:
+            self._conn = sqlite3.connect(
+                self.path, timeout=busy_timeout_ms / 1000, isolation_level=None,
+                check_same_thread=False,
+            )
+        except sqlite3.DatabaseError as e:
+            raise open_error(self.path, self.url, e, busy_timeout_ms) from e
+        try:
+            foreign = foreign_tables(self._conn)
+            if foreign:
+                msg = (
+                    f"store {self.url} is another program's SQLite database (tables "
+                    f"{preview(foreign[:5], 120)}); craft-rag adds nothing to it: name a new file"
+                )
+                raise StoreCorrupted(msg)
             _enable_wal(self._conn, busy_timeout_ms / 1000)
             self._conn.execute(f"PRAGMA synchronous={synchronous.upper()}")
             with self._transaction() as cur:
@@ -133,18 +136,7 @@ class SQLiteStore(StateStore):
                     raise StoreCorrupted(msg)
         except sqlite3.DatabaseError as e:
             self._conn.close()
-            if _is_locked(e):
-                msg = (
-                    f"store {self.url} stayed locked by another process for "
-                    f"{busy_timeout_ms} ms while opening; raise ?busy_timeout_ms= or check "
-                    "for a hung worker"
-                )
-                raise StoreUnavailable(msg) from e
-            msg = (
-                f"store {self.url} is not a readable craft-rag SQLite store ({e}); move the "
-                "file away and start with a new one"
-            )
-            raise StoreCorrupted(msg) from e
+            raise open_error(self.path, self.url, e, busy_timeout_ms) from e
         except BaseException:
             self._conn.close()
             raise
@@ -182,19 +174,15 @@ class SQLiteStore(StateStore):
                     raise
                 cur.execute("COMMIT")
             except sqlite3.OperationalError as e:
-                if _is_locked(e):
+                if is_locked(e):
                     msg = (
                         f"store {self.url} stayed locked by another process ({e}); raise "
                         "?busy_timeout_ms= or check for a hung worker"
                     )
                     raise StoreUnavailable(msg) from e
-                raise StoreCorrupted(f"store {self.url}: {e}; use a fresh file") from e
+                raise (write_error(self.url, e) or damaged(self.url, e)) from e
             except sqlite3.DatabaseError as e:
-                msg = (
-                    f"store {self.url} is not a readable craft-rag SQLite store ({e}); move the "
-                    "file away and start with a new one"
-                )
-                raise StoreCorrupted(msg) from e
+                raise damaged(self.url, e) from e
             finally:
                 cur.close()
 
@@ -298,8 +286,10 @@ class SQLiteStore(StateStore):
                 finally:
                     cur.close()
             except sqlite3.DatabaseError as e:
-                msg = f"store {self.url} could not be read ({e}); move the file away"
-                raise StoreCorrupted(msg) from e
+                if isinstance(e, sqlite3.OperationalError) and is_locked(e):
+                    msg = f"store {self.url} stayed locked by another process ({e})"
+                    raise StoreUnavailable(msg) from e
+                raise damaged(self.url, e) from e
 
     def _append(
         self,
@@ -477,7 +467,7 @@ def _enable_wal(conn: sqlite3.Connection, timeout_s: float) -> None:
             conn.execute("PRAGMA journal_mode=WAL")
             return
         except sqlite3.OperationalError as e:
-            if not _is_locked(e) or time.monotonic() >= deadline:
+            if not is_locked(e) or time.monotonic() >= deadline:
                 raise
         time.sleep(delay)
         delay = min(delay * 2, 0.1)
@@ -486,9 +476,3 @@ def _enable_wal(conn: sqlite3.Connection, timeout_s: float) -> None:
 def _is_decode_error(error: sqlite3.OperationalError) -> bool:
     """sqlite3's error for a TEXT value that is not UTF-8 (tampered data, not a bad file)."""
     return str(error).startswith("Could not decode to UTF-8")
-
-
-def _is_locked(error: sqlite3.DatabaseError) -> bool:
-    """SQLite's "another connection holds the lock" (retryable), as opposed to a bad file."""
-    text = str(error)
-    return isinstance(error, sqlite3.OperationalError) and ("locked" in text or "busy" in text)
