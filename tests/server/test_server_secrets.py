@@ -208,3 +208,25 @@ def test_langchain_model_repr_and_dumps_hide_credentials() -> None:
             base_url=with_credentials("http://127.0.0.1:10/v1"),  # type: ignore[call-arg]
         )
     assert_clean(differ.value)
+
+
+def test_llamaindex_llm_on_an_unreachable_credentialed_server(all_logs: Any) -> None:
+    """``CraftVLLM(base_url=..., api_key=...)`` starts an engine on the server: when it cannot
+    be reached the error and every log line still hide the credentials."""
+    pytest.importorskip("llama_index.core")
+    from llama_index.llms.craft_vllm import CraftVLLM
+
+    from craft_rag.engine.model import prepare_default_model
+
+    try:
+        model = prepare_default_model().path
+    except (FileNotFoundError, ImportError) as exc:
+        pytest.skip(f"embedded model unavailable: {exc}")
+    with running(FakeServer()) as url:
+        pass  # stopped: the port is closed now
+    with pytest.raises(ServerUnavailable) as lost:
+        CraftVLLM(
+            model=str(model), base_url=with_credentials(url) + "/v1", api_key=API_KEY,
+            max_retries=0, timeout=1.0,
+        )
+    assert_clean(lost.value, repr(lost.value), all_logs.text)
