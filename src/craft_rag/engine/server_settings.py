@@ -67,8 +67,11 @@ class ServerSettings:
     host; a ``tcp://`` string -> that endpoint; ``False`` -> no KV events (the CP-Tree then
     learns evictions only from commits). ``block_size``/``hash_algo``: ``None`` reads them
     from the server's ``/metrics``. ``hash_seed``: the server's ``PYTHONHASHSEED`` if it
-    set one (``None``: vLLM's fixed default for sha256). ``retries``: extra attempts after a
-    connect error or 5xx, waiting ``backoff * 2**i`` seconds. Credentials (the URL's
+    set one (``None``: vLLM's fixed default for sha256). ``retries`` (<= 100): extra attempts
+    after a connect error, 5xx or 429, waiting the answer's ``Retry-After`` (up to 60 s) or
+    ``backoff * 2**i`` seconds (each wait at most 60 s). ``read_timeout``: a deadline between
+    tokens (and for any other whole answer); SSE keep-alive comments and token-less events do
+    not extend it. Every float is finite (``ValueError`` naming the field). Credentials (the URL's
     ``user:password@``, ``api_key``) are sent to the server and shown nowhere: not in
     :attr:`base_url`, messages, log lines or the repr.
     """
