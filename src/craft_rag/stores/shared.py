@@ -35,7 +35,7 @@ from craft_rag.stores.base import (
     StoreCorrupted,
     namespace_label,
 )
-from craft_rag.stores.json_codec import is_stored_int, loads_strict, preview
+from craft_rag.stores.json_codec import MAX_STORED_INT, is_stored_int, loads_strict, preview
 from craft_rag.types import BlockHash, ChunkKey, ConversationId
 
 logger = logging.getLogger(__name__)
@@ -114,35 +114,33 @@ def _keys(value: Any) -> tuple[ChunkKey, ...]:
     return tuple(ChunkKey(k) for k in value)
 
 
-def _span(value: Any) -> tuple[int, int] | None:
-    if value is None:
-        return None
-    if (
-        not isinstance(value, list) or len(value) != 2
-        or not is_stored_int(value[0]) or not is_stored_int(value[1]) or value[0] > value[1]
-    ):
-        raise TypeError("a token span must be [start, end] with 0 <= start <= end")
-    return value[0], value[1]
-
-
-def _hashes(value: Any) -> tuple[BlockHash, ...] | None:
-    if value is None:
-        return None
-    if not isinstance(value, list) or not all(isinstance(h, str) for h in value):
-        raise TypeError("block hashes must be a list of hex strings")
-    return tuple(BlockHash(bytes.fromhex(h)) for h in value)
-
-
 def _metadata(value: Any, k: int) -> tuple[NodeMetadata, ...] | None:
+    """Per key ``[span or null, block hashes or null]``; a span is ``[start, end]`` with
+    ``0 <= start <= end``, hashes are hex strings. Inlined checks: this runs for every key of
+    every replayed commit."""
     if value is None:
         return None
     if not isinstance(value, list) or len(value) != k:
         raise TypeError("metadata must have one item per key")
     out = []
     for item in value:
-        if not isinstance(item, list) or len(item) != 2:
+        if type(item) is not list or len(item) != 2:
             raise TypeError("a metadata item must be [span, block hashes]")
-        out.append(NodeMetadata(token_span=_span(item[0]), block_hashes=_hashes(item[1])))
+        span, hashes = item
+        if span is not None:
+            if type(span) is not list or len(span) != 2:
+                raise TypeError("a token span must be [start, end]")
+            start, end = span
+            if type(start) is not int or type(end) is not int or not (
+                0 <= start <= end <= MAX_STORED_INT
+            ):
+                raise TypeError("a token span must be [start, end] with 0 <= start <= end")
+            span = (start, end)
+        if hashes is not None:
+            if type(hashes) is not list or not all(type(h) is str for h in hashes):
+                raise TypeError("block hashes must be a list of hex strings")
+            hashes = tuple(BlockHash(bytes.fromhex(h)) for h in hashes)
+        out.append(NodeMetadata(token_span=span, block_hashes=hashes))
     return tuple(out)
 
 
