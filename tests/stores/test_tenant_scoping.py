@@ -88,3 +88,29 @@ def test_ending_on_a_worker_that_never_served_the_tenant(
     a = w1.generate(chunks, "Q?", conversation_id=CONV, cache_salt=SECRET_A, max_tokens=2)
     b = w1.generate(chunks, "Q?", conversation_id=CONV, cache_salt=SECRET_B, max_tokens=2)
     assert a.report.turn == 1 and b.report.turn == 2
+
+
+def test_store_errors_do_not_name_a_salts_namespace(shared_url: str) -> None:
+    """A salted namespace's name is a digest of the tenant's key: store errors say "the
+    namespace of a cache_salt" instead (the default namespace is still named)."""
+    from craft_rag import CraftPlanner, PlannerConfig
+    from craft_rag.stores import StoreCorrupted, namespace_for_salt
+
+    store = open_store(shared_url)
+    try:
+        for salt in (SECRET_A, None):
+            namespace = namespace_for_salt(salt)
+            first = CraftPlanner(PlannerConfig(policy="tree"), store=store, namespace=namespace)
+            first.commit(first.plan(make_chunks(2), CONV))
+            other = PlannerConfig(policy="tree", max_conversations=7)  # another config
+            with pytest.raises(StoreCorrupted) as refused:
+                CraftPlanner(other, store=store, namespace=namespace).plan(make_chunks(1), CONV)
+            text = str(refused.value)
+            if salt is None:
+                assert "namespace 'default'" in text
+            else:
+                assert "namespace of a cache_salt" in text
+                assert namespace not in text and namespace[5:13] not in text
+                assert SECRET_A not in text
+    finally:
+        store.close()
