@@ -86,12 +86,19 @@ class HFTokenizer:
     """A ``tokenizer.json`` loaded with the ``tokenizers`` library (no special tokens added).
 
     Two views of one vocabulary: :meth:`encode` tokenizes *plain text* with a copy of the
-    tokenizer whose added-token list is empty, so a document or question that spells
-    ``<|im_end|>`` gets ordinary byte-level tokens, never a control id (for text without
-    added-token strings the ids are identical to the full tokenizer's: added tokens only ever
-    split the input). :meth:`encode_template` parses added tokens (trusted template text
-    only) and :meth:`encode_pieces` mixes both. Invariant: :meth:`encode` output holds no id
-    of :attr:`control_ids`.
+    tokenizer whose added-token list keeps only the non-special entries, so a document or
+    question that spells ``<|im_end|>`` or ``<start_of_turn>`` gets ordinary tokens, never a
+    control id (for text without special-token strings the ids are identical to the full
+    tokenizer's: added tokens only ever split the input). :meth:`encode_template` parses
+    added tokens (trusted template text only) and :meth:`encode_pieces` mixes both.
+    Invariant: :meth:`encode` output holds no id of :attr:`control_ids`.
+
+    Control tokens are the added tokens marked ``special``. SentencePiece vocabularies also
+    add *non-special* tokens that are ordinary text: Gemma 3's ``"\n"``, ``"\n\n"``, tab
+    runs and HTML tags such as ``<table>`` (llama.cpp's user-defined pieces). The model's own
+    tokenizer produces them from plain text, so :meth:`encode` does too (anything else
+    would not be token-exact, and a newline could not be tokenized at all). Byte-level BPE
+    models such as SmolLM2 mark every added token special, so nothing changes for them.
     """
 
     def __init__(self, path: Path) -> None:
@@ -101,13 +108,13 @@ class HFTokenizer:
 
         self._tok = _Tokenizer.from_file(str(path))
         data = json.loads(path.read_text(encoding="utf-8"))
-        data["added_tokens"] = []
+        data["added_tokens"] = [t for t in data.get("added_tokens") or [] if not t["special"]]
         self._plain = _Tokenizer.from_str(json.dumps(data))
-        added = self._tok.get_added_tokens_decoder()
-        self.control_ids: frozenset[int] = frozenset(added)
-        """Ids of every added (special or not) token: only trusted text may produce them."""
+        special = {i: t for i, t in self._tok.get_added_tokens_decoder().items() if t.special}
+        self.control_ids: frozenset[int] = frozenset(special)
+        """Ids of the special added tokens: only trusted text may produce them."""
         self.control_strings: tuple[str, ...] = tuple(
-            sorted({t.content for t in added.values() if t.content}, key=len, reverse=True)
+            sorted({t.content for t in special.values() if t.content}, key=len, reverse=True)
         )
         self._controls = (
             re.compile("|".join(re.escape(s) for s in self.control_strings))

@@ -321,7 +321,9 @@ def _special_tokens(model_dir: Path) -> dict[str, str]:
 
 
 def _control_strings(model_dir: Path) -> tuple[str, ...]:
-    """The added-token strings of ``model_dir/tokenizer.json`` (none without the file)."""
+    """The special added-token strings of ``model_dir/tokenizer.json`` (none without the
+    file). Non-special added tokens (SentencePiece pieces such as Gemma's ``"\n"``) are
+    ordinary text, as in :class:`craft_rag.tokenizer.HFTokenizer`."""
     import json
 
     path = model_dir / "tokenizer.json"
@@ -329,7 +331,11 @@ def _control_strings(model_dir: Path) -> tuple[str, ...]:
         return ()
     data = json.loads(path.read_text(encoding="utf-8"))
     tokens = data.get("added_tokens") or []
-    return tuple(t["content"] for t in tokens if isinstance(t, dict) and t.get("content"))
+    return tuple(
+        t["content"]
+        for t in tokens
+        if isinstance(t, dict) and t.get("content") and t.get("special", True)
+    )
 
 
 def model_renderer(model_dir: str | os.PathLike[str]) -> RenderFn:
