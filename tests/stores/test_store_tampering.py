@@ -263,7 +263,15 @@ REDIS_SHAPES: dict[str, tuple[Callable[[Any], None], str]] = {
     "repeated seq": (
         lambda c: c.zadd(LOG, {b'1|{"v":"e","c":"chat","ts":1.0}': 1}), r"log entry 1\b"
     ),
+    "member of a megabyte": (
+        lambda c: _replace_member(c, b"1|" + b"x" * 1_000_000), r"log entry 1\b"
+    ),
+    "log a list": (lambda c: (c.delete(LOG), c.rpush(LOG, "x")), r"keys craft-rag cannot use"),
     "format not utf-8": (lambda c: c.set("craft-rag:format", b"\xff\xfe"), r"format"),
+    "format a hash": (
+        lambda c: (c.delete("craft-rag:format"), c.hset("craft-rag:format", "x", "1")),
+        r"keys craft-rag cannot use",
+    ),
     "fingerprint not utf-8": (
         lambda c: c.set("craft-rag:{default}:fingerprint", b"\xff\xfe"), r"fingerprint"
     ),
@@ -295,6 +303,8 @@ REDIS_HISTORY_SHAPES: dict[str, Callable[[Any, bytes, bytes], object]] = {
     "version negative": lambda c, conv, hist: c.hset(hist, "v", b"-4"),
     "data not utf-8": lambda c, conv, hist: c.hset(hist, "d", b"\xff\xfe"),
     "data not json": lambda c, conv, hist: c.hset(hist, "d", b"{nope"),
+    "record a hash": lambda c, conv, hist: (c.delete(conv), c.hset(conv, "x", "1")),
+    "history a string": lambda c, conv, hist: (c.delete(hist), c.set(hist, "x")),
 }
 
 
@@ -313,7 +323,11 @@ def test_a_tampered_redis_history_is_corrupted(redis_url: str, shape: str) -> No
         store.get_history(NS, "chat")
         load_history(reader, "chat")
 
-    _expect_corrupted(both, redis_url, r"conversation 'chat'|prompt history")
+    # A key of the wrong Redis type is refused by the server (WRONGTYPE): the message names
+    # the store and says which keys to delete, not the one key.
+    _expect_corrupted(
+        both, redis_url, r"conversation 'chat'|prompt history|keys craft-rag cannot use"
+    )
 
 
 # ---- SQLite rows ------------------------------------------------------------------------------
