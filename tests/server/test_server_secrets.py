@@ -94,6 +94,9 @@ def test_settings_repr_and_validation_errors_hide_credentials() -> None:
     assert settings.api_key == API_KEY  # still usable
     assert "127.0.0.1:8000" in repr(settings) and "alice" in repr(settings)
     assert_clean(repr(settings), str(settings), settings.base_url)
+    odd = ServerSettings(f"http://alice:p@{PASSWORD}@127.0.0.1:8000", api_key=API_KEY)
+    assert odd.auth == ("alice", f"p@{PASSWORD}") and odd.base_url == "http://127.0.0.1:8000"
+    assert_clean(repr(odd))
     errors = []
     for bad in (
         "ftp://alice:{pw}@127.0.0.1:8000",
@@ -101,12 +104,14 @@ def test_settings_repr_and_validation_errors_hide_credentials() -> None:
         "http://alice:{pw}@127.0.0.1:8000/v1/x",
         "http://alice:{pw}@127.0.0.1:8000/?token={pw}",
         "alice:{pw}@127.0.0.1:8000",
+        "http://alice:{pw}/x@127.0.0.1:8000",  # '/' in the password: "port" is part of it
+        "http://alice:p@{pw}/word@127.0.0.1:8000",  # '@' and '/' in the password
     ):
         with pytest.raises(ValueError) as refused:
             ServerSettings(bad.format(pw=PASSWORD), api_key=API_KEY)
         errors.append(refused.value)
     assert_clean(*errors)
-    assert len(errors) == 5
+    assert len(errors) == 7
 
 
 def test_unreachable_server_hides_credentials(model_dir: Path, all_logs: Any) -> None:

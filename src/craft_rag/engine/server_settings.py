@@ -95,18 +95,19 @@ class ServerSettings:
         parts = urlsplit(self.url)
         if parts.scheme not in ("http", "https") or not parts.hostname:
             msg = (
-                f"server URL {redact_url(self.url)!r} is not http(s)://HOST[:PORT]; e.g. "
+                f"server URL {_shown_url(self.url)!r} is not http(s)://HOST[:PORT]; e.g. "
                 "server='http://127.0.0.1:8000' (start one with `craft-rag serve`)"
             )
             raise ValueError(msg)
         try:
             parts.port  # noqa: B018  (raises ValueError for a bad port)
         except ValueError as exc:
-            msg = f"server URL {redact_url(self.url)!r} has an invalid port: {exc}"
+            # Not urllib's text: it quotes the "port", which may be part of a password.
+            msg = f"server URL {_shown_url(self.url)!r} has an invalid port (1..65535)"
             raise ValueError(msg) from exc
         if parts.path.rstrip("/") not in ("", "/v1") or parts.query or parts.fragment:
             msg = (
-                f"server URL {redact_url(self.url)!r} must be the server root, e.g. "
+                f"server URL {_shown_url(self.url)!r} must be the server root, e.g. "
                 "http://127.0.0.1:8000"
             )
             raise ValueError(msg)
@@ -149,7 +150,7 @@ class ServerSettings:
         for f in fields(self):
             value = getattr(self, f.name)
             if f.name == "url":
-                value = redact_url(value)
+                value = _shown_url(value)
             elif f.name == "api_key" and value is not None:
                 value = MASK
             shown.append(f"{f.name}={value!r}")
@@ -174,6 +175,16 @@ class ServerSettings:
             msg = f"HTTP port {port} + {KV_EVENTS_PORT_OFFSET} is no port; pass kv_events=PORT"
             raise ValueError(msg)
         return f"tcp://{host}:{port + KV_EVENTS_PORT_OFFSET}"
+
+
+def _shown_url(url: str) -> str:
+    """``url`` as messages and the repr show it: :func:`~craft_rag.redact.redact_url`, and
+    with several ``@`` (a password holding ``@``, maybe ``/`` too, so the authority cannot be
+    told from the path) everything before the last ``@`` hidden."""
+    scheme, sep, rest = url.partition("://")
+    if sep and rest.count("@") > 1:
+        url = f"{scheme}{sep}{MASK}@{rest.rpartition('@')[2]}"
+    return redact_url(url)
 
 
 def as_server_settings(server: str | ServerSettings) -> ServerSettings:
