@@ -281,7 +281,7 @@ class CraftEngineParams(BaseModel):
         if not isinstance(server, ServerSettings):
             return redact_url(server) if server is not None else None
         shown = asdict(server)
-        shown["url"] = redact_url(server.url)
+        shown["url"] = server.shown_url
         if server.api_key is not None:
             shown["api_key"] = MASK
         return shown

@@ -135,6 +135,11 @@ class ServerSettings:
         return f"{parts.scheme}://{parts.netloc.rpartition('@')[2]}"
 
     @property
+    def shown_url(self) -> str:
+        """:attr:`url` with every secret hidden: what messages, reprs and dumps show."""
+        return _shown_url(self.url)
+
+    @property
     def auth(self) -> tuple[str, str] | None:
         """HTTP basic credentials from the URL's ``user:password@`` (percent-decoded, as
         httpx reads them), or ``None``: the client sends them as the ``Authorization``
