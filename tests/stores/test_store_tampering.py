@@ -534,3 +534,31 @@ def test_a_tampered_snapshot_seq_is_corrupted(
         client.hset(SNAP, "seq", redis_value)
         client.close()
     _expect_corrupted(_reader_sync(full), url, r"snapshot")
+
+
+@pytest.mark.parametrize(
+    ("statement", "call"),
+    [
+        ("UPDATE craft_token SET seq = 'abc'", "settle"),
+        ("UPDATE craft_token SET seq = 2.5", "settle"),
+        ("UPDATE craft_token SET seq = 0, expires = 'later'", "append"),
+        ("UPDATE craft_token SET seq = X'00'", "append"),
+    ],
+)
+def test_a_tampered_append_token_row_is_corrupted(
+    sqlite_url: str, statement: str, call: str
+) -> None:
+    _seed(sqlite_url)
+    store = open_store(sqlite_url)
+    head = store.read(NS, 0).head
+    store.append(NS, _END, since=head, token="tok-1")
+    _sql(sqlite_url, statement)
+
+    def run() -> None:
+        if call == "settle":
+            store.settle(NS, "tok-1")
+        else:
+            store.append(NS, _END, since=head + 1, token="tok-1")
+
+    _expect_corrupted(run, sqlite_url, r"append 'tok-1'")
+    store.close()

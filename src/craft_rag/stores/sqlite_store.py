@@ -308,8 +308,12 @@ class SQLiteStore(StateStore):
                     "SELECT seq, expires FROM craft_token WHERE ns = ? AND token = ?",
                     (namespace, token),
                 ).fetchone()
-                if row is not None and row[0] == 0 and row[1] > now:
-                    raise CommitVoided(f"append {token!r} was settled as not written")
+                if row is not None:  # rare: a retried or settled token
+                    what = f"the record of append {preview(token)}"
+                    if self._int(row[0], namespace, what) == 0 and self._live(
+                        row[1], now, namespace, what
+                    ):
+                        raise CommitVoided(f"append {token!r} was settled as not written")
             if conversation is not None and not_after is not None:
                 row = cur.execute(
                     "SELECT last_seq, expires FROM craft_conv WHERE ns = ? AND id = ?",
@@ -354,8 +358,10 @@ class SQLiteStore(StateStore):
             row = cur.execute(
                 "SELECT seq FROM craft_token WHERE ns = ? AND token = ?", (namespace, token)
             ).fetchone()
-            if row is not None and row[0] > 0:
-                return int(row[0])
+            if row is not None:
+                seq = self._int(row[0], namespace, f"the record of append {preview(token)}")
+                if seq > 0:
+                    return seq
             cur.execute(
                 "DELETE FROM craft_token WHERE ns = ? AND seq = 0 AND expires <= ?",
                 (namespace, now),
