@@ -25,7 +25,8 @@ from __future__ import annotations
 
 import asyncio
 import uuid
-from collections.abc import AsyncGenerator, Generator, Sequence
+from collections.abc import AsyncGenerator, Generator, Iterator, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from queue import Empty
 from threading import Thread
@@ -55,7 +56,7 @@ from llama_index.postprocessor.craft import (
     split_nodes,
 )
 
-from craft_rag import Chunk, validate_conversation_id
+from craft_rag import Chunk, Plan, validate_conversation_id
 from craft_rag.engine import (
     CONDENSE_INSTRUCTION,
     DEFAULT_CONDENSE_MAX_TOKENS,
@@ -290,15 +291,33 @@ class CraftChatEngine(BaseChatEngine):
         result = self._reorderer.reorder(
             nodes, turn.bundle, conversation_id=self.conversation_id, park=False
         )
-        self.last_reorder = result
-        turn.sources = list(result.nodes) + list(result.removed_duplicates)
-        turn.chunks = list(split_nodes(result.nodes, self._key_source).chunks)
-        turn.kwargs = {
-            "conversation_id": self.conversation_id,
-            "plan": result.plan,
-            **self._sampling,
-        }
+        turn.plan = result.plan
+        with self._giving_up_on_failure(turn):
+            self.last_reorder = result
+            turn.sources = list(result.nodes) + list(result.removed_duplicates)
+            turn.chunks = list(split_nodes(result.nodes, self._key_source).chunks)
+            turn.kwargs = {
+                "conversation_id": self.conversation_id,
+                "plan": result.plan,
+                **self._sampling,
+            }
         return turn
+
+    def _give_up(self, turn: _Turn) -> None:
+        """The turn failed or was cut short: abort its plan. The engine only releases a plan
+        handed to it with ``plan=`` (back to its holder, us), so without this the conversation
+        keeps a plan in flight and refuses every later turn for ``conversation_ttl_s``. A plan
+        already committed is left alone (``abort`` returns False). O(1)."""
+        if turn.plan is not None:
+            self._reorderer.planner.abort(turn.plan)
+
+    @contextmanager
+    def _giving_up_on_failure(self, turn: _Turn) -> Iterator[None]:
+        try:
+            yield
+        except BaseException:  # errors, cancellation, a stream closed early: no plan left
+            self._give_up(turn)
+            raise
 
     def _prepare(self, message: str, chat_history: list[ChatMessage] | None) -> _Turn:
         turn = self._open(message, chat_history)
@@ -367,7 +386,9 @@ class CraftChatEngine(BaseChatEngine):
         self, message: str, chat_history: list[ChatMessage] | None = None
     ) -> AgentChatResponse:
         turn = self._prepare(message, chat_history)
-        answer = self._answer(turn, self._llm.complete_chunks(*turn.args, **turn.kwargs))
+        with self._giving_up_on_failure(turn):
+            done = self._llm.complete_chunks(*turn.args, **turn.kwargs)
+        answer = self._answer(turn, done)
         self._memory.put_messages(turn.messages)
         return answer
 
@@ -375,21 +396,25 @@ class CraftChatEngine(BaseChatEngine):
         self, message: str, chat_history: list[ChatMessage] | None = None
     ) -> AgentChatResponse:
         turn = await self._aprepare(message, chat_history)
-        answer = self._answer(turn, await self._llm.acomplete_chunks(*turn.args, **turn.kwargs))
+        with self._giving_up_on_failure(turn):
+            done = await self._llm.acomplete_chunks(*turn.args, **turn.kwargs)
+        answer = self._answer(turn, done)
         await self._memory.aput_messages(turn.messages)
         return answer
 
     def _chat_deltas(
-        self, stream: Generator[CompletionResponse, None, None]
+        self, turn: _Turn, stream: Generator[CompletionResponse, None, None]
     ) -> Generator[ChatResponse, None, None]:
-        for r in stream:
-            yield self._record(r)
+        with self._giving_up_on_failure(turn):
+            for r in stream:
+                yield self._record(r)
 
     async def _achat_deltas(
-        self, stream: AsyncGenerator[CompletionResponse, None]
+        self, turn: _Turn, stream: AsyncGenerator[CompletionResponse, None]
     ) -> AsyncGenerator[ChatResponse, None]:
-        async for r in stream:
-            yield self._record(r)
+        with self._giving_up_on_failure(turn):
+            async for r in stream:
+                yield self._record(r)
 
     def stream_chat(
         self, message: str, chat_history: list[ChatMessage] | None = None
@@ -397,10 +422,11 @@ class CraftChatEngine(BaseChatEngine):
         """Streams the reply; the assistant message reaches ``memory`` when the stream ends
         (LlamaIndex's writer thread, as in ``SimpleChatEngine``)."""
         turn = self._prepare(message, chat_history)
-        self._memory.put(turn.user)
-        stream = self._llm.stream_complete_chunks(*turn.args, **turn.kwargs)
+        with self._giving_up_on_failure(turn):
+            self._memory.put(turn.user)
+            stream = self._llm.stream_complete_chunks(*turn.args, **turn.kwargs)
         response = _BlockingStreamResponse(
-            chat_stream=self._chat_deltas(stream), source_nodes=turn.sources
+            chat_stream=self._chat_deltas(turn, stream), source_nodes=turn.sources
         )
         response.metadata = self._stream_metadata(turn)
         thread = Thread(target=response.write_response_to_history, args=(self._memory,))
@@ -412,10 +438,11 @@ class CraftChatEngine(BaseChatEngine):
         self, message: str, chat_history: list[ChatMessage] | None = None
     ) -> StreamingAgentChatResponse:
         turn = await self._aprepare(message, chat_history)
-        await self._memory.aput(turn.user)
-        stream = self._llm.astream_complete_chunks(*turn.args, **turn.kwargs)
+        with self._giving_up_on_failure(turn):
+            await self._memory.aput(turn.user)
+            stream = self._llm.astream_complete_chunks(*turn.args, **turn.kwargs)
         response = _StreamResponse(
-            achat_stream=self._achat_deltas(stream), source_nodes=turn.sources
+            achat_stream=self._achat_deltas(turn, stream), source_nodes=turn.sources
         )
         response.metadata = self._stream_metadata(turn)
         response.awrite_response_to_history_task = asyncio.create_task(
@@ -436,6 +463,8 @@ class _Turn:
     kwargs: dict[str, Any] = field(default_factory=dict)
     reply: ChatMessage | None = None
     condensed: Condensed | None = None
+    plan: Plan | None = None
+    """The plan ``_plan`` made (reserved for this turn); aborted if the turn fails."""
 
     @property
     def user(self) -> ChatMessage:
