@@ -365,7 +365,8 @@ class CraftPlanner(KVFeedback, StateRecorder, SharedSync):
         load); ``ValueError`` naming the argument for a bad one (mismatched lengths, negative or
         non-int token counts, block hashes that are not bytes or ints, a plan altered after
         planning). Every argument is checked before anything changes: a refused commit changes
-        nothing and leaves the plan committable.
+        nothing and leaves the plan committable. A store that failed: ``StoreUnavailable``, the
+        plan still committable (recorded once; :mod:`craft_rag.planner_sync`).
 
         Spans are contiguous by construction; a span differing from a cached chunk's recorded
         one replaces that node's KV record and drops the nodes below it

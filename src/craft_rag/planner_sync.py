@@ -29,8 +29,13 @@ unsettled attempt treats it as this worker's own (its token ids are kept).
 CP-Tree and each conversation's live chunk keys, never token ids (~12 KB per 2,000-token turn):
 those stay in each worker's memory and in the store's per-conversation history records, and a
 worker loading a snapshot keeps the token ids it had for the turns the snapshot holds. The
-snapshot's state is copied under the lock (``to_json``, O(state)); the JSON text and the store
-write happen after the lock is released, so other requests never wait on that I/O.
+snapshot's state is copied under the lock (``to_json``, O(state), bounded by ``max_tree_nodes``
+and ``max_conversations``); the JSON text and the store write happen after the lock is
+released, so other requests never wait on that I/O. Measured at the defaults (10,000
+two-turn conversations of 2,000 tokens a turn, 41,000 tree nodes): an 8.5 MiB snapshot (the
+tree 6.4, conversations 2.0) instead of ~125 MiB with token ids; ~1 s of copying under the lock
+(the tree ~90% of it) on a loaded 2-core machine, once per ``snapshot_every`` commits, and
+~0.5 s of JSON after it.
 """
 
 from __future__ import annotations
