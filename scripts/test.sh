@@ -20,3 +20,10 @@ if ! .venv/bin/craft-rag bench all --quick --trace tests/fixtures/squad_30.jsonl
 fi
 echo "bench smoke test: all suites ran (--quick)"
 .venv/bin/python -m pytest -q -p no:cacheprovider "$@"
+# Second model family, in its own small run (its own engine; the run above deselects these):
+# Gemma 3 270M (SentencePiece) through the token-exactness, injection, turn-append and reuse
+# tests. ~4-6 minutes on 2 cores including the one-time conversion (~40-90 s). Skipped with
+# CRAFT_RAG_SKIP_GEMMA=1, or when the arguments above already chose tests (e.g. a -k run).
+if [ -z "${CRAFT_RAG_SKIP_GEMMA:-}" ] && [ "$#" -eq 0 ]; then
+  .venv/bin/python -m pytest -q -p no:cacheprovider -m gemma tests/gemma
+fi

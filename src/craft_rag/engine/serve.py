@@ -210,7 +210,10 @@ def add_serve_parser(subparsers: Any) -> None:
     serve.add_argument("--host", default="127.0.0.1", help="bind address (default: loopback)")
     serve.add_argument("--port", type=int, default=DEFAULT_PORT, help="HTTP port (8000)")
     serve.add_argument(
-        "--model", type=Path, default=None, help="model folder (default: the embedded SmolLM2)"
+        "--model",
+        type=_model_arg,
+        default=None,
+        help="model folder, or an embedded model name: smollm2-135m (the default), gemma3-270m",
     )
     serve.add_argument(
         "--kv-events-port", type=int, default=None, help="KV events port (default: PORT+1000)"
@@ -239,6 +242,13 @@ def add_serve_parser(subparsers: Any) -> None:
     )
     serve.add_argument("--print-command", action="store_true", help="print the argv and exit")
     serve.set_defaults(func=_run_serve)
+
+
+def _model_arg(value: str) -> str | Path:
+    """An embedded model name stays a name (prepared on first use); anything else is a folder."""
+    from craft_rag.engine.model import EMBEDDED_MODELS
+
+    return value if value in EMBEDDED_MODELS else Path(value)
 
 
 def _run_serve(args: argparse.Namespace) -> int:

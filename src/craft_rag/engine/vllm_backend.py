@@ -174,7 +174,14 @@ class VLLMBackend:
         self.prefix_caching = bool(self.vllm_config.cache_config.enable_prefix_caching)
         tokenizer = self.llm.get_tokenizer()
         eos = getattr(tokenizer, "eos_token_id", None)
-        self.eos_token_ids = frozenset([eos] if isinstance(eos, int) else [])
+        # vLLM also stops on generation_config.json's eos ids (Gemma: <eos> and <end_of_turn>);
+        # a reply ending in one must lose it before the template's close is appended.
+        from craft_rag.engine.model import generation_eos_ids
+
+        model_dir = str(self.vllm_config.model_config.model)
+        self.eos_token_ids = frozenset([eos] if isinstance(eos, int) else []) | (
+            generation_eos_ids(Path(model_dir)) if Path(model_dir).is_dir() else frozenset()
+        )
         self._published: int | None = None
         self._count_published_batches()
 
