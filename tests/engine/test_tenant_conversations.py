@@ -140,3 +140,33 @@ def test_real_engine_tenants_share_an_id_without_sharing_the_conversation(
     finally:
         for salt in (SECRET_A, SECRET_B):
             craft_engine.end_conversation(conv, cache_salt=salt)
+
+
+@pytest.mark.parametrize("bad", [f"{SECRET_A}/x", f"{SECRET_A}@x", SECRET_A * 10])
+def test_a_refused_salt_is_not_quoted_by_the_integrations(bad: str) -> None:
+    """The LLM classes refuse a bad default salt; pydantic's error must not quote it."""
+    from craft_rag.testing import make_fake_engine as make
+
+    engine, _ = make()
+    try:
+        errors: list[BaseException] = []
+        try:
+            from llama_index.llms.craft_vllm import CraftVLLM
+        except ImportError:
+            pass
+        else:
+            with pytest.raises(ValueError) as refused:
+                CraftVLLM(engine, cache_salt=bad)
+            errors.append(refused.value)
+        try:
+            from langchain_craft import ChatCraftVLLM
+        except ImportError:
+            pass
+        else:
+            chat = ChatCraftVLLM(engine=engine, cache_salt=bad)
+            with pytest.raises(ValueError) as refused:
+                chat.invoke("hi")
+            errors.append(refused.value)
+        assert errors and all(SECRET_A not in str(e) for e in errors)
+    finally:
+        engine.close()

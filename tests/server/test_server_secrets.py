@@ -235,3 +235,32 @@ def test_llamaindex_llm_on_an_unreachable_credentialed_server(all_logs: Any) -> 
             max_retries=0, timeout=1.0,
         )
     assert_clean(lost.value, repr(lost.value), all_logs.text)
+
+
+def test_integration_constructor_errors_hide_credentials() -> None:
+    """A refused constructor argument is a pydantic ValidationError, which quotes the input:
+    the input (the whole argument dict for a model validator) must not be quoted."""
+    bad_url = f"ftp://alice:{PASSWORD}@127.0.0.1:9/v1"
+    refused: list[BaseException] = []
+    try:
+        from langchain_craft import ChatCraftVLLM
+    except ImportError:
+        pass
+    else:
+        for kwargs in (
+            {"base_url": bad_url, "api_key": API_KEY},
+            {"server": with_credentials("http://127.0.0.1:9"), "api_key": API_KEY, "top_p": 9},
+        ):
+            with pytest.raises(ValueError) as chat_error:
+                ChatCraftVLLM(**kwargs)
+            refused.append(chat_error.value)
+    try:
+        from llama_index.llms.craft_vllm import CraftVLLM
+    except ImportError:
+        pass
+    else:
+        with pytest.raises(ValueError) as llm_error:
+            CraftVLLM(base_url=bad_url, api_key=API_KEY)
+        refused.append(llm_error.value)
+    assert refused
+    assert_clean(*refused, *(repr(e) for e in refused))

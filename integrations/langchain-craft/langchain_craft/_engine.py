@@ -260,7 +260,11 @@ class CraftEngineParams(BaseModel):
         repr=False,  # a tenant's key to its cache namespace: never shown
     )
 
-    model_config = ConfigDict(arbitrary_types_allowed=True, protected_namespaces=())
+    # Validation errors must not quote their input: the argument dict may hold an api_key, a
+    # server URL's password or a cache_salt (a tenant's key).
+    model_config = ConfigDict(
+        arbitrary_types_allowed=True, protected_namespaces=(), hide_input_in_errors=True
+    )
 
     _owned_engine: Any = PrivateAttr(default=None)
     _engine_lock: threading.Lock = PrivateAttr(default_factory=threading.Lock)

@@ -162,7 +162,7 @@ class CraftConversation(RunnableSerializable[ConversationInput, AIMessage]):
     )
     condense_max_tokens: int = Field(default=DEFAULT_CONDENSE_MAX_TOKENS, ge=1)
 
-    model_config = ConfigDict(arbitrary_types_allowed=True)
+    model_config = ConfigDict(arbitrary_types_allowed=True, hide_input_in_errors=True)
 
     # ---- shared by every path ---------------------------------------------------------------
 

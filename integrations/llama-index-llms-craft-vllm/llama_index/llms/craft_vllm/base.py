@@ -42,7 +42,7 @@ from llama_index.core.base.llms.types import (
     LLMMetadata,
     MessageRole,
 )
-from llama_index.core.bridge.pydantic import Field, PrivateAttr, field_validator
+from llama_index.core.bridge.pydantic import ConfigDict, Field, PrivateAttr, field_validator
 from llama_index.core.llms.callbacks import llm_chat_callback, llm_completion_callback
 from llama_index.core.llms.llm import LLM
 from llama_index.core.llms.llm import (
@@ -118,6 +118,9 @@ class CraftVLLM(LLM):
     :meth:`complete_chunks` reserves one by its chunk keys and the engine claims it by id.
     Thread-safe as far as the engine is (one driver thread serialises vLLM).
     """
+
+    # Validation errors must not quote their input: a cache_salt is a tenant's key.
+    model_config = ConfigDict(hide_input_in_errors=True)
 
     model: str = Field(
         default=EMBEDDED_MODEL_NAME,
