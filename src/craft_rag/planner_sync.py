@@ -69,6 +69,10 @@ from craft_rag.validation import check_int, validate_conversation_id
 
 logger = logging.getLogger(__name__)
 
+_MAX_UNSETTLED = 1024
+"""Commit attempts of unknown outcome remembered (a replay meeting one keeps its token ids);
+past that the oldest are forgotten (their turns, if written, then lack ids here)."""
+
 
 class SharedSync:
     """The shared-store half of :class:`~craft_rag.planner.CraftPlanner` (see the module)."""
@@ -292,6 +296,8 @@ class SharedSync:
                 seq = shared.store.settle(shared.namespace, token)
             read = shared.pull() if seq > 0 else None
         except Exception as e:
+            while len(self._unsettled) > _MAX_UNSETTLED:  # bounded: the oldest are forgotten
+                del self._unsettled[next(iter(self._unsettled))]
             msg = (
                 f"{shared.where}: the commit of plan {plan_id} failed{why} and the store did "
                 f"not answer whether it was written ({e}); the plan is still pending: commit it "
@@ -323,8 +329,6 @@ class SharedSync:
             self._settle(shared, lease, None)
         except StoreUnavailable as e:
             logger.warning("%s", e)
-            while len(self._unsettled) > 1024:  # bounded: the oldest are forgotten
-                del self._unsettled[next(iter(self._unsettled))]
             return False
         return lease.written is not None
 

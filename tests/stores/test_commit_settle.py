@@ -48,7 +48,7 @@ def proxy(redis_url: str) -> Iterator[tuple[DelayProxy, str]]:
     """A delaying proxy in front of the test Redis, and the store URL through it."""
     parts = urlsplit(redis_url)
     proxy = DelayProxy(parts.hostname or "127.0.0.1", parts.port or 6379)
-    yield proxy, f"redis://127.0.0.1:{proxy.port}{parts.path}?timeout_ms=500"
+    yield proxy, f"redis://127.0.0.1:{proxy.port}{parts.path}?timeout_ms=800"
     proxy.close()
 
 
@@ -84,7 +84,7 @@ def test_a_commit_answered_after_the_timeout_is_done_not_lost(
     other = CraftPlanner(CONFIG, store=redis_url)
     slow.commit(_serve(slow, (1, 2), 1), turn_tokens=turn_ids(1))
     plan = _serve(slow, (2, 3, 4), 2)
-    delays.delay_reply_to(COMMIT, 1.2)  # Redis writes it at once, answers after 1.2 s
+    delays.delay_reply_to(COMMIT, 2.0)  # Redis writes it at once, answers after 2 s
     result = slow.commit(plan, turn_tokens=turn_ids(2))  # settled: it was written
     assert delays.delayed == 1
     assert result.turn == 2 and not slow.is_pending(plan)
@@ -102,11 +102,11 @@ def test_a_commit_request_delayed_past_the_timeout_is_voided_and_can_be_retried(
     other = CraftPlanner(CONFIG, store=redis_url)
     slow.commit(_serve(slow, (1, 2), 1), turn_tokens=turn_ids(1))
     plan = _serve(slow, (2, 3, 4), 2)
-    delays.delay_request(COMMIT, 1.2)  # reaches Redis after the client gave up
+    delays.delay_request(COMMIT, 2.0)  # reaches Redis after the client gave up
     with pytest.raises(StoreUnavailable, match=r"was not written.*still pending"):
         slow.commit(plan, turn_tokens=turn_ids(2))
     assert slow.is_pending(plan)
-    time.sleep(1.5)  # the held request lands now, and is refused: its token is void
+    time.sleep(2.5)  # the held request lands now, and is refused: its token is void
     assert commits_of(slow.store, "chat") == [1]  # type: ignore[arg-type]
     assert slow.commit(plan, turn_tokens=turn_ids(2)).turn == 2
     assert commits_of(slow.store, "chat") == [1, 2]  # type: ignore[arg-type]
@@ -272,7 +272,7 @@ def test_engine_turn_answered_late_by_redis_keeps_its_reply_and_the_conversation
     docs = make_chunks(6, words=12)
     try:
         a.generate(docs[:2], "q1", conversation_id="chat", max_tokens=3)
-        delays.delay_reply_to(COMMIT, 1.2)
+        delays.delay_reply_to(COMMIT, 2.0)
         r2 = a.generate(docs[2:4], "q2", conversation_id="chat", max_tokens=3)
         assert delays.delayed == 1 and r2.report.turn == 2 and r2.token_ids
         r3 = b.generate([docs[3], docs[4]], "q3", conversation_id="chat", max_tokens=3)
