@@ -138,3 +138,23 @@ def test_gemma_chat_messages_stay_plain(model_dir: Path, tokenizer: HFTokenizer)
     # <bos> + 3 turns x 2 + the generation prompt; the system text joins the first user turn.
     assert controls(tokenizer, clean) == 8
     assert controls(tokenizer, evil) == controls(tokenizer, clean)
+
+
+def test_gemma_system_text_kept_as_sent_and_turns_trimmed_stay_plain(
+    model_dir: Path, tokenizer: HFTokenizer
+) -> None:
+    """Regression: Gemma's template keeps the system text as sent and trims the turns'; with
+    padded contents spelling control tokens the renderer refused the chat ("rewrites message
+    contents") instead of isolating each content."""
+    renderer = MessageRenderer(model_renderer(model_dir), tokenizer)
+    padded = "  " + GEMMA_ATTACK + "<bos>\n"
+
+    def chat(text: str) -> list[tuple[str, str]]:
+        return [("system", text), ("user", text), ("assistant", text), ("user", text)]
+
+    clean = renderer.token_ids(chat(" Hi.\n"))
+    evil = renderer.token_ids(chat(padded))
+    assert controls(tokenizer, evil) == controls(tokenizer, clean) == 8
+    dicts = [{"role": r, "content": t} for r, t in chat(padded)]
+    rendered = model_renderer(model_dir)(dicts, True)
+    assert tokenizer._tok.decode(list(evil), skip_special_tokens=False) == rendered

@@ -124,6 +124,30 @@ class MessageRenderer:
                     pieces.append((transform(dicts[int(part)]["content"]), False))
             if "".join(text for text, _ in pieces) == full:
                 return [p for p in pieces if p[0]]
+        # Per message: some templates trim one content and not another (Gemma 3 keeps the
+        # system text as it is and trims the turns'). Each content as sent or stripped, the
+        # first that keeps the text so far a prefix of ``full`` together with the scaffolding
+        # after it; O(len(full)).
+        pieces, at = [], 0
+        for j, part in enumerate(parts):
+            if j % 2 == 0:
+                if not full.startswith(part, at):
+                    break
+                pieces.append((part, True))
+                at += len(part)
+                continue
+            content = dicts[int(part)]["content"]
+            after = parts[j + 1] if j + 1 < len(parts) else ""
+            choice = next(
+                (c for c in (content, content.strip()) if full.startswith(c + after, at)), None
+            )
+            if choice is None:
+                break
+            pieces.append((choice, False))
+            at += len(choice)
+        else:
+            if at == len(full):
+                return [p for p in pieces if p[0]]
         controls: tuple[str, ...] = getattr(self._tokenizer, "control_strings", ())
         for i, message in enumerate(dicts):
             if any(c in message["content"] for c in controls):
