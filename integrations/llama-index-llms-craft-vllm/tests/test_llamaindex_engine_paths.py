@@ -208,6 +208,12 @@ def test_chat_sessions_in_two_salts_share_nothing(
     plain.chat(questions[0])
     first = plain.last_reuse_report
     assert first is not None and not first.salted and first.cached_tokens == 0
-    # A session keeps its salt: the engine refuses the conversation under another one.
-    with pytest.raises(ValueError, match="salt"):
-        llm.complete_chunks([], questions[1], conversation_id="li-salted")
+    # A conversation is its salt's: the same id unsalted is another tenant's (a first turn),
+    # and resetting that one leaves the salted session's turns alone.
+    answer = llm.complete_chunks([], questions[1], conversation_id="li-salted")
+    other = answer.additional_kwargs[REUSE_KEY]
+    assert other.turn == 1 and not other.salted
+    llm.engine.end_conversation("li-salted")
+    assert llm.engine.turn_count("li-salted", cache_salt=salt) == 2
+    salted.reset()
+    assert llm.engine.turn_count("li-salted", cache_salt=salt) == 0

@@ -116,8 +116,10 @@ def test_sessions_with_different_salts_share_nothing(craft_engine: Any) -> None:
     # Within one salt, another session reuses the shared prompt prefix.
     a2 = ask("a2", f"tenant-a-{tag}")
     assert a2["cached_tokens"] >= a2["prompt_tokens"] - 2 * craft_engine.block_size
-    for session in ("a", "b", "a2"):
-        assert conv.end_session(f"{session}-{tag}")
+    for session, tenant in (("a", "a"), ("b", "b"), ("a2", "a")):
+        assert not conv.end_session(f"{session}-{tag}")  # no unsalted session of that id
+        salted: Any = {"configurable": {"cache_salt": f"tenant-{tenant}-{tag}"}}
+        assert conv.end_session(f"{session}-{tag}", config=salted)
 
 
 async def test_async_streaming_with_ttft(craft_engine: Any) -> None:
