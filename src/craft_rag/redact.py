@@ -75,7 +75,9 @@ def redact_url(url: str) -> str:
             end = at
     authority, tail = rest[:end], rest[end:]
     cut = authority.rfind("@")
-    if cut < 0 and authority and "@" in tail:
+    # An '@' after the apparent authority means the password held '/', '?' or '#' (and
+    # maybe '@'): the userinfo ends at the URL's last '@' ('u:p@S/x@host' hides 'p@S/x').
+    if authority and "@" in tail:
         cut = rest.rfind("@")
         # Re-split what follows the '@' into host and path/options.
         after = rest[cut + 1 :]
