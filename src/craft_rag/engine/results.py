@@ -14,11 +14,11 @@ from typing import TYPE_CHECKING, Any, TypeAlias
 
 from craft_rag.chunk import Chunk
 from craft_rag.engine.planners import validate_cache_salt
+from craft_rag.engine.turn_layout import LayoutChoice
 from craft_rag.types import ChunkKey
 from craft_rag.validation import check_number, materialise, validate_conversation_id
 
 if TYPE_CHECKING:
-    from craft_rag.engine.turn_layout import LayoutChoice
     from craft_rag.planner import Plan
 
 
@@ -217,6 +217,8 @@ class ReuseReport:
     read_prefix_cache: bool
     plan_id: int | None = None
     salted: bool = False
+    # LayoutChoice is imported at runtime, not only for type checking: pydantic models that
+    # hold a ReuseReport (a user's event handler, say) resolve this annotation when built.
     layout: LayoutChoice | None = None
     """A conversation turn's layout decision (append or compacted restart, with the predicted
     costs: :mod:`craft_rag.engine.turn_layout`); ``None`` when none was made."""
