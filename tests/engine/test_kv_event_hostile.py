@@ -387,3 +387,15 @@ def test_decode_names_the_bad_field_and_quotes_no_payload() -> None:
     with pytest.raises(ValueError, match=r"'type' must be a string, got bytes") as info:
         decode_event_batch(payload([{"type": b"x" * 10_000}]))
     assert len(str(info.value)) < 200
+
+
+def test_a_publisher_restart_resyncs_and_the_new_socket_applies_its_batches(hub: Hub) -> None:
+    hub.send(1, [stored()])
+    assert hub.sync.wait_through(1, timeout=10)
+    hub.pub.close(linger=0)
+    assert hub.until(lambda: hub.sync.stats.disconnects >= 1), "the drop went unnoticed"
+    assert hub.listener.clears >= 1  # batches may have been lost while it was down
+    hub.pub = hub.ctx.socket(zmq.PUB)
+    hub.pub.bind(hub.endpoint)
+    assert _probe_until_removed(hub, 0), "the sync never heard the new publisher"
+    assert hub.sync._thread.is_alive()

@@ -60,6 +60,8 @@ import logging
 import threading
 import time
 from collections.abc import Callable, Iterable, Sequence
+from contextlib import suppress
+from functools import partial
 from typing import Any, Protocol
 
 from craft_rag.engine.block_hashes import (
@@ -182,9 +184,17 @@ class KVEventSync:
         return sock, monitor
 
     def _close_sockets(self) -> None:
-        self._sock.disable_monitor()
-        self._monitor.close(linger=0)
-        self._sock.close(linger=0)
+        """Close the socket and its monitor; safe on sockets already closed or half-opened."""
+        import zmq
+
+        closes = (
+            self._sock.disable_monitor,
+            partial(self._monitor.close, linger=0),
+            partial(self._sock.close, linger=0),
+        )
+        for close in closes:
+            with suppress(zmq.ZMQError):  # already closed (a reopen that failed halfway)
+                close()
 
     def set_hasher(self, hasher: BlockHasher | None) -> None:
         """Check stored first blocks against ``hasher`` (see the module doc)."""
@@ -221,13 +231,17 @@ class KVEventSync:
         import zmq
 
         poller = self._poller()
+        reopen = False
         while not self._stop.is_set():
             try:
+                if reopen:
+                    poller = self._reopen()
+                    reopen = False
                 ready = dict(poller.poll(50))
                 if self._monitor in ready and self._disconnected():
                     self._lost("disconnects", "the connection dropped (a frame over "
                                "max_message_bytes, a publisher restart or a network error)")
-                    poller = self._reopen()
+                    reopen = True
                     continue
                 if self._sock in ready:
                     message = self._recv()
@@ -237,7 +251,7 @@ class KVEventSync:
                 if self._stop.is_set():
                     break
                 self._lost("disconnects", f"socket error {exc.errno}")
-                poller = self._reopen()
+                reopen = True  # tried again next round, however often it fails
             except Exception as exc:  # last resort: nothing a peer sends may end this thread
                 self._lost("undecodable", f"unexpected {type(exc).__name__}")
                 self._stop.wait(0.05)
@@ -358,7 +372,6 @@ class KVEventSync:
         """A batch (or a stretch of them) is lost: count it, warn (rate-limited), resync by
         clearing the listener, and let the barrier pass ``seq`` when it is known."""
         stats = self.stats
-        setattr(stats, counter, getattr(stats, counter) + 1)
         self._warn(reason)
         with self._cond:
             self._expected_clears = 0  # the lost batch may have held our reset's event
@@ -369,7 +382,8 @@ class KVEventSync:
             except Exception as exc:
                 stats.listener_errors += 1
                 self._warn(f"the listener's resync raised {type(exc).__name__}")
-        with self._cond:
+        with self._cond:  # counted once resynced: a reader of the count sees the clear done
+            setattr(stats, counter, getattr(stats, counter) + 1)
             if seq is not None:
                 stats.last_seq = seq
             stats.last_event_time = self._clock()
