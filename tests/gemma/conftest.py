@@ -18,6 +18,7 @@ import pytest
 
 if TYPE_CHECKING:
     from craft_rag.engine.engine import CraftEngine
+    from craft_rag.tokenizer import HFTokenizer
 
 # Gemma's KV blocks are per attention group (sliding and full layers), so the SmolLM2
 # engine's 128-block override is too small for one 2,048-token prompt: size by bytes.
@@ -51,6 +52,14 @@ def model_dir() -> Path:
     except (FileNotFoundError, ImportError) as exc:
         _skip_or_fail(f"embedded Gemma model unavailable: {exc}")
         raise
+
+
+@pytest.fixture(scope="session")
+def tokenizer(model_dir: Path) -> HFTokenizer:
+    """Gemma's tokenizer, loaded once (its 262k-token tokenizer.json takes seconds to load)."""
+    from craft_rag.tokenizer import HFTokenizer
+
+    return HFTokenizer(model_dir / "tokenizer.json")
 
 
 @pytest.fixture(scope="session")

@@ -35,7 +35,6 @@ test_a_given_plan_is_served_token_exactly_and_committed_once = (
 test_no_cache_baseline_on_the_same_engine = _vllm.test_no_cache_baseline_on_the_same_engine
 
 _injection = load_tests("engine/test_injection_engine.py")
-tokenizer = _injection.tokenizer
 test_lone_surrogates_are_value_errors_naming_the_field = (
     _injection.test_lone_surrogates_are_value_errors_naming_the_field
 )

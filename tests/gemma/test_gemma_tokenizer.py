@@ -26,7 +26,6 @@ from craft_rag.tokenizer import HFTokenizer
 pytestmark = pytest.mark.gemma
 
 _injection = load_tests("test_injection.py")
-tokenizer = _injection.tokenizer
 assembler = _injection.assembler
 test_plain_encode_equals_the_full_tokenizer_on_benign_text = (
     _injection.test_plain_encode_equals_the_full_tokenizer_on_benign_text
