@@ -53,6 +53,7 @@ from craft_rag.engine.kv_events import BlockHasher, EvictionListener, KVEventSyn
 from craft_rag.engine.results import SamplingRequest, StepOutput
 from craft_rag.engine.server_answers import (
     MAX_JSON_BODY_BYTES,
+    bad_field,
     event_cached_tokens,
     event_deltas,
     metrics_block_size,
@@ -285,8 +286,9 @@ class ServerBackend:
         first delta. Stops early (closing the stream, so the server aborts the request) once
         ``cancelled`` is set. After a connection loss the server is checked again first
         (module doc). Every event is checked (:mod:`~craft_rag.engine.server_answers`); more
-        tokens than ``max_tokens`` or an impossible ``cached_tokens`` is a ``ServerError``
-        before the final delta, so nothing of the request is committed."""
+        tokens than ``max_tokens``, an impossible ``cached_tokens``, output after the
+        ``finish_reason`` or an event naming another model is a ``ServerError`` before the
+        final delta, so nothing of the request is committed."""
         return self._stream(token_ids, sampling, cache_salt, cancelled, check=True)
 
     def _stream(
@@ -326,9 +328,24 @@ class ServerBackend:
                     done = True
                     break
                 event = parse_event(data, base)
+                model = event.get("model")
+                if model is not None and model != self.model_name:
+                    # A balancer mixing servers, or one that changed without a restart.
+                    raise bad_field(
+                        base, "a stream event", "model", model, f"not {self.model_name!r}"
+                    )
                 reported = event_cached_tokens(event, len(token_ids), base)
                 cached = cached if reported is None else reported
                 for delta in event_deltas(event, base):
+                    if finish is not None and (delta.token_ids or delta.text):
+                        raise bad_field(
+                            base,
+                            "a stream event",
+                            "finish_reason",
+                            finish,
+                            "output followed the sequence's end (a duplicated or spliced "
+                            "stream); the reply is refused",
+                        )
                     sent += len(delta.token_ids)
                     if sent > sampling.max_tokens:
                         msg = (
