@@ -22,6 +22,7 @@ from craft_rag.engine.server_answers import (
     MAX_RETRY_AFTER_S,
     Deadline,
     json_answer,
+    quote,
     read_capped,
     read_head,
     retry_after_s,
@@ -33,6 +34,7 @@ from craft_rag.engine.server_settings import (
     ServerSettings,
     ServerUnavailable,
 )
+from craft_rag.redact import redact_url
 
 __all__ = ["MAX_BACKOFF_S", "ServerConnection"]
 
@@ -67,6 +69,8 @@ class ServerConnection:
         timeout = httpx.Timeout(
             settings.read_timeout, connect=settings.connect_timeout, pool=settings.read_timeout
         )
+        if transport is None:
+            transport = _head_deadline_transport()
         # base_url carries no credentials (httpx logs every request URL at INFO): a URL's
         # user:password@ goes as basic auth instead.
         self._client = httpx.Client(
@@ -141,10 +145,26 @@ class ServerConnection:
         """Send one request; a 4xx/5xx answer raises (only its first
         ``MAX_ERROR_BODY_BYTES`` are read). Returns the streaming response (close it)."""
         request = self._client.build_request(method, path, json=body)
-        response = self._client.send(request, stream=True)
+        # httpx's read timeout is per socket read: headers dripped a line at a time would
+        # never trip it. The whole head must arrive within read_timeout.
+        _HEAD_DEADLINE.at = time.monotonic() + self.settings.read_timeout
+        try:
+            response = self._client.send(request, stream=True)
+        finally:
+            _HEAD_DEADLINE.at = None
         status = response.status_code
-        if status < 400:
+        if status < 300:
             return response
+        if status < 400:
+            response.close()
+            # Never followed: the Authorization header (api_key) would go to another host.
+            where = redact_url(response.headers.get("location", ""))
+            msg = (
+                f"{method} {path} at {self.settings.base_url} answered a redirect (HTTP "
+                f"{status} to {quote(where)}), which is not followed (the api key would go "
+                "along); pass the server's own URL"
+            )
+            raise ServerError(msg)
         try:
             head = read_head(response.iter_raw(), MAX_ERROR_BODY_BYTES, self.deadline())
         finally:
@@ -194,3 +214,69 @@ class _Retryable(Exception):
         super().__init__(message)
         self.status = status
         self.retry_after = retry_after
+
+
+# ---- a deadline for an answer's head ------------------------------------------------------------
+
+_HEAD_DEADLINE = threading.local()
+"""``at``: the monotonic time by which this thread's pending answer head must be complete
+(``None``: no request head pending; body reads are bounded by :class:`Deadline` instead)."""
+
+
+def _head_deadline_transport() -> Any:
+    """httpx's default transport, its sockets' reads bounded by :data:`_HEAD_DEADLINE`. If
+    httpcore's pool ever stops exposing its network backend, the plain transport is used."""
+    import httpx
+
+    transport = httpx.HTTPTransport()
+    pool = getattr(transport, "_pool", None)
+    backend = getattr(pool, "_network_backend", None)
+    if backend is not None:
+        pool._network_backend = _head_deadline_backend()(backend)  # type: ignore[union-attr]
+    return transport
+
+
+def _head_deadline_backend() -> type[Any]:
+    """A network backend whose streams cap each read's timeout at the pending head's
+    deadline (built here: httpcore is imported only where the server backend is used)."""
+    import httpcore
+
+    class Stream(httpcore.NetworkStream):
+        def __init__(self, inner: httpcore.NetworkStream) -> None:
+            self._inner = inner
+
+        def read(self, max_bytes: int, timeout: float | None = None) -> bytes:
+            at = getattr(_HEAD_DEADLINE, "at", None)
+            if at is not None:
+                left = at - time.monotonic()
+                if left <= 0:
+                    raise httpcore.ReadTimeout("the answer's head took longer than read_timeout")
+                timeout = left if timeout is None else min(timeout, left)
+            return self._inner.read(max_bytes, timeout)
+
+        def write(self, buffer: bytes, timeout: float | None = None) -> None:
+            self._inner.write(buffer, timeout)
+
+        def close(self) -> None:
+            self._inner.close()
+
+        def start_tls(self, *args: Any, **kwargs: Any) -> httpcore.NetworkStream:
+            return Stream(self._inner.start_tls(*args, **kwargs))
+
+        def get_extra_info(self, info: str) -> Any:
+            return self._inner.get_extra_info(info)
+
+    class Backend(httpcore.NetworkBackend):
+        def __init__(self, inner: httpcore.NetworkBackend) -> None:
+            self._inner = inner
+
+        def connect_tcp(self, *args: Any, **kwargs: Any) -> httpcore.NetworkStream:
+            return Stream(self._inner.connect_tcp(*args, **kwargs))
+
+        def connect_unix_socket(self, *args: Any, **kwargs: Any) -> httpcore.NetworkStream:
+            return Stream(self._inner.connect_unix_socket(*args, **kwargs))
+
+        def sleep(self, seconds: float) -> None:
+            self._inner.sleep(seconds)
+
+    return Backend
