@@ -8,6 +8,11 @@ bash scripts/bootstrap.sh
 export HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 VLLM_ENABLE_V1_MULTIPROCESSING=0
 .venv/bin/ruff check src tests integrations examples benchmarks
 .venv/bin/mypy
+# The docs site and the API reference from the docstrings (mkdocs.yml), offline, warnings are
+# errors; built outside the tree (~25 s).
+docs_site=$(mktemp -d)
+.venv/bin/mkdocs build --strict --quiet --site-dir "$docs_site"
+rm -rf "$docs_site"
 # Benchmark smoke test (issue 7): every suite at --quick sizes on a committed 30-request SQuAD
 # trace cut to 15 requests (no corpus to embed), ~5 minutes, no timing assertions. Output kept
 # out of the tree.
