@@ -16,7 +16,13 @@ from craft_rag.chunk import Chunk
 from craft_rag.engine.planners import validate_cache_salt
 from craft_rag.engine.turn_layout import LayoutChoice
 from craft_rag.types import ChunkKey
-from craft_rag.validation import check_number, materialise, validate_conversation_id
+from craft_rag.validation import (
+    MAX_INT,
+    check_int,
+    check_number,
+    materialise,
+    validate_conversation_id,
+)
 
 if TYPE_CHECKING:
     from craft_rag.planner import Plan
@@ -37,9 +43,11 @@ class SamplingRequest:
     extra: Mapping[str, Any] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
-        if _not_int(self.max_tokens) or self.max_tokens < 1:
-            msg = f"max_tokens must be an int >= 1, got {self.max_tokens!r}"
+        if _not_int(self.max_tokens) or not 1 <= self.max_tokens <= MAX_INT:
+            msg = f"max_tokens must be an int >= 1 (<= {MAX_INT}), got {self.max_tokens!r}"
             raise ValueError(msg)
+        if self.seed is not None:  # int64, what vLLM and torch take
+            check_int(self.seed, "seed", minimum=-(2**63), maximum=MAX_INT)
         check_number(self.temperature, "temperature", minimum=0.0)
         check_number(self.top_p, "top_p", positive=True, maximum=1.0)
 

@@ -32,6 +32,7 @@ from pathlib import Path
 from typing import Any
 
 from craft_rag.engine.server_backend import KV_EVENTS_PORT_OFFSET
+from craft_rag.validation import check_int
 
 DEFAULT_PORT = 8000
 DEFAULT_KV_CACHE_BYTES = 1 << 30
@@ -70,9 +71,11 @@ class ServeConfig:
             raise ValueError(msg)
         for name in ("port", "kv_events_port"):
             value = getattr(self, name)
-            if value is not None and not 0 < value < 65536:
-                msg = f"{name} must be in 1..65535, got {value}"
-                raise ValueError(msg)
+            if value is not None:  # a bool or a float is no port (True would be port 1)
+                check_int(value, f"{name} (1..65535)", minimum=1, maximum=65535)
+        check_int(self.block_size, "block_size", minimum=16)
+        check_int(self.max_model_len, "max_model_len", minimum=1, maximum=2**31 - 1)
+        check_int(self.kv_cache_memory_bytes, "kv_cache_memory_bytes", minimum=1)
         if self.events_port == self.port:
             msg = "kv_events_port must differ from port"
             raise ValueError(msg)

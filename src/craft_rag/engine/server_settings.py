@@ -115,6 +115,14 @@ class ServerSettings:
         check_number(self.read_timeout, "read_timeout (seconds)", positive=True)
         check_int(self.retries, "retries", minimum=0, maximum=MAX_RETRIES)
         check_number(self.backoff, "backoff (seconds)", minimum=0.0, maximum=MAX_BACKOFF_S)
+        if self.block_size is not None:  # None: read from /metrics
+            check_int(self.block_size, "block_size", minimum=1, maximum=1 << 16)
+        if self.kv_events is not None and not isinstance(self.kv_events, int | str):
+            msg = (
+                "kv_events must be a port, a tcp://HOST:PORT endpoint, False or None, got "
+                f"{type(self.kv_events).__name__}"
+            )
+            raise ValueError(msg)
         if isinstance(self.kv_events, str) and not self.kv_events.startswith("tcp://"):
             msg = f"kv_events {self.kv_events!r} must be a tcp://HOST:PORT endpoint or a port"
             raise ValueError(msg)

