@@ -41,6 +41,7 @@ from craft_rag.engine.conversation_prompts import DEFAULT_MAX_CONVERSATIONS
 from craft_rag.planner import CraftPlanner, Plan, PlannerConfig
 from craft_rag.stores import DEFAULT_NAMESPACE, StateStore, as_store, namespace_for_salt
 from craft_rag.types import BlockHash, ChunkKey, ConversationId
+from craft_rag.validation import has_lone_surrogate
 
 CacheSalt = NewType("CacheSalt", str)
 """A vLLM ``cache_salt``: prefix-cache entries are shared only between requests with the same
@@ -56,14 +57,20 @@ _FORBIDDEN_SALT_CHARS = frozenset("@/\\\x00")
 
 def validate_cache_salt(cache_salt: object) -> CacheSalt | None:
     """``cache_salt`` as a :data:`CacheSalt` (``None`` stays ``None``). ``ValueError`` unless it
-    is a non-empty string of at most 128 characters without ``@``, ``/``, ``\\`` or NUL
-    (vLLM's rules)."""
+    is a non-empty string of valid Unicode, at most 128 characters, without ``@``, ``/``,
+    ``\\`` or NUL (vLLM's rules)."""
     if cache_salt is None:
         return None
     # A salt is a tenant's key to its cache namespace: messages describe it, never quote it.
     if not isinstance(cache_salt, str) or not cache_salt:
         got = "an empty string" if cache_salt == "" else f"a {type(cache_salt).__name__}"
         msg = f"cache_salt must be a non-empty string or None, got {got}"
+        raise ValueError(msg)
+    if has_lone_surrogate(cache_salt):  # not UTF-8: no namespace digest, no JSON for a server
+        msg = (
+            "cache_salt holds a lone surrogate (not valid Unicode, cannot be encoded as UTF-8; "
+            "not shown: a salt is a tenant's key)"
+        )
         raise ValueError(msg)
     if len(cache_salt) > _MAX_SALT_LENGTH or any(c in _FORBIDDEN_SALT_CHARS for c in cache_salt):
         msg = (
