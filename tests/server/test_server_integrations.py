@@ -127,7 +127,8 @@ def test_llamaindex_chat_engine_over_the_server(vllm_server: str) -> None:
 
     llm = CraftVLLM(server=vllm_server, max_tokens=2)
     try:
-        chat = CraftChatEngine(Turns(), llm, conversation_id=f"srv-chat-{tag}")
+        # The server serves the embedded model, where auto skips condensing: forced here.
+        chat = CraftChatEngine(Turns(), llm, conversation_id=f"srv-chat-{tag}", condense=True)
         first = chat.chat("Which facts are about rivers?")
         second = chat.chat("And which about glaciers?")
         one, two = first.metadata["craft_reuse"], second.metadata["craft_reuse"]

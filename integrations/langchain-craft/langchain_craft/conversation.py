@@ -16,11 +16,13 @@ application; the engine's token history is the prompt. When the engine does not 
 that has history (the process restarted, or the engine evicted the conversation), the first
 turn served carries the earlier questions and answers as text, so the model keeps the context.
 
-Follow-ups are condensed before retrieval (``condense=True``, the default; LangChain's
-``create_history_aware_retriever`` step): from the second turn on, the engine rewrites the
-question into a standalone one on the conversation's own cached prefix
-(:mod:`craft_rag.engine.condense`), the retriever gets the rewrite, the prompt keeps the user's
-question, and ``response_metadata["craft_condense"]`` reports the rewrite and its own cost.
+Follow-ups are condensed before retrieval (LangChain's ``create_history_aware_retriever``
+step): from the second turn on, the engine rewrites the question into a standalone one on the
+conversation's own cached prefix (:mod:`craft_rag.engine.condense`), the retriever gets the
+rewrite, the prompt keeps the user's question, and ``response_metadata["craft_condense"]``
+reports the rewrite and its own cost. ``condense=None`` (the default, auto) skips it on the
+embedded models (135M/270M models answer or invent instead of rewriting) and reports
+``method="off"`` with that reason; ``True``/``False`` force it.
 The engine's ``HistoryBudget`` bounds the prompt history (oldest whole turns dropped; their
 chunks are sent again when retrieved again).
 """
@@ -40,8 +42,9 @@ from langchain_core.documents import Document
 from langchain_core.messages import AIMessage, AIMessageChunk, BaseMessage, HumanMessage
 from langchain_core.runnables import Runnable, RunnableConfig, RunnableSerializable
 from langchain_core.runnables.config import patch_config
-from pydantic import ConfigDict, Field
+from pydantic import ConfigDict, Field, model_validator
 
+from craft_rag import DEFAULT_INSTRUCTIONS
 from craft_rag.engine import (
     CONDENSE_INSTRUCTION,
     DEFAULT_CONDENSE_MAX_TOKENS,
@@ -49,6 +52,7 @@ from craft_rag.engine import (
     acondense,
     condense,
 )
+from craft_rag.engine.condense import condense_off_reason
 from langchain_craft._documents import DEFAULT_CONVERSATION_KEYS, conversation_id_from_config
 from langchain_craft._engine import reuse_dict
 from langchain_craft.chat_models import ChatCraftVLLM
@@ -129,7 +133,20 @@ class CraftConversation(RunnableSerializable[ConversationInput, AIMessage]):
     question and the previous reply.
     """
 
-    llm: ChatCraftVLLM = Field(description="The engine-backed chat model serving each turn.")
+    llm: ChatCraftVLLM = Field(
+        description="The engine-backed chat model serving each turn; left out: a "
+        "ChatCraftVLLM on the embedded model, started with system_prompt/context_prompt."
+    )
+    system_prompt: str | None = Field(
+        default=None,
+        description="System message at the head of every prompt: the engine's fixed head "
+        "(shared by every session, so its KV is reused); must equal llm's (ValueError).",
+    )
+    context_prompt: str | None = Field(
+        default=None,
+        description="Text before the first document of each turn (the engine's instructions); "
+        "must equal llm's (ValueError).",
+    )
     get_session_history: (
         Callable[[str], MessageHistory] | Callable[[str, str | None], MessageHistory] | None
     ) = Field(
@@ -151,10 +168,12 @@ class CraftConversation(RunnableSerializable[ConversationInput, AIMessage]):
         description='Default cache salt; config["configurable"]["cache_salt"] overrides it.',
         repr=False,  # a tenant's key to its cache namespace: never shown
     )
-    condense: bool = Field(
-        default=True,
+    condense: bool | None = Field(
+        default=None,
+        strict=True,  # "yes" or 1 is a mistake here, not a truthy choice
         description="Rewrite follow-ups into standalone questions (on the conversation's "
-        "cached prefix) before calling the retriever.",
+        "cached prefix) before calling the retriever. None (auto): on, except when the engine "
+        "serves an embedded model, too small to rewrite reliably.",
     )
     condense_prompt: str = Field(
         default=CONDENSE_INSTRUCTION,
@@ -163,6 +182,43 @@ class CraftConversation(RunnableSerializable[ConversationInput, AIMessage]):
     condense_max_tokens: int = Field(default=DEFAULT_CONDENSE_MAX_TOKENS, ge=1)
 
     model_config = ConfigDict(arbitrary_types_allowed=True, hide_input_in_errors=True)
+
+    @model_validator(mode="before")
+    @classmethod
+    def _start_llm(cls, data: Any) -> Any:
+        """No ``llm``: one on the embedded model whose engine renders the prompt head."""
+        if isinstance(data, dict) and data.get("llm") is None:
+            head = {k: data.get(k) for k in ("system_prompt", "context_prompt")}
+            data = {**data, "llm": ChatCraftVLLM(**head)}
+        return data
+
+    @model_validator(mode="after")
+    def _check_head(self) -> Any:
+        """The prompt head belongs to the engine (every session shares it, so its KV is
+        reused): a ``system_prompt``/``context_prompt`` other than the one ``llm``'s engine
+        renders would be silently ignored, so it is a ``ValueError`` naming the fix."""
+        llm, engine = self.llm, self.llm.engine
+        if engine is not None:
+            has = {"system_prompt": engine.system_prompt, "context_prompt": engine.instructions}
+        else:
+            context = llm.context_prompt
+            has = {
+                "system_prompt": llm.system_prompt,
+                "context_prompt": DEFAULT_INSTRUCTIONS if context is None else context,
+            }
+        for name, value in (
+            ("system_prompt", self.system_prompt),
+            ("context_prompt", self.context_prompt),
+        ):
+            if value is not None and value != has[name]:
+                msg = (
+                    f"{name}={value!r} differs from the one llm's engine renders "
+                    f"({has[name]!r}): the engine renders the head of every prompt, so build "
+                    f"the model with it, ChatCraftVLLM({name}=...), or leave llm= out and "
+                    "CraftConversation starts one"
+                )
+                raise ValueError(msg)
+        return self
 
     # ---- shared by every path ---------------------------------------------------------------
 
@@ -242,6 +298,12 @@ class CraftConversation(RunnableSerializable[ConversationInput, AIMessage]):
             "previous": turn.previous_question(),
         }
 
+    def _skipped(self, turn: _Turn) -> Condensed | None:
+        """The turn's condense step when it is off (the follow-up as is, with the reason);
+        ``None`` when the engine should condense it (:func:`condense_off_reason`)."""
+        reason = condense_off_reason(self.llm.get_engine(), self.condense)
+        return None if reason is None else Condensed.off(turn.question, reason)
+
     def _retriever(self) -> Runnable[str, list[Document]]:
         assert self.retriever is not None, "_prepare checks documents or a retriever"
         return self.retriever
@@ -257,11 +319,10 @@ class CraftConversation(RunnableSerializable[ConversationInput, AIMessage]):
         documents = turn.documents
         condensed: Condensed | None = None
         if documents is None:
-            if self.condense:
-                condensed = condense(
-                    self.llm.get_engine(), turn.session_id, turn.question, **self._ckw(turn)
-                )
-            query = condensed.question if condensed is not None else turn.question
+            condensed = self._skipped(turn) or condense(
+                self.llm.get_engine(), turn.session_id, turn.question, **self._ckw(turn)
+            )
+            query = condensed.question
             documents = self._retriever().invoke(query, child)
         chunks: list[AIMessageChunk] = []
         for chunk in self.llm.stream(self._prompt(turn, documents), child, **turn.llm_kwargs):
@@ -280,11 +341,10 @@ class CraftConversation(RunnableSerializable[ConversationInput, AIMessage]):
         documents = turn.documents
         condensed: Condensed | None = None
         if documents is None:
-            if self.condense:
-                condensed = await acondense(
-                    self.llm.get_engine(), turn.session_id, turn.question, **self._ckw(turn)
-                )
-            query = condensed.question if condensed is not None else turn.question
+            condensed = self._skipped(turn) or await acondense(
+                self.llm.get_engine(), turn.session_id, turn.question, **self._ckw(turn)
+            )
+            query = condensed.question
             documents = await self._retriever().ainvoke(query, child)
         chunks: list[AIMessageChunk] = []
         prompt = self._prompt(turn, documents)
@@ -370,6 +430,7 @@ def condense_dict(condensed: Condensed) -> dict[str, Any]:
         "question": condensed.question,
         "original": condensed.original,
         "method": condensed.method,
+        "reason": condensed.reason,
         "report": reuse_dict(condensed.report) if condensed.report is not None else None,
     }
 

@@ -23,6 +23,12 @@ keeps the follow-up's content words and is not much longer than follow-up plus p
 message (:func:`is_rewrite`); anything else falls back to the ``"history"`` rule. ``method``
 says which rule produced the question.
 
+Whether to condense at all: :func:`condense_off_reason` holds the one rule both integrations
+use. ``condense=None`` ("auto", their default) condenses unless the engine serves an embedded
+model (:data:`~craft_rag.engine.model.EMBEDDED_MODELS`: SmolLM2-135M, Gemma 3 270M base): models
+that small answer or invent instead of rewriting, so retrieval with the raw follow-up is
+better; the skipped step is reported as ``method="off"`` with that reason.
+
 The follow-up is caller text: it is tokenized as plain text (control-token spellings stay
 text) and formatted into the instruction as a value, never as a template.
 """
@@ -30,8 +36,10 @@ text) and formatted into the instruction as a value, never as a template.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from pathlib import Path
 from typing import TYPE_CHECKING, TypedDict, Unpack
 
+from craft_rag.engine.model import DEFAULT_EMBEDDED, EMBEDDED_MODELS, embedded_model_dir
 from craft_rag.engine.results import GenerationResult, ReuseReport, SamplingRequest, TokensRequest
 
 if TYPE_CHECKING:
@@ -71,11 +79,59 @@ class Condensed:
     report: ReuseReport | None = None
     method: str = "none"
     """``"llm"`` (the model's rewrite), ``"history"`` (previous message + follow-up, when the
-    model echoed the follow-up) or ``"none"`` (the follow-up as is)."""
+    model echoed the follow-up), ``"none"`` (the follow-up as is) or ``"off"`` (condensing
+    was skipped: see ``reason``)."""
+    reason: str | None = None
+    """Why condensing was off (``method="off"``), else ``None``."""
+
+    @classmethod
+    def off(cls, question: str, reason: str) -> Condensed:
+        """The follow-up as is, with why no condense request was made."""
+        return cls(question, question, None, "off", reason)
 
     @property
     def rewritten(self) -> bool:
         return self.question != self.original
+
+
+CONDENSE_OFF_BY_CALLER = "condense=False"
+EMBEDDED_TOO_SMALL = (
+    "the engine serves the embedded {name} model; models this small (135M/270M) answer or "
+    "invent instead of rewriting follow-ups, so retrieval uses the raw follow-up "
+    "(condense=True forces it)"
+)
+
+
+def embedded_model_name(model: str | Path | None) -> str | None:
+    """The :data:`EMBEDDED_MODELS` name ``model`` (an ``EngineSettings.model``) selects, or
+    ``None`` for any other model. ``None`` is the embedded default; a folder counts when it is
+    an embedded model's default folder. O(1) filesystem-free path comparisons."""
+    if model is None:
+        return DEFAULT_EMBEDDED
+    if isinstance(model, str) and model in EMBEDDED_MODELS:
+        return model
+    folder = Path(model).expanduser().absolute()
+    for name in EMBEDDED_MODELS:
+        if folder == embedded_model_dir(name).expanduser().absolute():
+            return name
+    return None
+
+
+def condense_off_reason(engine: CraftEngine, condense: bool | None) -> str | None:
+    """Why a chat turn on ``engine`` should not condense (``None``: condense it). The one rule
+    of both integrations: ``True`` always condenses, ``False`` never; ``None`` (auto) condenses
+    unless the engine serves an embedded model (too small to rewrite reliably; a fake or
+    unknown backend with no model set counts as the embedded default). O(1)."""
+    if condense is not None and not isinstance(condense, bool):
+        msg = f"condense must be True, False or None (auto), got {condense!r}"
+        raise ValueError(msg)
+    if condense is True:
+        return None
+    if condense is False:
+        return CONDENSE_OFF_BY_CALLER
+    settings = getattr(engine, "settings", None)
+    name = embedded_model_name(getattr(settings, "model", None))
+    return None if name is None else EMBEDDED_TOO_SMALL.format(name=name)
 
 
 def condense_ids(

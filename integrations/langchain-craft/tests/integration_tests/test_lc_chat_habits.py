@@ -44,6 +44,7 @@ def test_conversation_condenses_follow_ups_on_the_cached_prefix(craft_engine: An
         llm=ChatCraftVLLM(engine=craft_engine, max_tokens=4),
         retriever=RunnableLambda(spy),
         get_session_history=lambda _: history,
+        condense=True,  # auto is off on the embedded model: forced to test the step
     )
     config: RunnableConfig = {"configurable": {"session_id": f"lc-condense-{uuid.uuid4().hex[:8]}"}}
     first = chat.invoke("Who wrote Hamlet?", config)
@@ -90,6 +91,7 @@ async def test_async_conversation_condenses_too(craft_engine: Any) -> None:
         llm=ChatCraftVLLM(engine=craft_engine, max_tokens=3),
         retriever=RunnableLambda(spy),
         get_session_history=lambda _: history,
+        condense=True,  # auto is off on the embedded model: forced to test the step
     )
     session = f"lc-acondense-{uuid.uuid4().hex[:8]}"
     config: RunnableConfig = {"configurable": {"session_id": session}}

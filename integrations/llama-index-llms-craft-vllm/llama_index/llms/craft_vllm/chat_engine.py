@@ -18,7 +18,8 @@ Follow-ups are condensed before retrieval, as ``CondensePlusContextChatEngine`` 
 default chat mode) does: from the second turn on, the engine rewrites the message into a
 standalone question on the conversation's own cached prefix (:mod:`craft_rag.engine.condense`),
 retrieval uses it, and the prompt keeps the user's message. ``condense=False`` retrieves with
-the raw message (``ContextChatEngine``'s behaviour).
+the raw message (``ContextChatEngine``'s behaviour); the default ``None`` does so only on the
+embedded models, too small to rewrite (:func:`~craft_rag.engine.condense.condense_off_reason`).
 """
 
 from __future__ import annotations
@@ -65,6 +66,7 @@ from craft_rag.engine import (
     acondense,
     condense,
 )
+from craft_rag.engine.condense import condense_off_reason
 
 
 class _StreamResponse(StreamingAgentChatResponse):
@@ -132,9 +134,12 @@ class CraftChatEngine(BaseChatEngine):
     response ``metadata["craft_reuse"]`` holds it too, and ``metadata["craft_condense"]`` the
     condense step (:attr:`last_condense`).
 
-    ``condense`` (default on, as LlamaIndex's default chat mode): retrieve with the follow-up
-    rewritten by the engine on the conversation's cached prefix (``condense_prompt`` holds
-    ``{question}``; at most ``condense_max_tokens``), reported separately.
+    ``condense``: retrieve with the follow-up rewritten by the engine on the conversation's
+    cached prefix (``condense_prompt`` holds ``{question}``; at most ``condense_max_tokens``),
+    reported separately. ``None`` (auto): on, except on an embedded model (135M/270M models
+    answer instead of rewriting); then ``craft_condense`` is ``method="off"`` with the reason.
+    ``key_source`` (``None``: ``"content_hash"`` when the engine's planner shares a store
+    with other workers, whose nodes have other random ids, else ``"node_id"``).
 
     ``chat_history=`` arguments cannot rewrite a conversation whose tokens already sit in the
     engine: passing one that differs from the memory raises ``ValueError`` (call :meth:`reset`
@@ -150,8 +155,8 @@ class CraftChatEngine(BaseChatEngine):
         conversation_id: str | None = None,
         cache_salt: str | None = None,
         node_postprocessors: Sequence[BaseNodePostprocessor] = (),
-        key_source: KeySource = "node_id",
-        condense: bool = True,
+        key_source: KeySource | None = None,
+        condense: bool | None = None,
         condense_prompt: str = CONDENSE_INSTRUCTION,
         condense_max_tokens: int = DEFAULT_CONDENSE_MAX_TOKENS,
         system_prompt: str | None = None,
@@ -175,7 +180,7 @@ class CraftChatEngine(BaseChatEngine):
             raise ValueError(msg)
         _check_head(llm, system_prompt, context_prompt)
         self._pending_metadata: dict[str, Any] | None = None  # the stream being read
-        self._condense = bool(condense)
+        self._condense_off = condense_off_reason(llm.engine, condense)  # None: condense
         self._condense_prompt = condense_prompt
         self._condense_max_tokens = condense_max_tokens
         self._retriever = retriever
@@ -185,12 +190,12 @@ class CraftChatEngine(BaseChatEngine):
         self.conversation_id = conv if conv is not None else f"llama-index-chat-{uuid.uuid4().hex}"
         self.cache_salt = cache_salt if cache_salt is not None else llm.cache_salt
         self._postprocessors = list(node_postprocessors)
-        self._key_source: KeySource = key_source
         # Plans with the engine's planner for this salt; the plan is handed to the engine
         # directly (park=False: reserved at once, so no complete_chunks call finds it).
         self._reorderer = CraftReorderPostprocessor(
             planner=llm.planner_for(self.cache_salt), commit_mode="engine", key_source=key_source
         )
+        self._key_source: KeySource = self._reorderer.key_source  # None resolved there
         self._sampling = {**sampling, "cache_salt": self.cache_salt}
         llm._options(dict(self._sampling))  # validate names and the salt now
         self.last_reorder: CraftReorderResult | None = None
@@ -321,7 +326,9 @@ class CraftChatEngine(BaseChatEngine):
 
     def _prepare(self, message: str, chat_history: list[ChatMessage] | None) -> _Turn:
         turn = self._open(message, chat_history)
-        if self._condense:
+        if self._condense_off is not None:
+            self._condensed(turn, Condensed.off(message, self._condense_off))
+        else:
             engine = self._llm.engine
             self._condensed(
                 turn, condense(engine, self.conversation_id, message, **self._condense_kwargs())
@@ -333,7 +340,9 @@ class CraftChatEngine(BaseChatEngine):
 
     async def _aprepare(self, message: str, chat_history: list[ChatMessage] | None) -> _Turn:
         turn = self._open(message, chat_history)
-        if self._condense:
+        if self._condense_off is not None:
+            self._condensed(turn, Condensed.off(message, self._condense_off))
+        else:
             engine = self._llm.engine
             condensed = await acondense(
                 engine, self.conversation_id, message, **self._condense_kwargs()

@@ -49,6 +49,7 @@ from llama_index.core.types import RESPONSE_TEXT_TYPE
 from llama_index.llms.craft_vllm.base import REUSE_KEY, CraftVLLM
 from llama_index.llms.craft_vllm.calls import LEGACY_REUSE_KEY
 from llama_index.postprocessor.craft import KeySource, split_nodes
+from llama_index.postprocessor.craft.nodes import default_key_source
 from llama_index_instrumentation import get_dispatcher
 
 from craft_rag import Chunk, make_chunk, validate_conversation_id
@@ -66,7 +67,8 @@ class CraftSynthesizer(BaseSynthesizer):
     their ids are listed under ``metadata["craft_skipped_nodes"]``. The engine's reuse report is
     ``metadata["craft_reuse"]`` (``"reuse_report"``: deprecated alias; for streaming
     responses, once the stream is consumed).
-    ``sampling`` (``max_tokens``, ``temperature``...) go to every engine call.
+    ``sampling`` (``max_tokens``, ``temperature``...) go to every engine call. ``key_source``
+    ``None``: the reorderer's default (content hashes when the planner shares a store).
     """
 
     def __init__(
@@ -74,7 +76,7 @@ class CraftSynthesizer(BaseSynthesizer):
         llm: CraftVLLM,
         *,
         streaming: bool = False,
-        key_source: KeySource = "node_id",
+        key_source: KeySource | None = None,
         conversation_id: str | None = None,
         callback_manager: CallbackManager | None = None,
         **sampling: Any,
@@ -87,7 +89,8 @@ class CraftSynthesizer(BaseSynthesizer):
             raise ValueError(msg)
         super().__init__(llm=llm, callback_manager=callback_manager, streaming=streaming)
         self._craft_llm = llm
-        self._key_source: KeySource = key_source
+        # None: content hashes when the planner is shared across workers (as the reorderer's).
+        self._key_source: KeySource = key_source or default_key_source(llm.planner)
         self._conversation_id = validate_conversation_id(conversation_id)
         self._sampling = dict(sampling)
         llm._options(dict(sampling))  # validate the names now, not on the first query
@@ -284,7 +287,7 @@ def craft_query_engine(
     *,
     node_postprocessors: Sequence[BaseNodePostprocessor] = (),
     streaming: bool = False,
-    key_source: KeySource = "node_id",
+    key_source: KeySource | None = None,
     conversation_id: str | None = None,
     **sampling: Any,
 ) -> RetrieverQueryEngine:
@@ -292,13 +295,16 @@ def craft_query_engine(
     ``llm.reorderer()`` (the engine's planner for ``llm.cache_salt``, plans parked for the
     engine), then :class:`CraftSynthesizer` (chunks intact, in CRAFT order, the parked plan
     served with ``plan=``). ``sampling`` go to every engine call; the cache salt is the LLM's
-    (``ValueError`` for another one: its planner did not make the parked plans)."""
+    (``ValueError`` for another one: its planner did not make the parked plans).
+    ``key_source`` ``None``: ``"content_hash"`` when that planner shares a store with other
+    workers, else ``"node_id"`` (one choice for the reorderer and the synthesizer)."""
     if sampling.get("cache_salt", llm.cache_salt) != llm.cache_salt:
         msg = (
             "craft_query_engine serves plans made by the LLM's planner, so it uses the LLM's "
             "cache_salt; build the LLM with the salt instead: CraftVLLM(engine, cache_salt=...)"
         )
         raise ValueError(msg)
+    key_source = key_source or default_key_source(llm.planner)
     # CraftSynthesizer serves the engine's append-only conversation: earlier chunks stay in it.
     reorderer = llm.reorderer(
         key_source=key_source, conversation_id=conversation_id, keeps_earlier_chunks=True

@@ -45,6 +45,7 @@ from llama_index.postprocessor.craft.events import (
 from llama_index.postprocessor.craft.nodes import (
     KEY_SOURCES,
     KeySource,
+    default_key_source,
     split_nodes,
     validate_conversation_id,
 )
@@ -123,7 +124,11 @@ class CraftReorderPostprocessor(BaseNodePostprocessor):
     )
     key_source: KeySource = Field(
         default="node_id",
-        description="Chunk identity: the node id, or a sha256 of the node's LLM-visible text.",
+        description=(
+            "Chunk identity: the node id, or a sha256 of the node's LLM-visible text. Not "
+            "given (or None): 'content_hash' when the planner shares a store with other "
+            "workers (their nodes carry other random ids), else 'node_id'."
+        ),
     )
     conversation_id: str | None = Field(
         default=None,
@@ -165,6 +170,8 @@ class CraftReorderPostprocessor(BaseNodePostprocessor):
                     )
                     raise ValueError(msg)
                 data[name] = mine
+        if data.get("key_source") is None:
+            data["key_source"] = default_key_source(planner)
         super().__init__(**data)
         self._planner = planner or CraftPlanner(
             PlannerConfig(policy=self.policy, window=self.window, threshold=self.threshold)

@@ -10,7 +10,8 @@ planned nodes, in its original relative order, and reported. A node is never los
 
 The chunk text is ``node.get_content(metadata_mode=MetadataMode.LLM)``: exactly what a
 LlamaIndex synthesizer would show the LLM, so the CRAFT prompt and a default prompt agree on
-what a chunk is. Keys come from ``node.node_id`` (default) or a sha256 of that text.
+what a chunk is. Keys come from ``node.node_id`` or a sha256 of that text
+(:func:`default_key_source`: the hash when the planner shares a store with other workers).
 """
 
 from __future__ import annotations
@@ -28,7 +29,7 @@ from llama_index.core.schema import (
     TextNode,
 )
 
-from craft_rag import Chunk, ChunkKey, check_text, content_key, make_chunk
+from craft_rag import Chunk, ChunkKey, CraftPlanner, check_text, content_key, make_chunk
 from craft_rag import validate_conversation_id as validate_conversation_id
 
 KeySource = Literal["node_id", "content_hash"]
@@ -67,6 +68,15 @@ def unplannable_reason(node: BaseNode) -> str | None:
 def node_text(node: BaseNode) -> str:
     """The text a LlamaIndex synthesizer would show the LLM for ``node``."""
     return node.get_content(metadata_mode=MetadataMode.LLM)
+
+
+def default_key_source(planner: CraftPlanner | None) -> KeySource:
+    """The key source when none is given: ``"content_hash"`` when ``planner`` shares its state
+    through a store (other workers build their nodes with other random ids:
+    ``VectorStoreIndex.from_documents`` gives every process new ones, so keyed by node id the
+    same passage would be a new chunk on each worker, re-sent and never shared), else
+    ``"node_id"`` (no hashing). O(1)."""
+    return "content_hash" if planner is not None and planner.store is not None else "node_id"
 
 
 def node_key(node: BaseNode, key_source: KeySource) -> str | None:
