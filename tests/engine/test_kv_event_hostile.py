@@ -67,7 +67,7 @@ class Hub:
         self.pub.setsockopt(zmq.SNDHWM, 100_000)
         self.pub.bind(self.endpoint)
         # PUB drops messages until the subscription arrives: probe until one gets through.
-        deadline = time.monotonic() + 10
+        deadline = time.monotonic() + 30  # generous: CI machines are shared
         while self.sync.stats.batches == 0 and time.monotonic() < deadline:
             self.send(0, [])
             time.sleep(0.05)
@@ -76,7 +76,7 @@ class Hub:
     def send(self, seq: int, events: list[Any], topic: bytes = b"") -> None:
         self.pub.send_multipart([topic, seq.to_bytes(8, "big"), payload(events)])
 
-    def until(self, what: Callable[[], bool], timeout: float = 10.0) -> bool:
+    def until(self, what: Callable[[], bool], timeout: float = 30.0) -> bool:
         deadline = time.monotonic() + timeout
         while not what():
             if time.monotonic() > deadline:
@@ -176,7 +176,6 @@ WITH_SEQ: dict[str, Frames] = {
     "batch map": one(msgpack.packb({"ts": 1.5, "events": []})),
     "batch empty": one(msgpack.packb([])),
     "batch one item": one(msgpack.packb([1.5])),
-    "batch four items": one(msgpack.packb([1.5, [], 0, 0])),
     "batch int": one(msgpack.packb(5)),
     "ts str": one(msgpack.packb(["now", [], 0])),
     "dp_rank str": one(msgpack.packb([1.5, [], "0"])),
@@ -208,14 +207,15 @@ def test_a_malformed_batch_is_lost_resynced_and_the_subscriber_keeps_applying(
     hub: Hub, case: str
 ) -> None:
     hub.send(1, [stored()])
-    assert hub.sync.wait_through(1, timeout=10)
+    assert hub.sync.wait_through(1, timeout=30)
     hub.pub.send_multipart(WITH_SEQ.get(case) or NO_SEQ[case])
     assert hub.until(lambda: hub.sync.stats.undecodable == 1), "the batch was not counted"
     assert hub.listener.clears == 1  # resynced: the lost batch may have held evictions
     hub.send(3, [removed(b"gone")])
     gone = BlockHash(b"gone")
     assert hub.sync.wait_for(
-        lambda evs: any(isinstance(e, BlocksRemoved) and gone in e.hashes for e in evs)
+        lambda evs: any(isinstance(e, BlocksRemoved) and gone in e.hashes for e in evs),
+        timeout=30,
     ), "evictions are no longer applied"
     assert hub.listener.removed == [gone]
     if case in WITH_SEQ:  # the barrier passed the lost batch: 3 follows 2, no second resync
@@ -224,13 +224,17 @@ def test_a_malformed_batch_is_lost_resynced_and_the_subscriber_keeps_applying(
 
 
 def test_unknown_event_types_and_fields_are_skipped_not_lost(hub: Hub) -> None:
+    newer = msgpack.packb([1.5, [removed(b"n")], 0, {"added": "by a newer vLLM"}])
+    hub.pub.send_multipart([b"", (1).to_bytes(8, "big"), newer])  # a longer batch array
+    assert hub.sync.wait_through(1, timeout=30) and hub.listener.removed == [BlockHash(b"n")]
+    hub.listener.removed.clear()
     events = [
         {"type": "BlockPinned", "block_hashes": 5},
         stored(block_hashes=[b"k"], future_field={"nested": [[[]]]}),
         removed(b"k"),
     ]
-    hub.send(1, events)
-    assert hub.sync.wait_through(1, timeout=10)
+    hub.send(2, events)
+    assert hub.sync.wait_through(2, timeout=30)
     assert hub.sync.stats.unknown_events == 1 and hub.sync.stats.undecodable == 0
     assert hub.listener.removed == [BlockHash(b"k")] and hub.listener.clears == 0
 
@@ -269,10 +273,10 @@ def test_a_listener_that_raises_is_a_lost_batch_not_a_dead_thread(hub: Hub) -> N
     assert hub.until(lambda: hub.sync.stats.listener_errors == 1)
     assert hub.listener.clears == 1
     hub.send(2, [removed(b"b")])
-    assert hub.sync.wait_through(2, timeout=10) and hub.listener.removed == [BlockHash(b"b")]
+    assert hub.sync.wait_through(2, timeout=30) and hub.listener.removed == [BlockHash(b"b")]
 
 
-def _probe_until_removed(hub: Hub, first_seq: int, timeout: float = 20.0) -> bool:
+def _probe_until_removed(hub: Hub, first_seq: int, timeout: float = 30.0) -> bool:
     """Send BlockRemoved batches until one is applied (a new socket must resubscribe first)."""
     gone = BlockHash(b"gone")
     deadline = time.monotonic() + timeout
@@ -295,7 +299,7 @@ def test_an_oversized_batch_is_refused_unread_and_resynced(hub: Hub) -> None:
     big = payload([stored(block_hashes=[1], token_ids=list(range(60_000, 60_000 + 7_700_000)))])
     assert len(big) > 23_000_000
     hub.send(1, [stored()])
-    assert hub.sync.wait_through(1, timeout=10)
+    assert hub.sync.wait_through(1, timeout=30)
     stored_before = hub.sync.stats.blocks_stored
     gc.collect()
     tracemalloc.start()
@@ -311,7 +315,7 @@ def test_an_oversized_batch_is_refused_unread_and_resynced(hub: Hub) -> None:
     assert stats.disconnects + stats.oversized >= 1 and hub.listener.clears >= 1
     assert stats.blocks_stored == stored_before  # nothing of it was applied
     assert peak < 8 << 20, f"the subscriber allocated {peak >> 20} MiB for a refused batch"
-    assert elapsed < 10
+    assert elapsed < 20  # the unbounded decode took 6.8 s unloaded, far more traced
 
 
 def test_a_message_over_the_cap_in_total_is_refused_before_decoding(tmp_path: Path) -> None:
@@ -326,12 +330,14 @@ def test_a_message_over_the_cap_in_total_is_refused_before_decoding(tmp_path: Pa
         assert hub.listener.removed == [] and hub.listener.clears == 1
         assert hub.sync.stats.last_seq == 1  # lost at a known place: the barrier passes it
         hub.send(2, [removed(b"gone")])
-        assert hub.sync.wait_through(2, timeout=10)
+        assert hub.sync.wait_through(2, timeout=30)
         assert hub.listener.removed == [BlockHash(b"gone")]
     finally:
         hub.close()
     with pytest.raises(ValueError, match="max_message_bytes"):
         KVEventSync(f"ipc://{tmp_path}/x.sock", max_message_bytes=10)
+    with pytest.raises(ValueError, match="cannot be connected"):
+        KVEventSync("no-transport-here")
 
 
 def test_recent_events_keep_hashes_not_token_ids_in_bounded_memory(hub: Hub) -> None:
@@ -391,7 +397,7 @@ def test_decode_names_the_bad_field_and_quotes_no_payload() -> None:
 
 def test_a_publisher_restart_resyncs_and_the_new_socket_applies_its_batches(hub: Hub) -> None:
     hub.send(1, [stored()])
-    assert hub.sync.wait_through(1, timeout=10)
+    assert hub.sync.wait_through(1, timeout=30)
     hub.pub.close(linger=0)
     assert hub.until(lambda: hub.sync.stats.disconnects >= 1), "the drop went unnoticed"
     assert hub.listener.clears >= 1  # batches may have been lost while it was down

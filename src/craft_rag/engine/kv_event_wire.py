@@ -92,7 +92,8 @@ def decode_batch(payload: bytes) -> DecodedBatch:
     except Exception as exc:  # msgpack raises several unrelated types
         msg = f"undecodable KV event payload ({len(payload)} bytes): {type(exc).__name__}"
         raise MalformedBatch(msg) from exc
-    if not isinstance(batch, list) or not 2 <= len(batch) <= 3:
+    # Items past dp_rank are a newer vLLM's additions: skipped, as unknown event fields are.
+    if not isinstance(batch, list) or len(batch) < 2:
         msg = f"not a KV event batch: {_kind(batch)}"
         raise MalformedBatch(msg)
     ts, raw_events = batch[0], batch[1]
@@ -102,7 +103,7 @@ def decode_batch(payload: bytes) -> DecodedBatch:
     if not isinstance(raw_events, list):
         msg = f"batch events must be an array, got {_kind(raw_events)}"
         raise MalformedBatch(msg)
-    if len(batch) == 3 and batch[2] is not None and not _is_int(batch[2]):
+    if len(batch) >= 3 and batch[2] is not None and not _is_int(batch[2]):
         msg = f"batch data_parallel_rank must be an int or nil, got {_kind(batch[2])}"
         raise MalformedBatch(msg)
     events: list[KVEvent] = []

@@ -164,7 +164,12 @@ class KVEventSync:
         self._warn_at = float("-inf")  # next time a lost batch may be logged (rate limit)
         self._unlogged = 0  # lost batches since the last warning
         self._ctx = zmq.Context()
-        self._sock, self._monitor = self._open()
+        try:
+            self._sock, self._monitor = self._open()
+        except zmq.ZMQError as exc:
+            self._ctx.term()
+            msg = f"KV event endpoint {endpoint!r} cannot be connected: {exc}"
+            raise ValueError(msg) from exc
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="craft-kv-events", daemon=True)
         self._thread.start()
@@ -180,7 +185,13 @@ class KVEventSync:
         sock.setsockopt(zmq.LINGER, 0)
         sock.setsockopt(zmq.MAXMSGSIZE, self.max_message_bytes)
         monitor = sock.get_monitor_socket(zmq.EVENT_DISCONNECTED)
-        sock.connect(self.endpoint)
+        try:
+            sock.connect(self.endpoint)
+        except zmq.ZMQError:
+            sock.disable_monitor()
+            monitor.close(linger=0)
+            sock.close(linger=0)  # else Context.term() would wait for it forever
+            raise
         return sock, monitor
 
     def _close_sockets(self) -> None:
