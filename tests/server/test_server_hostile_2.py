@@ -182,3 +182,42 @@ def test_headers_dripped_slowly_do_not_defeat_read_timeout(model_dir: Path) -> N
             assert time.monotonic() - start < 4.0
         finally:
             engine.close()
+
+
+# ---- error bodies that echo the request's secrets ------------------------------------------------
+
+
+@pytest.mark.parametrize("status", [401, 500])
+def test_an_error_body_echoing_the_api_key_or_salt_is_scrubbed(
+    model_dir: Path, status: int
+) -> None:
+    """OpenAI-compatible servers answer 401 'Incorrect API key provided: sk-...' (and a proxy
+    may echo the request): the error quotes the body, never the api key, password or salt."""
+    api_key, password, salt = "sk-live-4f9a7c", "pw-31d8e0", "tenant-salt-8c2b"
+    fake = FakeServer()
+    with running(fake) as url:
+        authed = url.replace("http://", f"http://alice:{password}@")
+        engine = make_engine(authed, model_dir, api_key=api_key, retries=0)
+        try:
+
+            def echo(handler: Any, body: dict[str, Any]) -> None:
+                text = (
+                    f"Incorrect API key provided: {api_key}; auth "
+                    f"{handler.headers.get('Authorization')}; salt {body.get('cache_salt')}; "
+                    f"pw {password}"
+                )
+                data = json.dumps({"error": {"message": text}}).encode()
+                handler.send_response(status)
+                handler.send_header("Content-Length", str(len(data)))
+                handler.end_headers()
+                handler.wfile.write(data)
+
+            fake.hostile = echo
+            with pytest.raises((ServerError, ValueError)) as info:
+                engine.generate(chunks(), "q?", max_tokens=2, cache_salt=salt)
+            shown = str(info.value)
+            assert "Incorrect API key provided" in shown
+            for secret in (api_key, password, salt):
+                assert secret not in shown
+        finally:
+            engine.close()

@@ -10,6 +10,8 @@ caps, ``read_timeout`` a deadline per answer, connection errors, 5xx and 429 ret
 
 from __future__ import annotations
 
+import base64
+import json
 import threading
 import time
 from collections.abc import Callable
@@ -81,6 +83,7 @@ class ServerConnection:
             transport=transport,
         )
         self._closed = threading.Event()
+        self._secrets = _secret_spellings(settings)
 
     def close(self) -> None:
         """Close the HTTP connections. Idempotent."""
@@ -169,7 +172,10 @@ class ServerConnection:
             head = read_head(response.iter_raw(), MAX_ERROR_BODY_BYTES, self.deadline())
         finally:
             response.close()
-        text = head.decode("utf-8", "replace")
+        # A server may echo what it got ("Incorrect API key provided: sk-..."): the quoted
+        # body loses every credential and the request's salt before it is cut short.
+        salt = body.get("cache_salt") if isinstance(body, dict) else None
+        text = _scrub(head.decode("utf-8", "replace"), (*self._secrets, *_spellings(salt)))
         if status >= 500 or status == 429:
             retry_after = retry_after_s(response.headers.get("retry-after"))
             raise _Retryable(status, f"HTTP {status}: {text[:300]!r}", retry_after)
@@ -214,6 +220,32 @@ class _Retryable(Exception):
         super().__init__(message)
         self.status = status
         self.retry_after = retry_after
+
+
+def _spellings(secret: object) -> tuple[str, ...]:
+    """``secret`` as it may appear in an echoed body: itself and JSON-escaped."""
+    if not isinstance(secret, str) or not secret:
+        return ()
+    escaped = json.dumps(secret)[1:-1]
+    return (secret, escaped) if escaped != secret else (secret,)
+
+
+def _secret_spellings(settings: ServerSettings) -> tuple[str, ...]:
+    """Every credential of ``settings`` as a server could echo it: the api key, the URL's
+    password and its basic-auth header value (base64 of ``user:password``)."""
+    found: list[str] = [*_spellings(settings.api_key)]
+    if settings.auth is not None:
+        user, password = settings.auth
+        found += _spellings(password)
+        found.append(base64.b64encode(f"{user}:{password}".encode()).decode("ascii"))
+    return tuple(found)
+
+
+def _scrub(text: str, secrets: tuple[str, ...]) -> str:
+    """``text`` with every one of ``secrets`` replaced by ``***`` (longest first)."""
+    for secret in sorted(secrets, key=len, reverse=True):
+        text = text.replace(secret, "***")
+    return text
 
 
 # ---- a deadline for an answer's head ------------------------------------------------------------
