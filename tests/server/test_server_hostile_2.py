@@ -221,3 +221,30 @@ def test_an_error_body_echoing_the_api_key_or_salt_is_scrubbed(
                 assert secret not in shown
         finally:
             engine.close()
+
+
+@pytest.mark.parametrize(
+    "line",
+    [
+        b'data: {"error": {"message": "bad key SECRET for SALT"}}',
+        b"data: {not json SECRET SALT",
+        b'data: {"choices": [{"text": "x", "token_ids": ["SECRET SALT"]}]}',
+    ],
+    ids=["error-event", "malformed-event", "bad-field"],
+)
+def test_a_stream_event_echoing_secrets_is_quoted_without_them(
+    model_dir: Path, line: bytes
+) -> None:
+    api_key, salt = "sk-k3y-77aa", "tenant-s4lt-19"
+    line = line.replace(b"SECRET", api_key.encode()).replace(b"SALT", salt.encode())
+    fake = FakeServer()
+    with running(fake) as url:
+        engine = make_engine(url, model_dir, api_key=api_key)
+        try:
+            fake.hostile = lambda handler, body: sse(handler, [line, b"data: [DONE]"])
+            with pytest.raises(ServerError) as info:
+                engine.generate(chunks(), "q?", max_tokens=2, cache_salt=salt)
+            assert url in str(info.value)
+            assert api_key not in str(info.value) and salt not in str(info.value)
+        finally:
+            engine.close()

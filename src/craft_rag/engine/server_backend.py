@@ -362,6 +362,11 @@ class ServerBackend:
         except ServerUnavailable:
             self._http.lost = True
             raise
+        except ServerError as exc:  # quotes the server's words, which may echo a secret
+            shown = self._http.scrub(str(exc), body)
+            if shown != str(exc):
+                raise type(exc)(shown) from None
+            raise
         finally:
             response.close()
         if not done:

@@ -141,6 +141,12 @@ class ServerConnection:
         )
         return ServerUnavailable(msg)
 
+    def scrub(self, text: str, body: Any = None) -> str:
+        """``text`` (a server's words) without this connection's credentials nor the salt
+        of the request ``body``. O(len(text) * secrets)."""
+        salt = body.get("cache_salt") if isinstance(body, dict) else None
+        return _scrub(text, (*self._secrets, *_spellings(salt)))
+
     def deadline(self) -> Deadline:
         return Deadline(self.settings.read_timeout, self.settings.base_url, self._clock)
 
@@ -174,8 +180,7 @@ class ServerConnection:
             response.close()
         # A server may echo what it got ("Incorrect API key provided: sk-..."): the quoted
         # body loses every credential and the request's salt before it is cut short.
-        salt = body.get("cache_salt") if isinstance(body, dict) else None
-        text = _scrub(head.decode("utf-8", "replace"), (*self._secrets, *_spellings(salt)))
+        text = self.scrub(head.decode("utf-8", "replace"), body)
         if status >= 500 or status == 429:
             retry_after = retry_after_s(response.headers.get("retry-after"))
             raise _Retryable(status, f"HTTP {status}: {text[:300]!r}", retry_after)
