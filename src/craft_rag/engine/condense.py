@@ -39,7 +39,12 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, TypedDict, Unpack
 
-from craft_rag.engine.model import DEFAULT_EMBEDDED, EMBEDDED_MODELS, embedded_model_dir
+from craft_rag.engine.model import (
+    DEFAULT_EMBEDDED,
+    EMBEDDED_MODELS,
+    embedded_model_dir,
+    read_manifest,
+)
 from craft_rag.engine.results import GenerationResult, ReuseReport, SamplingRequest, TokensRequest
 
 if TYPE_CHECKING:
@@ -105,7 +110,8 @@ EMBEDDED_TOO_SMALL = (
 def embedded_model_name(model: str | Path | None) -> str | None:
     """The :data:`EMBEDDED_MODELS` name ``model`` (an ``EngineSettings.model``) selects, or
     ``None`` for any other model. ``None`` is the embedded default; a folder counts when it is
-    an embedded model's default folder. O(1) filesystem-free path comparisons."""
+    an embedded model's default folder or holds craft-rag's preparation manifest (a prepared
+    embedded model moved elsewhere). Cost: path comparisons and one small file read."""
     if model is None:
         return DEFAULT_EMBEDDED
     if isinstance(model, str) and model in EMBEDDED_MODELS:
@@ -114,7 +120,14 @@ def embedded_model_name(model: str | Path | None) -> str | None:
     for name in EMBEDDED_MODELS:
         if folder == embedded_model_dir(name).expanduser().absolute():
             return name
-    return None
+    manifest = read_manifest(folder)  # written only when craft-rag prepares an embedded model
+    if manifest is None:
+        return None
+    source = str(manifest.get("source", "")).lower()
+    for name in EMBEDDED_MODELS:  # "smollm2-135m" -> "smollm", "gemma3-270m" -> "gemma"
+        if name.split("-")[0].rstrip("0123456789") in source:
+            return name
+    return source or DEFAULT_EMBEDDED
 
 
 def condense_off_reason(engine: CraftEngine, condense: bool | None) -> str | None:
