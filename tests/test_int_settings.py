@@ -45,7 +45,24 @@ def _serve(**kw: Any) -> object:
     return ServeConfig(model="/tmp", **kw)
 
 
+def _router(**kw: Any) -> object:
+    from craft_rag.routing.router import RouterConfig
+
+    return RouterConfig(**kw)
+
+
+def _sim(**kw: Any) -> object:
+    from craft_rag.routing.simulator import SimConfig
+
+    return SimConfig(replicas=2, **kw)
+
+
 CASES: list[tuple[str, Callable[..., object], str, list[object]]] = [
+    ("RouterConfig", _router, "balance_headroom", [True, 2**70]),
+    ("RouterConfig", _router, "block_size", [True, 2**70]),
+    ("SimConfig", _sim, "block_size", [True, 2**70]),
+    ("SimConfig", _sim, "capacity_tokens", [2**70]),
+    ("SimConfig", _sim, "seed", NOT_INTS),
     ("ServerSettings", _server, "block_size", [*NOT_INTS, 0, -4]),
     ("ServerSettings", _server, "kv_events", [3.0, -0.0, 2**70, 0]),
     ("SamplingRequest", _sampling, "seed", NOT_INTS),
@@ -87,6 +104,8 @@ def test_a_bad_int_setting_is_refused_naming_the_field(
         (_engine, "num_gpu_blocks_override", 64),
         (_serve, "port", 8123),
         (_serve, "kv_events_port", 9123),
+        (_router, "block_size", 16),
+        (_sim, "seed", 3),
     ],
 )
 def test_good_int_settings_still_pass(

@@ -39,7 +39,7 @@ from craft_rag.routing.replica import (
     ReplicaLoad,
 )
 from craft_rag.types import BlockHash, ChunkKey, ConversationId
-from craft_rag.validation import check_number
+from craft_rag.validation import check_int, check_number
 
 
 @dataclass(frozen=True, slots=True)
@@ -64,12 +64,8 @@ class RouterConfig:
     def __post_init__(self) -> None:
         check_number(self.load_weight, "load_weight", minimum=0.0)
         check_number(self.balance_slack, "balance_slack (1.0 = perfectly even)", minimum=1.0)
-        if not isinstance(self.balance_headroom, int) or self.balance_headroom < 1:
-            msg = f"balance_headroom must be an int >= 1, got {self.balance_headroom!r}"
-            raise ValueError(msg)
-        if not isinstance(self.block_size, int) or self.block_size < 1:
-            msg = f"block_size must be the engines' block size (int >= 1), got {self.block_size!r}"
-            raise ValueError(msg)
+        check_int(self.balance_headroom, "balance_headroom", minimum=1)  # not True, int64
+        check_int(self.block_size, "block_size (the engines' block size)", minimum=1)
 
 
 @dataclass(slots=True, eq=False)

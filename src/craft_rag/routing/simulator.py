@@ -35,7 +35,7 @@ from craft_rag.routing.router import RouteDecision, Router, RouterConfig
 from craft_rag.tokenizer import Tokenizer
 from craft_rag.trace import TraceRequest
 from craft_rag.types import BlockHash, ConversationId
-from craft_rag.validation import check_number
+from craft_rag.validation import check_int, check_number
 
 
 @dataclass(frozen=True, slots=True)
@@ -75,10 +75,10 @@ class SimConfig:
             valid = sorted(ROUTING_POLICIES)
             msg = f"unknown routing policy {self.policy!r}; choose one of {valid}"
             raise ValueError(msg)
-        if not isinstance(self.block_size, int) or self.block_size < 1:
-            msg = f"block_size must be an int >= 1, got {self.block_size!r}"
-            raise ValueError(msg)
-        if not isinstance(self.capacity_tokens, int) or self.capacity_tokens < self.block_size:
+        check_int(self.block_size, "block_size", minimum=1)  # not True, int64
+        check_int(self.seed, "seed", minimum=0)
+        check_int(self.capacity_tokens, "capacity_tokens", minimum=1)
+        if self.capacity_tokens < self.block_size:
             msg = (
                 f"capacity_tokens must be an int >= block_size ({self.block_size}), "
                 f"got {self.capacity_tokens!r}"
