@@ -29,7 +29,6 @@ import uuid
 from collections.abc import AsyncGenerator, Generator, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
-from queue import Empty
 from threading import Thread
 from typing import Any
 
@@ -50,6 +49,7 @@ from llama_index.core.postprocessor.types import BaseNodePostprocessor
 from llama_index.core.schema import NodeWithScore, QueryBundle
 from llama_index.llms.craft_vllm.base import REUSE_KEY, CraftVLLM
 from llama_index.llms.craft_vllm.calls import LEGACY_REUSE_KEY
+from llama_index.llms.craft_vllm.streaming import _BlockingStreamResponse, _StreamResponse
 from llama_index.postprocessor.craft import (
     CraftReorderPostprocessor,
     CraftReorderResult,
@@ -67,49 +67,6 @@ from craft_rag.engine import (
     condense,
 )
 from craft_rag.engine.condense import condense_off_reason
-
-
-class _StreamResponse(StreamingAgentChatResponse):
-    """LlamaIndex's streaming response with ``metadata`` (as ``AgentChatResponse`` has): the
-    turn's condense step at once, its reuse report (``craft_reuse``) once the stream is
-    consumed."""
-
-    metadata: dict[str, Any] | None = None
-
-
-class _BlockingStreamResponse(_StreamResponse):
-    """LlamaIndex's streaming response, read without spinning: its ``response_gen`` polls the
-    writer thread's queue with ``time.sleep(0)``, a busy loop that takes a core and the GIL
-    from the in-process engine while the prompt is prefilled (measured on the 2-core CPU
-    machine: ~22% more CPU time to the first token, issue 15 item 3). Here the reader blocks
-    on the queue (10 ms timeout to notice the end); deltas, memory writes, events and errors
-    are LlamaIndex's."""
-
-    @property
-    def response_gen(self) -> Generator[str, None, None]:
-        if not self.is_writing_to_memory:
-            yield from super().response_gen
-            return
-        try:
-            yielded_once = False
-            while not self.is_done or not self.queue.empty():
-                if self.exception is not None:
-                    raise self.exception
-                try:
-                    delta = self.queue.get(timeout=0.01)
-                except Empty:
-                    continue
-                self.unformatted_response += delta
-                yield delta
-                yielded_once = True
-            self.response = self.unformatted_response.strip()
-            if not yielded_once:
-                yield self.response
-        finally:
-            if self.write_response_to_history_thread is not None:
-                self.write_response_to_history_thread.join()
-                self.write_response_to_history_thread = None
-
 
 REUSE_METADATA_KEY = "craft_reuse"
 """Response metadata key of the turn's :class:`ReuseReport` (also under ``reuse_report``)."""
