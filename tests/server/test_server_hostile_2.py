@@ -248,3 +248,36 @@ def test_a_stream_event_echoing_secrets_is_quoted_without_them(
             assert api_key not in str(info.value) and salt not in str(info.value)
         finally:
             engine.close()
+
+
+# ---- usage about another prompt -----------------------------------------------------------------
+
+
+@pytest.mark.parametrize("prompt_tokens", [1, 10**6, -1, "12", True, 3.5])
+def test_usage_counting_another_prompt_is_refused(
+    served: tuple[CraftEngine, FakeServer, str], prompt_tokens: object
+) -> None:
+    """``usage.prompt_tokens`` other than the prompt sent: the server (or a proxy) ran another
+    prompt, so its cached_tokens say nothing about ours and must not reach the planner."""
+    engine, fake, url = served
+
+    def answer(handler: Any, body: dict[str, Any]) -> None:
+        usage = {"prompt_tokens": prompt_tokens, "prompt_tokens_details": {"cached_tokens": 0}}
+        sse(handler, [token(0, "length"), event({"choices": [], "usage": usage}), b"data: [DONE]"])
+
+    fake.hostile = answer
+    refused(engine, fake, url, ServerError, "prompt_tokens")
+
+
+def test_usage_counting_our_prompt_is_fine(served: tuple[CraftEngine, FakeServer, str]) -> None:
+    engine, fake, _ = served
+
+    def answer(handler: Any, body: dict[str, Any]) -> None:
+        usage = {
+            "prompt_tokens": len(body["prompt"]),
+            "prompt_tokens_details": {"cached_tokens": 0},
+        }
+        sse(handler, [token(0, "length"), event({"choices": [], "usage": usage}), b"data: [DONE]"])
+
+    fake.hostile = answer
+    assert engine.generate(chunks(), "q?", max_tokens=2).token_ids == (1000,)

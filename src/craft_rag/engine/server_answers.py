@@ -228,12 +228,21 @@ def parse_event(data: bytes, base_url: str) -> dict[str, Any]:
 
 def event_cached_tokens(event: Mapping[str, Any], prompt_len: int, base_url: str) -> int | None:
     """``usage.prompt_tokens_details.cached_tokens`` if present, checked to lie in
-    ``[0, prompt_len]`` (a server cannot have cached more than the prompt)."""
+    ``[0, prompt_len]`` (a server cannot have cached more than the prompt);
+    ``usage.prompt_tokens``, if present, must be ``prompt_len``."""
     usage = event.get("usage")
     if usage is None:
         return None
     if not isinstance(usage, dict):
         raise bad_field(base_url, "a stream event", "usage", usage, "not an object")
+    counted = usage.get("prompt_tokens")
+    if counted is not None and (
+        isinstance(counted, bool) or not isinstance(counted, int) or counted != prompt_len
+    ):
+        # Another prompt ran (a proxy rewrote or truncated ours): its cache says nothing of ours.
+        raise bad_field(
+            base_url, "the usage event", "prompt_tokens", counted, f"not the {prompt_len} sent"
+        )
     details = usage.get("prompt_tokens_details")
     if details is None:
         return None
