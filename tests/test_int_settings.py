@@ -112,3 +112,12 @@ def test_good_int_settings_still_pass(
     factory: Callable[..., object], field: str, value: object
 ) -> None:
     assert getattr(factory(**{field: value}), field) == value
+
+
+@pytest.mark.parametrize("field", ["connect_timeout", "read_timeout"])
+@pytest.mark.parametrize("value", [2**70, 1e300, 10.0**9])
+def test_a_timeout_past_any_clock_is_refused_at_construction(field: str, value: float) -> None:
+    """A finite but huge timeout was accepted and failed at the first socket call with a raw
+    ``OverflowError`` (timestamp too large for the C clock)."""
+    with pytest.raises(ValueError, match=field):
+        _server(**{field: value})

@@ -38,6 +38,10 @@ MAX_RETRIES = 100
 MAX_BACKOFF_S = 3600.0
 """Bound on ``backoff`` (seconds; the first wait, later ones double)."""
 
+MAX_TIMEOUT_S = 7 * 86400.0
+"""Longest ``connect_timeout``/``read_timeout`` (a week): a larger one overflows the socket
+clock at the first call."""
+
 _INFO_LABEL = re.compile(r'(\w+)="([^"]*)"')
 
 
@@ -111,8 +115,10 @@ class ServerSettings:
                 "http://127.0.0.1:8000"
             )
             raise ValueError(msg)
-        check_number(self.connect_timeout, "connect_timeout (seconds)", positive=True)
-        check_number(self.read_timeout, "read_timeout (seconds)", positive=True)
+        for name in ("connect_timeout", "read_timeout"):
+            check_number(
+                getattr(self, name), f"{name} (seconds)", positive=True, maximum=MAX_TIMEOUT_S
+            )
         check_int(self.retries, "retries", minimum=0, maximum=MAX_RETRIES)
         check_number(self.backoff, "backoff (seconds)", minimum=0.0, maximum=MAX_BACKOFF_S)
         if self.block_size is not None:  # None: read from /metrics
