@@ -17,7 +17,9 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 INTEGRATIONS = ROOT / "integrations"
-PUBLIC = ("craft_rag", "craft_rag.engine")
+# model_args (the familiar-argument table both integrations share) and redact are public
+# modules of their own: integrations may import them.
+PUBLIC = ("craft_rag", "craft_rag.engine", "craft_rag.engine.model_args", "craft_rag.redact")
 LLAMA_CATEGORIES = ("postprocessor", "llms", "retrievers", "embeddings")
 
 

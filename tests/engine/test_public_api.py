@@ -8,6 +8,8 @@ import sys
 import craft_rag.engine as engine_pkg
 
 EXPECTED = {
+    "condense_off_reason",
+    "local_model_folder",
     "CONDENSE_INSTRUCTION",
     "DEFAULT_CONDENSE_MAX_TOKENS",
     "DEFAULT_HISTORY_BUDGET",

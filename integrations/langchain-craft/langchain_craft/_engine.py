@@ -32,7 +32,13 @@ from pydantic import (
 )
 
 from craft_rag import DEFAULT_INSTRUCTIONS, Chunk
-from craft_rag.engine import EngineRequest, MessagesRequest, RagRequest, SamplingRequest
+from craft_rag.engine import (
+    EngineRequest,
+    MessagesRequest,
+    RagRequest,
+    SamplingRequest,
+    ServerSettings,
+)
 from craft_rag.engine.model_args import (
     MAX_TOKENS_ALIASES,
     SERVER_ALIASES,
@@ -43,7 +49,6 @@ from craft_rag.engine.model_args import (
     server_with,
     settings_dict,
 )
-from craft_rag.engine.server_settings import ServerSettings
 from craft_rag.redact import MASK, redact_url
 from langchain_craft._documents import validate_conversation_id
 
@@ -333,7 +338,7 @@ class CraftEngineParams(BaseModel):
             if self._text_tokenizer is None:
                 try:
                     from craft_rag import HFTokenizer
-                    from craft_rag.engine.model import local_model_folder
+                    from craft_rag.engine import local_model_folder
                 except ImportError as exc:
                     raise ImportError(ENGINE_INSTALL_HINT) from exc
                 folder = Path(local_model_folder(self.engine_settings.get("model")))

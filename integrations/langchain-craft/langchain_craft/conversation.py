@@ -51,8 +51,8 @@ from craft_rag.engine import (
     Condensed,
     acondense,
     condense,
+    condense_off_reason,
 )
-from craft_rag.engine.condense import condense_off_reason
 from langchain_craft._documents import DEFAULT_CONVERSATION_KEYS, conversation_id_from_config
 from langchain_craft._engine import reuse_dict
 from langchain_craft.chat_models import ChatCraftVLLM

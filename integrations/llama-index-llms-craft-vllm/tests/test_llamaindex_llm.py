@@ -198,7 +198,7 @@ def test_bad_input_raises_clear_errors(llm: CraftVLLM) -> None:
     )
     with pytest.raises(ValueError, match="text blocks only"):
         llm.chat([image])
-    with pytest.raises(ValueError, match="not both"):
+    with pytest.raises(ValueError, match="engine= is a running engine"):
         CraftVLLM(llm.engine, engine_settings=llm.engine.settings)
     with pytest.raises(ValueError, match="CraftEngine"):
         CraftVLLM(engine="not an engine")  # type: ignore[arg-type]

@@ -23,6 +23,7 @@ def test_public_api_is_pinned() -> None:
         "KeySource",
         "SplitNodes",
         "chunk_for_node",
+        "default_key_source",
         "split_nodes",
     }
     for name in pkg.__all__:

@@ -11,6 +11,7 @@ from craft_rag.engine.condense import (
     Condensed,
     acondense,
     condense,
+    condense_off_reason,
 )
 from craft_rag.engine.conversation_prompts import (
     DEFAULT_HISTORY_BUDGET,
@@ -22,7 +23,12 @@ from craft_rag.engine.driver import EngineFailure, RequestCancelled
 from craft_rag.engine.engine import CraftEngine, reused_chunk_count
 from craft_rag.engine.kv_events import BlockHasher, KVEventSync
 from craft_rag.engine.messages import ChatTurn
-from craft_rag.engine.model import PreparedModel, prepare_default_model, resolve_model
+from craft_rag.engine.model import (
+    PreparedModel,
+    local_model_folder,
+    prepare_default_model,
+    resolve_model,
+)
 from craft_rag.engine.planners import validate_cache_salt
 from craft_rag.engine.requests import RequestHandle
 from craft_rag.engine.results import (
@@ -89,7 +95,9 @@ __all__ = [
     "TurnLayoutPolicy",
     "acondense",
     "condense",
+    "condense_off_reason",
     "derive_chat_format",
+    "local_model_folder",
     "prepare_default_model",
     "resolve_model",
     "reused_chunk_count",

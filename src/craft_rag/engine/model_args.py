@@ -48,6 +48,7 @@ __all__ = [
     "check_sampling_extra",
     "engine_settings_with",
     "server_with",
+    "settings_dict",
 ]
 
 ENGINE_FIELDS = frozenset(f.name for f in fields(EngineSettings))

@@ -40,6 +40,7 @@ from dataclasses import replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from craft_rag.engine.chat_format import NO_DOCUMENTS
 from craft_rag_bench.bench.chat import (
     ChatConversation,
     _score,
@@ -73,20 +74,22 @@ def variant_format(base: PromptFormat, variant: str) -> PromptFormat:
         raise ValueError(msg)
     new_user = f"{IM_END}\n{user_open}"
     if variant == "current":  # the rendering before question messages became the default
-        return replace(base, question="Question: {question}")
+        return replace(base, question="Question: {question}", no_documents="")
     if variant == "question_message":
-        return replace(base, question=new_user + "{question}")
+        return replace(base, question=new_user + "{question}", no_documents=NO_DOCUMENTS)
     if variant == "context_system":
         return replace(
             base,
             head=f"{IM_START}system\nAnswer the question using the context.\n\nContext:\n",
             chunk="{text}\n\n",
             question=new_user + "{question}",
+            no_documents=NO_DOCUMENTS,
         )
     return replace(
         base,
         question="Answer the question using the documents above. Be brief.\n"
         "Question: {question}",
+        no_documents="",
     )
 
 

@@ -65,8 +65,8 @@ from craft_rag.engine import (
     ReuseReport,
     acondense,
     condense,
+    condense_off_reason,
 )
-from craft_rag.engine.condense import condense_off_reason
 
 REUSE_METADATA_KEY = "craft_reuse"
 """Response metadata key of the turn's :class:`ReuseReport` (also under ``reuse_report``)."""

@@ -48,8 +48,7 @@ from llama_index.core.schema import NodeWithScore
 from llama_index.core.types import RESPONSE_TEXT_TYPE
 from llama_index.llms.craft_vllm.base import REUSE_KEY, CraftVLLM
 from llama_index.llms.craft_vllm.calls import LEGACY_REUSE_KEY
-from llama_index.postprocessor.craft import KeySource, split_nodes
-from llama_index.postprocessor.craft.nodes import default_key_source
+from llama_index.postprocessor.craft import KeySource, default_key_source, split_nodes
 from llama_index_instrumentation import get_dispatcher
 
 from craft_rag import Chunk, make_chunk, validate_conversation_id

@@ -25,6 +25,7 @@ from llama_index.postprocessor.craft.nodes import (
     KeySource,
     SplitNodes,
     chunk_for_node,
+    default_key_source,
     split_nodes,
 )
 
@@ -40,6 +41,7 @@ __all__ = [
     "KeySource",
     "SplitNodes",
     "chunk_for_node",
+    "default_key_source",
     "split_nodes",
 ]
 
