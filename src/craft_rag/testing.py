@@ -40,17 +40,44 @@ from craft_rag.prompt import PromptFormat
 from craft_rag.tokenizer import HashingTokenizer, HFTokenizer
 from craft_rag.validation import check_number
 
+ISOLATED_ENGINE_TEST = "CRAFT_RAG_ISOLATED_ENGINE_TEST"
+"""Set in the environment of a test re-run by :func:`rerun_in_own_process`."""
+
+
+def rerun_in_own_process(test_file: str, test: str, timeout: float = 900.0) -> bool:
+    """Re-run ``test_file::test`` in a pytest subprocess unless already inside one; True when
+    the caller should return (the subprocess ran it and passed; ``AssertionError`` with its
+    output otherwise). For tests that start a second in-process vLLM engine: its shutdown tears
+    down vLLM's process-global distributed state, which would break the session's shared
+    engine for every later test. Cost: one interpreter and engine start."""
+    import os
+    import subprocess
+    import sys
+
+    if os.environ.get(ISOLATED_ENGINE_TEST):
+        return False
+    done = subprocess.run(
+        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-m", "engine",
+         f"{test_file}::{test}"],
+        env={**os.environ, ISOLATED_ENGINE_TEST: "1"},
+        capture_output=True, text=True, timeout=timeout, check=False,
+    )
+    assert done.returncode == 0, done.stdout[-4000:] + done.stderr[-2000:]
+    return True
+
 __all__ = [
     "ALTERNATING_TEMPLATE",
     "CHATML",
     "FAKE_BLOCK",
     "FAKE_FORMAT",
+    "ISOLATED_ENGINE_TEST",
     "MERGING_TEMPLATE",
     "FakeBackend",
     "control_id_count",
     "forged_control_text",
     "make_chunks",
     "make_fake_engine",
+    "rerun_in_own_process",
 ]
 
 FAKE_BLOCK = 16

@@ -18,6 +18,7 @@ from llama_index.llms.craft_vllm.calls import PROMPT_KEY
 
 from craft_rag import HFTokenizer
 from craft_rag.engine.server_backend import _PROBE_TEXT
+from craft_rag.testing import rerun_in_own_process
 
 pytestmark = pytest.mark.engine
 
@@ -35,30 +36,11 @@ class _Fixed(BaseRetriever):
 
 
 
-_ISOLATED = "CRAFT_RAG_ISOLATED_ENGINE_TEST"
-
-
-def _in_own_process(test: str) -> bool:
-    """Run ``test`` in a pytest subprocess unless already there; True when the caller should
-    return. A second in-process vLLM engine's shutdown tears down vLLM's process-global
-    distributed state, which would break the session's shared engine for every later test."""
-    import os
-    import subprocess
-
-    if os.environ.get(_ISOLATED):
-        return False
-    env = {**os.environ, _ISOLATED: "1"}
-    done = subprocess.run(
-        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-m", "engine",
-         f"{__file__}::{test}"],
-        env=env, capture_output=True, text=True, timeout=900, check=False,
-    )
-    assert done.returncode == 0, done.stdout[-4000:] + done.stderr[-2000:]
-    return True
-
 
 def test_model_folder_serves_with_a_system_prompt_shared_across_turns(model_dir: Path) -> None:
-    if _in_own_process("test_model_folder_serves_with_a_system_prompt_shared_across_turns"):
+    if rerun_in_own_process(
+        __file__, "test_model_folder_serves_with_a_system_prompt_shared_across_turns"
+    ):
         return
     llm = CraftVLLM(
         model=str(model_dir),
