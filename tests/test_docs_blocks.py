@@ -116,9 +116,27 @@ def _shared_engine(craft_engine: Any, monkeypatch: pytest.MonkeyPatch) -> Iterat
     import craft_rag.engine.engine as engine_module
 
     real = engine_module.CraftEngine
-    keep = {"close", "__enter__", "__exit__", "__class__"}
+    keep = {"close", "__enter__", "__exit__", "__class__", "__init__"}
 
-    class _Shared(real):  # type: ignore[misc, valid-type]
+    class _Meta(type):
+        """``isinstance(x, CraftEngine)`` keeps meaning a real engine (the integrations check)."""
+
+        def __instancecheck__(cls, obj: object) -> bool:
+            return isinstance(obj, real)
+
+    class _Factory(real, metaclass=_Meta):  # type: ignore[misc, valid-type]
+        """Stands in for the class: ``server=`` builds a real client, anything else the
+        session engine's handle."""
+
+        def __new__(cls, *args: Any, server: str | None = None, **kwargs: Any) -> Any:
+            if server is not None:
+                return real(*args, server=server, **kwargs)
+            return object.__new__(_Shared)
+
+    class _Shared(_Factory):
+        def __init__(self, *args: Any, **kwargs: Any) -> None:
+            """Nothing to start: every other attribute is the session engine's."""
+
         def __getattribute__(self, name: str) -> Any:
             if name in keep:
                 return object.__getattribute__(self, name)
@@ -133,10 +151,7 @@ def _shared_engine(craft_engine: Any, monkeypatch: pytest.MonkeyPatch) -> Iterat
         def __exit__(self, *exc: object) -> None:
             return None
 
-    def factory(*args: Any, server: str | None = None, **kwargs: Any) -> Any:
-        if server is not None:
-            return real(*args, server=server, **kwargs)
-        return object.__new__(_Shared)
+    factory = _Factory
 
     monkeypatch.setattr(craft_rag.engine, "CraftEngine", factory)
     monkeypatch.setattr(engine_module, "CraftEngine", factory)
@@ -177,4 +192,9 @@ def test_every_example_has_ci_sizes() -> None:
 @pytest.mark.parametrize("script", _EXAMPLES, ids=[p.name for p in _EXAMPLES])
 def test_example_runs(script: Path, _shared_engine: None, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(sys, "argv", [str(script), *_SMALL_ARGS.get(script.name, [])])
+    # As `python examples/x.py` does: the script's folder first on sys.path (an example may
+    # import a sibling example), and no sibling module left cached from an earlier example.
+    monkeypatch.syspath_prepend(str(script.parent))
+    for sibling in _EXAMPLES:
+        monkeypatch.delitem(sys.modules, sibling.stem, raising=False)
     runpy.run_path(str(script), run_name="__main__")

@@ -15,6 +15,7 @@ from typing import Any
 
 import pytest
 
+from craft_rag.engine.cpu_dtype import default_dtype
 from craft_rag.chunk import Chunk, make_chunk
 from craft_rag.engine.engine import CraftEngine, EngineFailure, EngineSettings
 from craft_rag.engine.kv_events import AllCleared, BlocksRemoved, BlocksStored, KVEventSync
@@ -321,7 +322,7 @@ def test_settings_map_onto_vllm_engine_args_and_engine_kwargs_win(tmp_path: Any)
     )
     kwargs = backend.engine_kwargs
     assert kwargs["model"] == "/some/model" and kwargs["block_size"] == 64
-    assert kwargs["enable_prefix_caching"] is True and kwargs["dtype"] == "bfloat16"
+    assert kwargs["enable_prefix_caching"] is True and kwargs["dtype"] == default_dtype()
     assert kwargs["kv_cache_memory_bytes"] == 1 << 30 and kwargs["num_gpu_blocks_override"] == 40
     assert kwargs["enforce_eager"] is False and kwargs["max_model_len"] == 512
     assert kwargs["kv_events_config"].endpoint == f"ipc://{tmp_path}/x.sock"
