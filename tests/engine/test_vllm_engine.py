@@ -15,8 +15,8 @@ from typing import Any
 
 import pytest
 
-from craft_rag.engine.cpu_dtype import default_dtype
 from craft_rag.chunk import Chunk, make_chunk
+from craft_rag.engine.cpu_dtype import default_dtype
 from craft_rag.engine.engine import CraftEngine, EngineFailure, EngineSettings
 from craft_rag.engine.kv_events import AllCleared, BlocksRemoved, BlocksStored, KVEventSync
 from craft_rag.planner import CraftPlanner, PlannerConfig
