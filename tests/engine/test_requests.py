@@ -235,3 +235,14 @@ def test_aresult_waits_without_blocking_the_loop(make_fake_engine: Factory) -> N
     produced, ticks = asyncio.run(run())
     assert produced == 5 and ticks >= 3  # the loop ran while the engine decoded
     assert commits(engine) == 1
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_prompt_token_ids_are_known_at_submission(make_fake_engine: Factory, kind: str) -> None:
+    engine, backend = make_fake_engine(FakeBackend(step_delay=0.01))
+    handle = engine.submit(make_request(kind, max_tokens=50, conversation_id="p"))
+    ids = handle.prompt_token_ids
+    assert ids == tuple(backend.added[-1][1]) and not handle.done()  # before generation ends
+    assert handle.abort() and handle.prompt_token_ids == ids  # still readable after abort
+    done = engine.submit(make_request(kind, max_tokens=1))
+    assert done.result().prompt_token_ids == done.prompt_token_ids

@@ -8,19 +8,28 @@ _engine_stream` (or ``_engine_astream``) submits it (``engine.submit``) and iter
 turning each piece into the model's chunk type and firing ``on_llm_new_token``;
 :func:`final_metadata` turns the finished result into usage and the reuse report. Sync and
 async differ only in iteration.
+
+The prompt before generation: each model's ``invoke``/``stream`` (and async forms) builds and
+submits the request *before* LangChain's run starts (:meth:`CraftEngineParams._start_call`), so
+the run's metadata, ``on_chat_model_start``/``on_llm_start`` and tracers carry the exact prompt
+(``metadata["craft_prompt"]``); the same model's ``_stream`` of that call then serves that very
+request (:meth:`CraftEngineParams._take_started`), and a request LangChain never asked for (an
+LLM-cache hit, a failing callback) is aborted, committing nothing.
 """
 
 from __future__ import annotations
 
 import threading
-from collections.abc import AsyncIterator, Callable, Iterator, Mapping, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator, Mapping, Sequence
 from contextlib import aclosing
-from dataclasses import asdict
+from contextvars import ContextVar
+from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, TypeVar
 
 from langchain_core.callbacks import AsyncCallbackManagerForLLMRun, CallbackManagerForLLMRun
 from langchain_core.messages.ai import InputTokenDetails, UsageMetadata
+from langchain_core.runnables import RunnableConfig, ensure_config
 from langchain_core.utils.utils import _build_model_kwargs
 from pydantic import (
     BaseModel,
@@ -54,11 +63,18 @@ from langchain_craft._documents import validate_conversation_id
 
 if TYPE_CHECKING:
     from craft_rag import Plan
-    from craft_rag.engine import CraftEngine, GenerationResult, ReuseReport, StreamChunk
+    from craft_rag.engine import (
+        CraftEngine,
+        GenerationResult,
+        RequestHandle,
+        ReuseReport,
+        StreamChunk,
+    )
 
-__all__ = ["EngineRequest"]  # the engine's request type, named here for the two models
+__all__ = ["EngineRequest", "StartedRequest"]  # named here for the two models
 
 ChunkT = TypeVar("ChunkT")
+T = TypeVar("T")
 
 ENGINE_INSTALL_HINT = (
     "ChatCraftVLLM/CraftVLLM need craft-rag's in-process engine: "
@@ -112,6 +128,36 @@ PROMPT_KEY = "craft_prompt"
 """``response_metadata``/``generation_info`` key of the exact prompt sent: ``{"text": ...,
 "token_ids": [...]}`` (``text``: the ids decoded with control tokens spelled out; ``None``
 when the engine's tokenizer cannot decode)."""
+
+Call = tuple[Any, ...]
+"""What one LangChain call hands ``_stream``: ``(input, stop, kwargs)``, input being the chat
+model's messages or the LLM's prompt string."""
+
+
+@dataclass(slots=True)
+class StartedRequest:
+    """A request submitted by one ``invoke``/``stream`` call before LangChain's run starts, so
+    the run's start callbacks carry its prompt. Owner: that call, which aborts it once
+    LangChain returns (a no-op once it finished). ``taken`` is set once, by the first
+    ``_stream`` of the same model for the same ``call`` (:meth:`CraftEngineParams.
+    _take_started`), which then serves it."""
+
+    model: object  # compared by identity: only this model's _stream takes the request
+    call: Call
+    handle: RequestHandle
+    taken: bool = False
+
+
+_STARTED: ContextVar[StartedRequest | None] = ContextVar("langchain_craft_started", default=None)
+"""The request of the innermost pre-starting call in this context. Why a context variable:
+LangChain hands ``_stream`` only the input and the call's kwargs (which also reach its cache
+key and invocation params), so nothing per call can ride along; a context variable is per
+thread and per task, set and reset around LangChain's call within one step (never across a
+yield), so a nested call, of this model or another, sees its own request and the outer one
+sees its own again afterwards."""
+
+_NOTHING: Any = object()
+"""End-of-stream marker for the first ``next``."""
 
 SERVER_ONLY = ("api_key", "timeout", "max_retries")
 """ChatOpenAI's connection settings: they act on the server (``base_url``) only."""
@@ -407,10 +453,135 @@ class CraftEngineParams(BaseModel):
     def sent_prompt(self, result: GenerationResult) -> dict[str, Any]:
         """What was sent for ``result``: ``{"text", "token_ids"}`` (see :data:`PROMPT_KEY`).
         O(prompt tokens) (one decode)."""
-        ids = list(result.prompt_token_ids)
+        return self._prompt_record(result.prompt_token_ids)
+
+    def _prompt_record(self, token_ids: Sequence[int]) -> dict[str, Any]:
+        """``{"text", "token_ids"}`` of a prompt (see :data:`PROMPT_KEY`); one decode."""
+        ids = list(token_ids)
         engine = self.engine if self.engine is not None else self._owned_engine
         decode = getattr(getattr(engine, "tokenizer", None), "decode", None)
         return {"text": decode(ids) if callable(decode) else None, "token_ids": ids}
+
+    # ---- the prompt before generation ---------------------------------------------------------
+
+    def _start_call(
+        self, prepare: Callable[[], tuple[Call, EngineRequest]], config: RunnableConfig | None
+    ) -> tuple[StartedRequest | None, RunnableConfig]:
+        """Submit the call's request now, before LangChain's run starts, and return it with
+        the call's config whose ``metadata[PROMPT_KEY]`` is its prompt: the run's metadata, so
+        ``on_chat_model_start``/``on_llm_start`` (``metadata=``) and tracers see it; not the
+        invocation params (LangChain's cache key). ``prepare()`` gives the call as ``_stream``
+        will see it and its request. A call that cannot be prepared or submitted returns
+        ``(None, config)``: ``_stream`` builds it again inside the run and raises there, the
+        same error with ``on_llm_error``, as without this step. Cost: the submit (planning,
+        rendering, which ``_stream`` no longer does) and one decode."""
+        config = ensure_config(config)
+        try:
+            call, request = prepare()
+            handle = self.get_engine().submit(request)
+        except Exception:  # raised again inside the run, by _stream
+            return None, config
+        try:
+            prompt = self._prompt_record(handle.prompt_token_ids)
+        except BaseException:
+            handle.abort()
+            raise
+        metadata = {**(config.get("metadata") or {}), PROMPT_KEY: prompt}
+        return StartedRequest(self, call, handle), {**config, "metadata": metadata}
+
+    def _take_started(self, call: Call) -> RequestHandle | None:
+        """The request this model's ``invoke``/``stream`` started for ``call``, once; ``None``
+        for another model, another call, or a request already taken (the caller submits its
+        own). O(size of the call) (one comparison)."""
+        started = _STARTED.get()
+        if started is None or started.model is not self or started.taken:
+            return None
+        if started.call != call:
+            return None
+        started.taken = True
+        return started.handle
+
+    @staticmethod
+    def _run_started(started: StartedRequest | None, run: Callable[[], T]) -> T:
+        """``run()`` (LangChain's ``invoke``) with ``started`` visible to ``_stream``; then the
+        request is aborted unless it finished (untaken: an LLM-cache hit, a callback's error),
+        so nothing is committed for it."""
+        if started is None:
+            return run()
+        token = _STARTED.set(started)
+        try:
+            return run()
+        finally:
+            _STARTED.reset(token)
+            started.handle.abort()
+
+    @staticmethod
+    async def _arun_started(
+        started: StartedRequest | None, run: Callable[[], Awaitable[T]]
+    ) -> T:
+        """Async :meth:`_run_started`."""
+        if started is None:
+            return await run()
+        token = _STARTED.set(started)
+        try:
+            return await run()
+        finally:
+            _STARTED.reset(token)
+            started.handle.abort()
+
+    @staticmethod
+    def _stream_started(started: StartedRequest | None, chunks: Iterator[T]) -> Iterator[T]:
+        """LangChain's ``stream`` (``chunks``) with ``started`` visible until its first chunk,
+        by which LangChain has called ``_stream``: set and reset within one step of this
+        generator, never across a yield. Closing early closes ``chunks`` (LangChain reports
+        the run's end) and aborts the request."""
+        if started is None:
+            yield from chunks
+            return
+        try:
+            token = _STARTED.set(started)
+            try:
+                first = next(chunks, _NOTHING)
+            finally:
+                _STARTED.reset(token)
+            if not started.taken:  # LangChain served nothing (or another request): stop it now
+                started.handle.abort()
+            if first is not _NOTHING:
+                yield first
+                yield from chunks
+        finally:
+            close = getattr(chunks, "close", None)
+            if callable(close):
+                close()
+            started.handle.abort()
+
+    @staticmethod
+    async def _astream_started(
+        started: StartedRequest | None, chunks: AsyncIterator[T]
+    ) -> AsyncIterator[T]:
+        """Async :meth:`_stream_started` (set and reset within one ``__anext__`` of this
+        generator, so within one task's context)."""
+        if started is None:
+            async for chunk in chunks:
+                yield chunk
+            return
+        try:
+            token = _STARTED.set(started)
+            try:
+                first = await anext(chunks, _NOTHING)
+            finally:
+                _STARTED.reset(token)
+            if not started.taken:
+                started.handle.abort()
+            if first is not _NOTHING:
+                yield first
+                async for chunk in chunks:
+                    yield chunk
+        finally:
+            aclose = getattr(chunks, "aclose", None)
+            if callable(aclose):
+                await aclose()
+            started.handle.abort()
 
     def _craft_ls_params(self, params: Any, kwargs: Mapping[str, Any]) -> Any:
         """LangSmith params of either model: provider and served model name."""
@@ -467,15 +638,23 @@ class CraftEngineParams(BaseModel):
         conversation_id = validate_conversation_id(conversation_id)
         return RagRequest(chunks, question, conversation_id, salt, plan, sampling)
 
+    def _handle(self, call: Call, build: Callable[[], EngineRequest]) -> RequestHandle:
+        """The request of ``call``: the one its ``invoke``/``stream`` started, else
+        ``build()`` submitted now."""
+        handle = self._take_started(call)
+        return handle if handle is not None else self.get_engine().submit(build())
+
     def _engine_stream(
         self,
-        request: EngineRequest,
+        call: Call,
+        build: Callable[[], EngineRequest],
         to_chunk: Callable[[StreamChunk], ChunkT],
         run_manager: CallbackManagerForLLMRun | None,
     ) -> Iterator[ChunkT]:
-        """Run ``request``, yielding ``to_chunk(piece)`` per engine piece and firing
-        ``on_llm_new_token`` for each piece with text. The one sync path of both models."""
-        for piece in self.get_engine().submit(request):
+        """Run ``call``'s request (:meth:`_handle`), yielding ``to_chunk(piece)`` per engine
+        piece and firing ``on_llm_new_token`` for each piece with text. The one sync path of
+        both models."""
+        for piece in self._handle(call, build):
             chunk = to_chunk(piece)
             if run_manager is not None and piece.text:
                 run_manager.on_llm_new_token(piece.text, chunk=chunk)  # type: ignore[arg-type]
@@ -483,13 +662,14 @@ class CraftEngineParams(BaseModel):
 
     async def _engine_astream(
         self,
-        request: EngineRequest,
+        call: Call,
+        build: Callable[[], EngineRequest],
         to_chunk: Callable[[StreamChunk], ChunkT],
         run_manager: AsyncCallbackManagerForLLMRun | None,
     ) -> AsyncIterator[ChunkT]:
         """Async :meth:`_engine_stream`."""
         # aclosing: a consumer that stops early aborts the request now, not at collection.
-        async with aclosing(self.get_engine().submit(request).__aiter__()) as pieces:
+        async with aclosing(self._handle(call, build).__aiter__()) as pieces:
             async for piece in pieces:
                 chunk = to_chunk(piece)
                 if run_manager is not None and piece.text:

@@ -20,15 +20,24 @@ Every request streams from the engine (one path for invoke and stream, sync and 
 ``input_token_details.cache_read`` = vLLM's cached tokens) and ``response_metadata["craft"]``:
 the engine's reuse report (prompt/cached/predicted tokens, TTFT, chunk order, dedup removals,
 ``plan_id``, ``salted``).
+
+The exact prompt (``{"text", "token_ids"}``) is known before generation: ``invoke``,
+``stream``, ``ainvoke`` and ``astream`` submit the request first and put it in the run's
+metadata under ``craft_prompt``, so ``on_chat_model_start(..., metadata=...)`` and tracers
+record it; ``response_metadata["craft_prompt"]`` repeats it. (``generate``/``agenerate``
+called directly, and a model with a ``rate_limiter``, which must wait before the request
+starts, show it in the response only.) A call LangChain answers without the model (an LLM-cache
+hit) aborts the started request: nothing is committed.
 """
 
 from __future__ import annotations
 
 from collections.abc import AsyncIterator, Iterator, Sequence
-from typing import Any
+from functools import partial
+from typing import Any, Literal
 
 from langchain_core.callbacks import AsyncCallbackManagerForLLMRun, CallbackManagerForLLMRun
-from langchain_core.language_models import BaseChatModel, LangSmithParams
+from langchain_core.language_models import BaseChatModel, LangSmithParams, LanguageModelInput
 from langchain_core.messages import (
     AIMessage,
     AIMessageChunk,
@@ -37,12 +46,23 @@ from langchain_core.messages import (
     HumanMessage,
 )
 from langchain_core.outputs import ChatGeneration, ChatGenerationChunk, ChatResult
+from langchain_core.runnables import RunnableConfig
 
 from craft_rag import CraftPlanner
 from langchain_craft._documents import validate_conversation_id
-from langchain_craft._engine import CraftEngineParams, EngineRequest, final_metadata, usage_metadata
+from langchain_craft._engine import (
+    Call,
+    CraftEngineParams,
+    EngineRequest,
+    StartedRequest,
+    final_metadata,
+    usage_metadata,
+)
 from langchain_craft.prompt import CraftContext, build_context, craft_context
 from langchain_craft.reorder import CraftReorder
+
+_LS_KWARGS = frozenset({"ls_structured_output_format", "structured_output_format"})
+"""Call kwargs LangChain pops before ``_stream`` (its tracing of structured output)."""
 
 _ROLES = {"human": "user", "ai": "assistant", "system": "system", "tool": "tool"}
 """LangChain message types -> chat-template roles (a ``ChatMessage`` brings its own role)."""
@@ -139,6 +159,93 @@ class ChatCraftVLLM(CraftEngineParams, BaseChatModel):
         blocks the conversation's next plan (the planner allows one pending plan each)."""
         return CraftReorder(planner=self._planner(self.cache_salt), commit=False, **kwargs)
 
+    # ---- the prompt before generation: LangChain's entry points, request started first ----------
+
+    def invoke(
+        self,
+        input: LanguageModelInput,
+        config: RunnableConfig | None = None,
+        *,
+        stop: list[str] | None = None,
+        **kwargs: Any,
+    ) -> AIMessage:
+        """LangChain's ``invoke``, the request submitted first: ``on_chat_model_start`` and the
+        run's metadata carry its prompt under ``craft_prompt`` (module docstring)."""
+        started, config = self._start(input, config, stop, kwargs)
+        run = partial(super().invoke, input, config, stop=stop, **kwargs)
+        return self._run_started(started, run)
+
+    async def ainvoke(
+        self,
+        input: LanguageModelInput,
+        config: RunnableConfig | None = None,
+        *,
+        stop: list[str] | None = None,
+        **kwargs: Any,
+    ) -> AIMessage:
+        """Async :meth:`invoke`."""
+        started, config = self._start(input, config, stop, kwargs)
+        run = partial(super().ainvoke, input, config, stop=stop, **kwargs)
+        return await self._arun_started(started, run)
+
+    def stream(
+        self,
+        input: LanguageModelInput,
+        config: RunnableConfig | None = None,
+        *,
+        stop: list[str] | None = None,
+        **kwargs: Any,
+    ) -> Iterator[AIMessageChunk]:
+        """LangChain's ``stream``, the request submitted first (see :meth:`invoke`)."""
+        started, config = self._start(input, config, stop, kwargs, stream_api="sync")
+        yield from self._stream_started(
+            started, super().stream(input, config, stop=stop, **kwargs)
+        )
+
+    async def astream(
+        self,
+        input: LanguageModelInput,
+        config: RunnableConfig | None = None,
+        *,
+        stop: list[str] | None = None,
+        **kwargs: Any,
+    ) -> AsyncIterator[AIMessageChunk]:
+        """Async :meth:`stream`."""
+        started, config = self._start(input, config, stop, kwargs, stream_api="async")
+        chunks = super().astream(input, config, stop=stop, **kwargs)
+        async for chunk in self._astream_started(started, chunks):
+            yield chunk
+
+    def _start(
+        self,
+        input: LanguageModelInput,
+        config: RunnableConfig | None,
+        stop: list[str] | None,
+        kwargs: dict[str, Any],
+        *,
+        stream_api: Literal["sync", "async"] | None = None,
+    ) -> tuple[StartedRequest | None, RunnableConfig | None]:
+        """The call's request started before LangChain's run (``_start_call``), unless
+        LangChain will not call ``_stream`` from here: a ``stream`` that falls back on
+        ``invoke`` (``streaming=False`` given, ``disable_streaming``), whose ``invoke`` starts
+        it, or a ``rate_limiter``, which must let the request start."""
+        if self.rate_limiter is not None:
+            return None, config
+        if stream_api is not None and not self._should_stream(
+            async_api=stream_api == "async", **{**kwargs, "stream": True}
+        ):
+            return None, config
+        return self._start_call(partial(self._prepared, input, stop, kwargs), config)
+
+    def _prepared(
+        self, input: LanguageModelInput, stop: list[str] | None, kwargs: dict[str, Any]
+    ) -> tuple[Call, EngineRequest]:
+        """The call as LangChain hands it to ``_stream`` (its messages; the kwargs without
+        the ones it pops) and its request."""
+        messages = self._convert_input(input).to_messages()
+        call_kwargs = {k: v for k, v in kwargs.items() if k not in _LS_KWARGS}
+        return (messages, stop, call_kwargs), self._request(messages, stop, call_kwargs)
+
     # ---- messages -> one engine request --------------------------------------------------------
 
     def _request(
@@ -207,8 +314,8 @@ class ChatCraftVLLM(CraftEngineParams, BaseChatModel):
         run_manager: CallbackManagerForLLMRun | None = None,
         **kwargs: Any,
     ) -> Iterator[ChatGenerationChunk]:
-        request = self._request(messages, stop, kwargs)
-        yield from self._engine_stream(request, self._to_chunk, run_manager)
+        call, build = (messages, stop, kwargs), partial(self._request, messages, stop, kwargs)
+        yield from self._engine_stream(call, build, self._to_chunk, run_manager)
 
     async def _astream(
         self,
@@ -217,8 +324,8 @@ class ChatCraftVLLM(CraftEngineParams, BaseChatModel):
         run_manager: AsyncCallbackManagerForLLMRun | None = None,
         **kwargs: Any,
     ) -> AsyncIterator[ChatGenerationChunk]:
-        request = self._request(messages, stop, kwargs)
-        async for chunk in self._engine_astream(request, self._to_chunk, run_manager):
+        call, build = (messages, stop, kwargs), partial(self._request, messages, stop, kwargs)
+        async for chunk in self._engine_astream(call, build, self._to_chunk, run_manager):
             yield chunk
 
     def _to_chunk(self, piece: Any) -> ChatGenerationChunk:

@@ -7,20 +7,35 @@ cannot reach it; use ``ChatCraftVLLM`` in LCEL RAG chains.) Each request streams
 ``on_llm_new_token`` fires per token, and ``generation_info["craft"]`` is the reuse report
 (``llm_output["craft"]`` lists every prompt's report; ``invoke`` returns only the text, so use
 ``generate``/``stream``'s last chunk or a callback to read it).
+
+The exact prompt (``{"text", "token_ids"}``) is known before generation: ``invoke``, ``stream``,
+``ainvoke`` and ``astream`` submit the request first and put it in the run's metadata under
+``craft_prompt``, so ``on_llm_start(..., metadata=...)`` and tracers record it;
+``generation_info["craft_prompt"]`` repeats it. ``batch``/``generate`` (one LangChain run over
+several prompts) show it in ``generation_info`` only. An LLM-cache hit aborts the started
+request: nothing is committed.
 """
 
 from __future__ import annotations
 
 from collections.abc import AsyncIterator, Iterator
+from functools import partial
 from typing import Any
 
 from langchain_core.callbacks import AsyncCallbackManagerForLLMRun, CallbackManagerForLLMRun
-from langchain_core.language_models import BaseLLM, LangSmithParams
+from langchain_core.language_models import BaseLLM, LangSmithParams, LanguageModelInput
 from langchain_core.outputs import Generation, GenerationChunk, LLMResult
+from langchain_core.runnables import RunnableConfig
 
 from craft_rag import check_text
 from langchain_craft._documents import validate_conversation_id
-from langchain_craft._engine import CraftEngineParams, EngineRequest, final_metadata, usage_metadata
+from langchain_craft._engine import (
+    Call,
+    CraftEngineParams,
+    EngineRequest,
+    final_metadata,
+    usage_metadata,
+)
 from langchain_craft.prompt import build_context
 
 
@@ -43,6 +58,72 @@ class CraftVLLM(CraftEngineParams, BaseLLM):
         return self._craft_ls_params(  # type: ignore[no-any-return]
             super()._get_ls_params(stop=stop, **kwargs), kwargs
         )
+
+    # ---- the prompt before generation: LangChain's entry points, request started first ----------
+
+    def invoke(
+        self,
+        input: LanguageModelInput,
+        config: RunnableConfig | None = None,
+        *,
+        stop: list[str] | None = None,
+        **kwargs: Any,
+    ) -> str:
+        """LangChain's ``invoke``, the request submitted first: ``on_llm_start`` and the run's
+        metadata carry its prompt under ``craft_prompt`` (module docstring)."""
+        started, config = self._start_call(partial(self._prepared, input, stop, kwargs), config)
+        run = partial(super().invoke, input, config, stop=stop, **kwargs)
+        return self._run_started(started, run)
+
+    async def ainvoke(
+        self,
+        input: LanguageModelInput,
+        config: RunnableConfig | None = None,
+        *,
+        stop: list[str] | None = None,
+        **kwargs: Any,
+    ) -> str:
+        """Async :meth:`invoke`."""
+        started, config = self._start_call(partial(self._prepared, input, stop, kwargs), config)
+        run = partial(super().ainvoke, input, config, stop=stop, **kwargs)
+        return await self._arun_started(started, run)
+
+    def stream(
+        self,
+        input: LanguageModelInput,
+        config: RunnableConfig | None = None,
+        *,
+        stop: list[str] | None = None,
+        **kwargs: Any,
+    ) -> Iterator[str]:
+        """LangChain's ``stream``, the request submitted first (see :meth:`invoke`)."""
+        started, config = self._start_call(partial(self._prepared, input, stop, kwargs), config)
+        yield from self._stream_started(
+            started, super().stream(input, config, stop=stop, **kwargs)
+        )
+
+    async def astream(
+        self,
+        input: LanguageModelInput,
+        config: RunnableConfig | None = None,
+        *,
+        stop: list[str] | None = None,
+        **kwargs: Any,
+    ) -> AsyncIterator[str]:
+        """Async :meth:`stream`."""
+        started, config = self._start_call(partial(self._prepared, input, stop, kwargs), config)
+        async for chunk in self._astream_started(
+            started, super().astream(input, config, stop=stop, **kwargs)
+        ):
+            yield chunk
+
+    def _prepared(
+        self, input: LanguageModelInput, stop: list[str] | None, kwargs: dict[str, Any]
+    ) -> tuple[Call, EngineRequest]:
+        """The call as LangChain hands it to ``_stream`` (the prompt as a string) and its
+        request."""
+        prompt = self._convert_input(input).to_string()
+        return (prompt, stop, kwargs), self._request(prompt, stop, kwargs)
 
     def _request(
         self, prompt: str, stop: list[str] | None, kwargs: dict[str, Any]
@@ -74,8 +155,8 @@ class CraftVLLM(CraftEngineParams, BaseLLM):
         run_manager: CallbackManagerForLLMRun | None = None,
         **kwargs: Any,
     ) -> Iterator[GenerationChunk]:
-        request = self._request(prompt, stop, kwargs)
-        yield from self._engine_stream(request, self._to_chunk, run_manager)
+        call, build = (prompt, stop, kwargs), partial(self._request, prompt, stop, kwargs)
+        yield from self._engine_stream(call, build, self._to_chunk, run_manager)
 
     async def _astream(
         self,
@@ -84,8 +165,8 @@ class CraftVLLM(CraftEngineParams, BaseLLM):
         run_manager: AsyncCallbackManagerForLLMRun | None = None,
         **kwargs: Any,
     ) -> AsyncIterator[GenerationChunk]:
-        request = self._request(prompt, stop, kwargs)
-        async for chunk in self._engine_astream(request, self._to_chunk, run_manager):
+        call, build = (prompt, stop, kwargs), partial(self._request, prompt, stop, kwargs)
+        async for chunk in self._engine_astream(call, build, self._to_chunk, run_manager):
             yield chunk
 
     def _generate(

@@ -126,6 +126,13 @@ class RequestHandle:
     def request_id(self) -> str:
         return self._flight.state.request_id
 
+    @property
+    def prompt_token_ids(self) -> tuple[int, ...]:
+        """The exact prompt sent to the model, as token ids: known from submission (the
+        constructor planned and rendered it), before the first token; the same tuple as the
+        result's ``prompt_token_ids``. Read-only, O(1)."""
+        return self._flight.token_ids
+
     def done(self) -> bool:
         """Whether the engine is done with the request (finished, failed or aborted)."""
         return self._flight.state.done.is_set()
