@@ -13,7 +13,9 @@ size 32, an explicit KV budget (``kv_cache_memory_bytes``, 1 GiB by default; the
 
 from __future__ import annotations
 
+import contextlib
 import importlib
+import logging
 import os
 import tempfile
 from collections.abc import Mapping, Sequence
@@ -22,6 +24,14 @@ from pathlib import Path
 from typing import Any
 
 from craft_rag.engine.cpu_dtype import default_dtype
+from craft_rag.engine.logs import (
+    DEFAULT_LOG_LEVEL,
+    check_log_level,
+    is_quiet,
+    quiet_start,
+    vllm_configures_logging,
+    vllm_log_level,
+)
 from craft_rag.engine.results import SamplingRequest, StepOutput
 from craft_rag.validation import MAX_INT, check_int, check_optional_int, check_optional_number
 
@@ -40,6 +50,12 @@ class EngineSettings:
     ``kv_events_endpoint=None`` picks a private ``ipc://`` socket in a temp folder.
     ``dtype`` defaults to :func:`~craft_rag.engine.cpu_dtype.default_dtype`: bfloat16 on CPUs
     with AVX-512/AMX, float32 on x86 CPUs without (bf16 matmuls are ~4-5x slower there).
+    ``log_level`` (one of :data:`~craft_rag.engine.logs.LOG_LEVELS`, as ``craft-rag serve
+    --log-level``) is vLLM's level from the engine's import and start on; at ``"error"`` (the
+    default) and ``"critical"`` the start also hides torch's and vLLM's deprecation warnings and
+    the weight-loading progress bar, leaving one ``craft-rag: starting ...`` line on stderr
+    (none at ``"critical"``); ``"info"`` shows vLLM's start-up lines. Details and the other
+    ways to see vLLM's lines: :mod:`craft_rag.engine.logs`.
     """
 
     model: str | Path | None = None
@@ -54,9 +70,11 @@ class EngineSettings:
     kv_events: bool = True
     kv_events_endpoint: str | None = None
     seed: int = 0
+    log_level: str = DEFAULT_LOG_LEVEL
     engine_kwargs: Mapping[str, Any] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
+        check_log_level(self.log_level)
         check_int(self.block_size, "block_size", minimum=1)
         check_int(self.max_model_len, "max_model_len", minimum=1, maximum=2**31 - 1)
         check_optional_int(
@@ -139,10 +157,12 @@ class VLLMBackend:
         # Full 32-byte hashes in KV events rather than their low 64 bits.
         os.environ.setdefault("VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES", "0")
         os.environ.setdefault("HF_HUB_OFFLINE", "1")
-        vllm = import_vllm()
-        self._vllm = vllm
-        self._sampling_mod = importlib.import_module("vllm.sampling_params")
         self.settings = settings
+        self.log_level = vllm_log_level(settings.log_level)
+        with self._quiet():
+            vllm = import_vllm()
+            self._sampling_mod = importlib.import_module("vllm.sampling_params")
+        self._vllm = vllm
         self._socket_dir: str | None = None
         self.kv_events_endpoint: str | None = None
 
@@ -156,6 +176,10 @@ class VLLMBackend:
             "seed": settings.seed,
             "disable_log_stats": True,
         }
+        if vllm_configures_logging():  # else the user owns vLLM's logger (VLLM_CONFIGURE_LOGGING=0)
+            kwargs["log_level"] = logging.getLevelName(self.log_level)
+        if is_quiet(settings.log_level):
+            kwargs["use_tqdm_on_load"] = False
         if settings.gpu_memory_utilization is not None:
             kwargs["gpu_memory_utilization"] = settings.gpu_memory_utilization
         elif settings.kv_cache_memory_bytes is not None:
@@ -178,7 +202,8 @@ class VLLMBackend:
     def start(self) -> None:
         """Build the ``LLM`` (seconds). ``EngineStartError`` naming the fix on failure."""
         try:
-            self.llm: Any = self._vllm.LLM(**self.engine_kwargs)
+            with self._quiet():
+                self.llm: Any = self._vllm.LLM(**self.engine_kwargs)
         except Exception as exc:
             msg = f"vLLM failed to start: {exc}. Fix: {_start_hint(exc, self.settings)}"
             raise EngineStartError(msg) from exc
@@ -199,6 +224,10 @@ class VLLMBackend:
         )
         self._published: int | None = None
         self._count_published_batches()
+
+    def _quiet(self) -> contextlib.AbstractContextManager[None]:
+        """The import and start under ``settings.log_level`` (see :mod:`craft_rag.engine.logs`)."""
+        return quiet_start(self.log_level, hide_warnings=is_quiet(self.settings.log_level))
 
     def _count_published_batches(self) -> None:
         """Count the KV event batches the in-process scheduler publishes, so the engine can

@@ -20,7 +20,7 @@ from typing import Literal, Protocol
 from craft_rag.engine.chat_format import derive_chat_format
 from craft_rag.engine.driver import EngineBackend, EngineDriver
 from craft_rag.engine.kv_events import BlockHasher, KVEventSync
-from craft_rag.engine.logs import LOGGER, align_vllm_logging, start_progress
+from craft_rag.engine.logs import LOGGER, start_progress
 from craft_rag.engine.planners import PlannerNamespaces
 from craft_rag.engine.server_backend import ServerBackend, ServerSettings, connect_server
 from craft_rag.engine.server_driver import ServerDriver
@@ -184,13 +184,13 @@ def wire_backend(
         takes_salt = _takes_keyword(backend.add_request, "cache_salt")
         return Wiring(backend, None, block_hasher, takes_salt)
     assert model_path is not None
+    # Announced before vLLM is imported: the import alone takes seconds.
+    ready = start_progress("the vLLM engine", settings.log_level, model_path)
     vllm_backend = VLLMBackend(settings, model_path)
     kv_events = None
     if vllm_backend.kv_events_endpoint is not None:
         # Subscribe before the engine binds the endpoint (ZMQ connects lazily).
         kv_events = KVEventSync(vllm_backend.kv_events_endpoint, namespaces)
-    align_vllm_logging()  # before vLLM is imported: its level follows craft-rag's
-    ready = start_progress(f"the vLLM engine ({model_path})")
     try:
         vllm_backend.start()
     except BaseException:
