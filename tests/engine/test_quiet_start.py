@@ -75,6 +75,10 @@ def test_the_most_verbose_way_asked_wins(clean_logging: pytest.MonkeyPatch) -> N
     assert vllm_log_level("error", {}) == logging.INFO
     logging.getLogger("craft_rag").setLevel(logging.WARNING)  # not below WARNING: no change
     assert vllm_log_level("error", {}) == logging.ERROR
+    logging.getLogger("craft_rag").setLevel(15)  # vLLM knows only the named levels
+    assert vllm_log_level("error", {}) == logging.DEBUG
+    logging.getLogger("craft_rag").setLevel(logging.NOTSET)
+    assert vllm_log_level("error", {"VLLM_LOGGING_LEVEL": "NOTSET"}) == logging.DEBUG
 
 
 def test_quiet_start_hides_start_warnings_only_inside(clean_logging: pytest.MonkeyPatch) -> None:

@@ -47,6 +47,7 @@ LOGGER = logging.getLogger("craft_rag.engine")
 #: The values of ``EngineSettings.log_level`` (and ``craft-rag serve --log-level``).
 LOG_LEVELS = ("debug", "info", "warning", "error", "critical")
 DEFAULT_LOG_LEVEL = "error"
+_NAMED_LEVELS = (logging.DEBUG, logging.INFO, logging.WARNING, logging.ERROR, logging.CRITICAL)
 #: Warning categories ignored during a start at ``"error"``/``"critical"``: they come from
 #: vLLM's, torch's and transformers' own code, and the caller cannot act on them.
 NOISY_WARNINGS: tuple[type[Warning], ...] = (
@@ -67,7 +68,8 @@ def check_log_level(value: object) -> str:
 def vllm_log_level(log_level: str, environ: Mapping[str, str] | None = None) -> int:
     """The level vLLM logs at for ``log_level``: the most verbose of ``log_level``, a user's
     ``VLLM_LOGGING_LEVEL`` (``environ``, default ``os.environ``) and the ``craft_rag``
-    logger's level when set below WARNING. Pure apart from reading the logger; cheap."""
+    logger's level when set below WARNING, as one of the named levels (DEBUG..CRITICAL).
+    Pure apart from reading the logger; cheap."""
     level = logging.getLevelName(check_log_level(log_level).upper())
     assert isinstance(level, int)
     env = (os.environ if environ is None else environ).get("VLLM_LOGGING_LEVEL", "")
@@ -77,7 +79,8 @@ def vllm_log_level(log_level: str, environ: Mapping[str, str] | None = None) -> 
     craft = logging.getLogger("craft_rag").getEffectiveLevel()
     if craft < logging.WARNING:
         level = min(level, craft)
-    return level
+    # vLLM accepts only the named levels: a custom one (15) becomes the next more verbose.
+    return max((n for n in _NAMED_LEVELS if n <= level), default=logging.DEBUG)
 
 
 def vllm_configures_logging(environ: Mapping[str, str] | None = None) -> bool:
