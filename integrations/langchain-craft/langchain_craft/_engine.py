@@ -137,15 +137,22 @@ model's messages or the LLM's prompt string."""
 @dataclass(slots=True)
 class StartedRequest:
     """A request submitted by one ``invoke``/``stream`` call before LangChain's run starts, so
-    the run's start callbacks carry its prompt. Owner: that call, which aborts it once
+    the run's start callbacks carry its prompt; or the error submitting it raised, which the
+    run raises (never submitted twice). Owner: that call, which aborts the request once
     LangChain returns (a no-op once it finished). ``taken`` is set once, by the first
     ``_stream`` of the same model for the same ``call`` (:meth:`CraftEngineParams.
-    _take_started`), which then serves it."""
+    _take_started`), which then serves it or raises its error."""
 
     model: object  # compared by identity: only this model's _stream takes the request
     call: Call
-    handle: RequestHandle
+    handle: RequestHandle | None  # None: submitting raised ``error``
+    error: Exception | None = None
     taken: bool = False
+
+    def abort(self) -> None:
+        """Stop the request unless it ended (nothing committed); idempotent."""
+        if self.handle is not None:
+            self.handle.abort()
 
 
 _STARTED: ContextVar[StartedRequest | None] = ContextVar("langchain_craft_started", default=None)
@@ -465,22 +472,28 @@ class CraftEngineParams(BaseModel):
     # ---- the prompt before generation ---------------------------------------------------------
 
     def _start_call(
-        self, prepare: Callable[[], tuple[Call, EngineRequest]], config: RunnableConfig | None
+        self,
+        prepare: Callable[[], tuple[Call, Callable[[], EngineRequest]]],
+        config: RunnableConfig | None,
     ) -> tuple[StartedRequest | None, RunnableConfig]:
         """Submit the call's request now, before LangChain's run starts, and return it with
         the call's config whose ``metadata[PROMPT_KEY]`` is its prompt: the run's metadata, so
         ``on_chat_model_start``/``on_llm_start`` (``metadata=``) and tracers see it; not the
         invocation params (LangChain's cache key). ``prepare()`` gives the call as ``_stream``
-        will see it and its request. A call that cannot be prepared or submitted returns
-        ``(None, config)``: ``_stream`` builds it again inside the run and raises there, the
-        same error with ``on_llm_error``, as without this step. Cost: the submit (planning,
-        rendering, which ``_stream`` no longer does) and one decode."""
+        will see it and its request's builder. Errors keep their place: an input LangChain
+        cannot convert returns ``(None, config)`` (LangChain raises it again, before its run);
+        a request that cannot be built or submitted (bad arguments, an engine failure) is kept
+        for ``_stream`` to raise inside the run, with ``on_llm_error``, as without this step.
+        Cost: the submit (planning, rendering, which ``_stream`` no longer does), one decode."""
         config = ensure_config(config)
         try:
-            call, request = prepare()
-            handle = self.get_engine().submit(request)
-        except Exception:  # raised again inside the run, by _stream
+            call, build = prepare()
+        except Exception:  # LangChain's own conversion raises it again
             return None, config
+        try:
+            handle = self.get_engine().submit(build())
+        except Exception as exc:  # raised inside the run by this call's _stream
+            return StartedRequest(self, call, None, exc), config
         try:
             prompt = self._prompt_record(handle.prompt_token_ids)
         except BaseException:
@@ -490,15 +503,17 @@ class CraftEngineParams(BaseModel):
         return StartedRequest(self, call, handle), {**config, "metadata": metadata}
 
     def _take_started(self, call: Call) -> RequestHandle | None:
-        """The request this model's ``invoke``/``stream`` started for ``call``, once; ``None``
-        for another model, another call, or a request already taken (the caller submits its
-        own). O(size of the call) (one comparison)."""
+        """The request this model's ``invoke``/``stream`` started for ``call``, once (raising
+        the error submitting it raised); ``None`` for another model, another call, or a
+        request already taken (the caller submits its own). O(size of the call)."""
         started = _STARTED.get()
         if started is None or started.model is not self or started.taken:
             return None
         if started.call != call:
             return None
         started.taken = True
+        if started.error is not None:
+            raise started.error
         return started.handle
 
     @staticmethod
@@ -513,7 +528,7 @@ class CraftEngineParams(BaseModel):
             return run()
         finally:
             _STARTED.reset(token)
-            started.handle.abort()
+            started.abort()
 
     @staticmethod
     async def _arun_started(
@@ -527,7 +542,7 @@ class CraftEngineParams(BaseModel):
             return await run()
         finally:
             _STARTED.reset(token)
-            started.handle.abort()
+            started.abort()
 
     @staticmethod
     def _stream_started(started: StartedRequest | None, chunks: Iterator[T]) -> Iterator[T]:
@@ -545,7 +560,7 @@ class CraftEngineParams(BaseModel):
             finally:
                 _STARTED.reset(token)
             if not started.taken:  # LangChain served nothing (or another request): stop it now
-                started.handle.abort()
+                started.abort()
             if first is not _NOTHING:
                 yield first
                 yield from chunks
@@ -553,7 +568,7 @@ class CraftEngineParams(BaseModel):
             close = getattr(chunks, "close", None)
             if callable(close):
                 close()
-            started.handle.abort()
+            started.abort()
 
     @staticmethod
     async def _astream_started(
@@ -572,7 +587,7 @@ class CraftEngineParams(BaseModel):
             finally:
                 _STARTED.reset(token)
             if not started.taken:
-                started.handle.abort()
+                started.abort()
             if first is not _NOTHING:
                 yield first
                 async for chunk in chunks:
@@ -581,7 +596,7 @@ class CraftEngineParams(BaseModel):
             aclose = getattr(chunks, "aclose", None)
             if callable(aclose):
                 await aclose()
-            started.handle.abort()
+            started.abort()
 
     def _craft_ls_params(self, params: Any, kwargs: Mapping[str, Any]) -> Any:
         """LangSmith params of either model: provider and served model name."""

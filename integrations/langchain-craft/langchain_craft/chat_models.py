@@ -32,7 +32,7 @@ hit) aborts the started request: nothing is committed.
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator, Iterator, Sequence
+from collections.abc import AsyncIterator, Callable, Iterator, Sequence
 from functools import partial
 from typing import Any, Literal
 
@@ -239,12 +239,12 @@ class ChatCraftVLLM(CraftEngineParams, BaseChatModel):
 
     def _prepared(
         self, input: LanguageModelInput, stop: list[str] | None, kwargs: dict[str, Any]
-    ) -> tuple[Call, EngineRequest]:
+    ) -> tuple[Call, Callable[[], EngineRequest]]:
         """The call as LangChain hands it to ``_stream`` (its messages; the kwargs without
-        the ones it pops) and its request."""
+        the ones it pops) and its request's builder."""
         messages = self._convert_input(input).to_messages()
         call_kwargs = {k: v for k, v in kwargs.items() if k not in _LS_KWARGS}
-        return (messages, stop, call_kwargs), self._request(messages, stop, call_kwargs)
+        return (messages, stop, call_kwargs), partial(self._request, messages, stop, call_kwargs)
 
     # ---- messages -> one engine request --------------------------------------------------------
 

@@ -18,7 +18,7 @@ request: nothing is committed.
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator, Callable, Iterator
 from functools import partial
 from typing import Any
 
@@ -119,11 +119,11 @@ class CraftVLLM(CraftEngineParams, BaseLLM):
 
     def _prepared(
         self, input: LanguageModelInput, stop: list[str] | None, kwargs: dict[str, Any]
-    ) -> tuple[Call, EngineRequest]:
+    ) -> tuple[Call, Callable[[], EngineRequest]]:
         """The call as LangChain hands it to ``_stream`` (the prompt as a string) and its
-        request."""
+        request's builder."""
         prompt = self._convert_input(input).to_string()
-        return (prompt, stop, kwargs), self._request(prompt, stop, kwargs)
+        return (prompt, stop, kwargs), partial(self._request, prompt, stop, kwargs)
 
     def _request(
         self, prompt: str, stop: list[str] | None, kwargs: dict[str, Any]

@@ -32,6 +32,24 @@ from craft_rag.tokenizer import HFTokenizer
 pytestmark = pytest.mark.engine
 
 
+class SpyHandle:
+    """A request handle whose iteration records the finished request's prompt ids; the rest
+    (``prompt_token_ids``, ``abort``...) is the real handle's."""
+
+    def __init__(self, handle: Any, prompts: list[tuple[int, ...]]) -> None:
+        self._handle = handle
+        self._prompts = prompts
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._handle, name)
+
+    def __iter__(self) -> Iterator[Any]:
+        for piece in self._handle:
+            if piece.result is not None:
+                self._prompts.append(piece.result.prompt_token_ids)
+            yield piece
+
+
 class SpyEngine:
     """The real engine, recording the exact prompt ids of every finished request."""
 
@@ -42,15 +60,9 @@ class SpyEngine:
     def __getattr__(self, name: str) -> Any:
         return getattr(self._engine, name)
 
-    def _record(self, stream: Iterator[Any]) -> Iterator[Any]:
-        for piece in stream:
-            if piece.result is not None:
-                self.prompts.append(piece.result.prompt_token_ids)
-            yield piece
-
-    def submit(self, request: Any) -> Iterator[Any]:
+    def submit(self, request: Any) -> SpyHandle:
         """The models' one engine call (``engine.submit``); they iterate the handle."""
-        return self._record(iter(self._engine.submit(request)))
+        return SpyHandle(self._engine.submit(request), self.prompts)
 
     def decode(self, ids: tuple[int, ...]) -> str:
         tok = self._engine.assembler.tokenizer

@@ -258,6 +258,37 @@ def test_bad_input_fails_inside_the_run_as_before(fake: Fake, make: Callable[...
     assert "craft_prompt" not in start["metadata"]
 
 
+@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("make", [chat, llm], ids=["chat", "llm"])
+def test_an_engine_failure_at_submission_is_raised_inside_the_run_once(
+    fake: Fake, monkeypatch: pytest.MonkeyPatch, make: Callable[..., Any], mode: str
+) -> None:
+    """Submitting fails (once): the call raises that error, from within LangChain's run
+    (start, then ``on_llm_error``), and nothing is submitted again behind its back."""
+    engine, backend = fake
+    recorder = Recorder(backend)
+    tries: list[int] = []
+    original = backend.add_request
+
+    def failing_once(*args: Any, **kwargs: Any) -> None:
+        tries.append(1)
+        if len(tries) == 1:
+            msg = "engine failure (injected)"
+            raise RuntimeError(msg)
+        original(*args, **kwargs)
+
+    monkeypatch.setattr(backend, "add_request", failing_once)
+    ask = {"documents": docs("e"), "conversation_id": f"e-{mode}"}
+    with pytest.raises(RuntimeError, match="injected"):
+        call(make(engine), mode, "Which?", {"callbacks": [recorder]}, **ask)
+    assert len(tries) == 1 and not backend.added and len(recorder.errors) == 1
+    (start,) = recorder.starts.values()
+    assert "craft_prompt" not in start["metadata"]
+    assert engine.turn_count(f"e-{mode}") == 0 and commits(engine) == 0
+    call(make(engine), mode, "Which?", None, **ask)  # the next call is served
+    assert engine.turn_count(f"e-{mode}") == 1
+
+
 def test_a_stream_falling_back_on_invoke_submits_once(fake: Fake) -> None:
     engine, backend = fake
     recorder = Recorder(backend)
@@ -284,3 +315,18 @@ def test_a_rate_limited_model_starts_after_the_limiter(fake: Fake) -> None:
     start, end = recorder.only()
     assert "craft_prompt" not in start["metadata"] and not start["sent"]
     assert end["token_ids"] == list(backend.added[0][1])
+
+
+@pytest.mark.parametrize("make", [chat, llm], ids=["chat", "llm"])
+def test_astream_events_carry_the_prompt_on_the_start_event(
+    fake: Fake, make: Callable[..., Any]
+) -> None:
+    engine, backend = fake
+
+    async def run() -> list[Any]:
+        return [e async for e in make(engine).astream_events("Hi", version="v2")]
+
+    events = asyncio.run(run())
+    (start,) = [e for e in events if e["event"] in ("on_chat_model_start", "on_llm_start")]
+    assert start["metadata"]["craft_prompt"]["token_ids"] == list(backend.added[0][1])
+    assert len(backend.added) == 1
