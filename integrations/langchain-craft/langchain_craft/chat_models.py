@@ -25,9 +25,9 @@ The exact prompt (``{"text", "token_ids"}``) is known before generation: ``invok
 ``stream``, ``ainvoke`` and ``astream`` submit the request first and put it in the run's
 metadata under ``craft_prompt``, so ``on_chat_model_start(..., metadata=...)`` and tracers
 record it; ``response_metadata["craft_prompt"]`` repeats it. (``generate``/``agenerate``
-called directly, and a model with a ``rate_limiter``, which must wait before the request
-starts, show it in the response only.) A call LangChain answers without the model (an LLM-cache
-hit) aborts the started request: nothing is committed.
+called directly, ``stream_events(version="v3")``, and a model with a ``rate_limiter``, which
+must wait before the request starts, show it in the response only.) A call LangChain answers
+without the model (an LLM-cache hit) aborts the started request: nothing is committed.
 """
 
 from __future__ import annotations
