@@ -28,6 +28,7 @@ response (empty delta) carries the report. All twelve entry points go through
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
@@ -60,6 +61,7 @@ from llama_index.llms.craft_vllm.calls import (
     respond_stream,
 )
 from llama_index.llms.craft_vllm.prompts import chat_turns, completion_ids
+from llama_index.llms.craft_vllm.reorderer import EngineReorderer
 from llama_index.llms.craft_vllm.reuse import install_reuse_metadata
 from llama_index.postprocessor.craft import CraftReorderPostprocessor
 
@@ -278,7 +280,9 @@ class CraftVLLM(LLM):
             raise ValueError(msg)
         return planner
 
-    def reorderer(self, **settings: Any) -> CraftReorderPostprocessor:
+    def reorderer(
+        self, *, max_tokens: int | None = None, **settings: Any
+    ) -> CraftReorderPostprocessor:
         """A :class:`CraftReorderPostprocessor` wired to this LLM: the engine's planner for
         :attr:`cache_salt`, ``commit_mode="engine"``: its plans stay pending in that planner
         until :meth:`complete_chunks` reserves them (by chunk keys) for the engine.
@@ -289,7 +293,11 @@ class CraftVLLM(LLM):
         A conversation id only reorders unless ``keeps_earlier_chunks=True``: a query engine
         with LlamaIndex's own synthesizer sends this turn's nodes only, so nothing may be
         dropped as "sent earlier" (``craft_query_engine`` sets it: its synthesizer serves the
-        engine's append-only conversation)."""
+        engine's append-only conversation). Such a turn is fitted by the engine before it is
+        planned (``engine.fit_turn`` for ``max_tokens``, default :attr:`max_tokens`: pass the
+        synthesizer's): the turns another worker served are loaded from a shared store and
+        the turns that no longer fit are dropped first, so dedup only removes chunks the
+        rendered prompt carries (:class:`~.reorderer.EngineReorderer`)."""
         for name in ("planner", "commit_mode"):
             if name in settings:
                 msg = (
@@ -297,7 +305,13 @@ class CraftVLLM(LLM):
                 )
                 raise ValueError(msg)
         settings.setdefault("keeps_earlier_chunks", False)
-        return CraftReorderPostprocessor(planner=self.planner, commit_mode="engine", **settings)
+        return EngineReorderer(
+            self._engine,
+            planner=self.planner,
+            cache_salt=self.cache_salt,
+            max_tokens=self.max_tokens if max_tokens is None else max_tokens,
+            **settings,
+        )
 
     def close(self) -> None:
         """Stop the engine if this object started it (a shared engine is left running)."""
@@ -375,12 +389,18 @@ class CraftVLLM(LLM):
         chunks = _chunk_list(chunks)  # read once (a generator works), checked before planning
         conversation_id = validate_conversation_id(conversation_id)
         sampling, salt = self._options(kwargs)
-        if plan is None and salt == self.cache_salt:
-            plan = self.planner.reserve(conversation_id, [c.key for c in chunks])
+        if plan is not None:  # the caller's: it aborts the plan if the request fails
+            request = RagRequest(plan.ordered, question, conversation_id, salt, plan, sampling)
+            return EngineCall.of(self._engine, request, plan)
+        planner = self.planner_for(salt)
+        if salt == self.cache_salt:
+            plan = planner.reserve(conversation_id, [c.key for c in chunks])
         if plan is None:
-            plan = self.planner_for(salt).plan(list(chunks), conversation_id)
+            plan = planner.plan(list(chunks), conversation_id)
         request = RagRequest(plan.ordered, question, conversation_id, salt, plan, sampling)
-        return EngineCall.of(self._engine, request, plan)
+        # Found or made here: a failed request aborts it (else the conversation keeps a plan
+        # in flight and refuses its next turn for conversation_ttl_s).
+        return EngineCall.of(self._engine, request, plan, functools.partial(planner.abort, plan))
 
     # ---- LlamaIndex LLM interface: free-form prompts ----
 

@@ -12,8 +12,8 @@ async paths cannot drift apart.
 
 from __future__ import annotations
 
-from collections.abc import AsyncGenerator, Callable, Generator
-from contextlib import aclosing
+from collections.abc import AsyncGenerator, Callable, Generator, Iterator
+from contextlib import aclosing, contextmanager
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
@@ -98,13 +98,32 @@ class EngineCall:
     collectors: tuple[ReuseCollector, ...] = ()
     """Reuse collectors open when the call was made (a synthesis in progress): each gets the
     report, also when a stream finishes after the synthesis returned."""
+    give_up: Callable[[], object] | None = None
+    """Aborts ``plan`` when the request fails or is closed before it finished (a committed
+    plan is left alone): set when the call itself found or made the plan, whose conversation
+    would otherwise keep a plan in flight (the engine hands a ``plan=`` back to its holder)."""
 
     @classmethod
     def of(
-        cls, engine: CraftEngine, request: EngineRequest, plan: Plan | None = None
+        cls,
+        engine: CraftEngine,
+        request: EngineRequest,
+        plan: Plan | None = None,
+        give_up: Callable[[], object] | None = None,
     ) -> EngineCall:
         """The call of ``request`` on ``engine``, with the reuse collectors open now."""
-        return cls(engine, request, plan, open_collectors())
+        return cls(engine, request, plan, open_collectors(), give_up)
+
+    @contextmanager
+    def giving_up_on_failure(self) -> Iterator[None]:
+        """Run :attr:`give_up` if the body raises (errors, cancellation, a stream closed
+        early), then re-raise."""
+        try:
+            yield
+        except BaseException:
+            if self.give_up is not None:
+                self.give_up()
+            raise
 
     def submit(self) -> RequestHandle:
         """Start the request (``engine.submit``)."""
@@ -177,7 +196,8 @@ class _Deltas:
 
 def respond(call: EngineCall, make: MakeResponse[R]) -> R:
     """Run ``call`` to completion (blocks); one response with the result."""
-    served = call.served(call.submit().result())
+    with call.giving_up_on_failure():
+        served = call.served(call.submit().result())
     return make(served.result.text, None, served)
 
 
@@ -185,20 +205,23 @@ def respond_stream(call: EngineCall, make: MakeResponse[R]) -> Generator[R, None
     """Yield a response per delta as the engine's driver thread produces it. The request starts
     when the iterator is first advanced; closing it early aborts it (nothing committed)."""
     step = _Deltas(call, make)
-    for piece in call.submit():
-        yield step(piece)
+    with call.giving_up_on_failure():
+        for piece in call.submit():
+            yield step(piece)
 
 
 async def arespond_stream(call: EngineCall, make: MakeResponse[R]) -> AsyncGenerator[R, None]:
     """Async :func:`respond_stream`: deltas cross threads through an asyncio queue, so the
     event loop never waits on a forward pass; cancelling the consumer aborts the request."""
     step = _Deltas(call, make)
-    async with aclosing(call.submit().__aiter__()) as pieces:
-        async for piece in pieces:
-            yield step(piece)
+    with call.giving_up_on_failure():
+        async with aclosing(call.submit().__aiter__()) as pieces:
+            async for piece in pieces:
+                yield step(piece)
 
 
 async def arespond(call: EngineCall, make: MakeResponse[R]) -> R:
     """Async :func:`respond` (``RequestHandle.aresult``: never blocks the event loop)."""
-    served = call.served(await call.submit().aresult())
+    with call.giving_up_on_failure():
+        served = call.served(await call.submit().aresult())
     return make(served.result.text, None, served)

@@ -22,6 +22,7 @@ reused. With no reorderer, ``complete_chunks`` plans the nodes with the same pla
 
 from __future__ import annotations
 
+import functools
 from collections.abc import AsyncGenerator, Callable, Generator, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -51,7 +52,7 @@ from llama_index.llms.craft_vllm.calls import LEGACY_REUSE_KEY
 from llama_index.postprocessor.craft import KeySource, default_key_source, split_nodes
 from llama_index_instrumentation import get_dispatcher
 
-from craft_rag import Chunk, make_chunk, validate_conversation_id
+from craft_rag import Chunk, Plan, make_chunk, validate_conversation_id
 
 dispatcher = get_dispatcher(__name__)
 
@@ -123,11 +124,20 @@ class CraftSynthesizer(BaseSynthesizer):
     ) -> _Job | RESPONSE_TYPE:
         """What :meth:`synthesize` and :meth:`asynthesize` do before the engine call, once:
         emit ``SynthesizeStartEvent``, then the job for ``nodes``, or, when there are none, the
-        finished empty response (its ``SynthesizeEndEvent`` emitted; no engine call)."""
+        finished empty response (its ``SynthesizeEndEvent`` emitted; no engine call), unless a
+        reorderer parked a plan for this conversation turn (every node sent before): then
+        the job serves that plan with no chunks."""
         dispatcher.event(SynthesizeStartEvent(query=query))
-        if not nodes:
-            return self._empty(query, streaming_async)
         question = query if isinstance(query, str) else query.query_str
+        if not nodes:
+            parked = self._parked_turn(response_kwargs)
+            if parked is None:
+                return self._empty(query, streaming_async)
+            # Every node was sent in an earlier turn: the turn still goes to the engine (its
+            # conversation's prompt carries them), serving the plan the reorderer parked.
+            job = self._job(question, [], [], {}, {**response_kwargs, "plan": parked})
+            job.give_up = functools.partial(self._craft_llm.planner.abort, parked)
+            return job
         nodes = list(nodes)  # read once: a generator feeds both the chunks and source_nodes
         split = split_nodes(nodes, self._key_source)
         sources = list(nodes) + list(additional_source_nodes or [])
@@ -136,19 +146,33 @@ class CraftSynthesizer(BaseSynthesizer):
             metadata[SKIPPED_KEY] = [n.node.node_id for n in split.passthrough]
         return self._job(question, split.chunks, sources, metadata, response_kwargs)
 
+    def _parked_turn(self, response_kwargs: dict[str, Any]) -> Plan | None:
+        """The plan a reorderer parked for a conversation turn whose nodes were all sent in
+        earlier turns (no chunks left), now reserved for this call; None when there is none
+        (no conversation, or nothing was planned: LlamaIndex's empty response). Without this
+        the plan would stay in flight and block the conversation's next turn. O(1)."""
+        kwargs = {"conversation_id": self._conversation_id, **response_kwargs}
+        conv = validate_conversation_id(kwargs["conversation_id"])
+        if conv is None or "plan" in kwargs:
+            return None
+        return self._craft_llm.planner.reserve(conv, [])
+
     def _respond(self, job: _Job) -> RESPONSE_TYPE:
         llm = self._craft_llm
-        if self._streaming:
-            stream = llm.stream_complete_chunks(job.chunks, job.question, **job.kwargs)
-            return job.streaming(StreamingResponse, self._stream_text(stream, job.metadata))
-        return job.response(llm.complete_chunks(job.chunks, job.question, **job.kwargs))
+        with job.giving_up_on_failure():
+            if self._streaming:
+                stream = llm.stream_complete_chunks(job.chunks, job.question, **job.kwargs)
+                return job.streaming(StreamingResponse, self._stream_text(stream, job))
+            return job.response(llm.complete_chunks(job.chunks, job.question, **job.kwargs))
 
     async def _arespond(self, job: _Job) -> RESPONSE_TYPE:
         llm = self._craft_llm
-        if self._streaming:
-            stream = llm.astream_complete_chunks(job.chunks, job.question, **job.kwargs)
-            return job.streaming(AsyncStreamingResponse, self._astream_text(stream, job.metadata))
-        return job.response(await llm.acomplete_chunks(job.chunks, job.question, **job.kwargs))
+        with job.giving_up_on_failure():
+            if self._streaming:
+                stream = llm.astream_complete_chunks(job.chunks, job.question, **job.kwargs)
+                return job.streaming(AsyncStreamingResponse, self._astream_text(stream, job))
+            done = await llm.acomplete_chunks(job.chunks, job.question, **job.kwargs)
+            return job.response(done)
 
     @staticmethod
     def _reuse(response: CompletionResponse, metadata: dict[str, Any]) -> str:
@@ -159,18 +183,20 @@ class CraftSynthesizer(BaseSynthesizer):
         return response.delta or ""
 
     def _stream_text(
-        self, responses: Generator[CompletionResponse, None, None], metadata: dict[str, Any]
+        self, responses: Generator[CompletionResponse, None, None], job: _Job
     ) -> Generator[str, None, None]:
-        for r in responses:
-            if delta := self._reuse(r, metadata):
-                yield delta
+        with job.giving_up_on_failure():
+            for r in responses:
+                if delta := self._reuse(r, job.metadata):
+                    yield delta
 
     async def _astream_text(
-        self, responses: AsyncGenerator[CompletionResponse, None], metadata: dict[str, Any]
+        self, responses: AsyncGenerator[CompletionResponse, None], job: _Job
     ) -> AsyncGenerator[str, None]:
-        async for r in responses:
-            if delta := self._reuse(r, metadata):
-                yield delta
+        with job.giving_up_on_failure():
+            async for r in responses:
+                if delta := self._reuse(r, job.metadata):
+                    yield delta
 
     def _empty(self, query: QueryTextType, streaming_async: bool) -> RESPONSE_TYPE:
         response: RESPONSE_TYPE
@@ -261,6 +287,19 @@ class _Job:
     kwargs: dict[str, Any]
     sources: list[NodeWithScore]
     metadata: dict[str, Any]
+    give_up: Callable[[], object] | None = None
+    """Aborts the plan this synthesis reserved itself (``kwargs["plan"]``) when the request
+    fails or its stream is closed early (a committed plan is left alone); the engine hands a
+    ``plan=`` back to its holder, so without it the conversation keeps a plan in flight."""
+
+    @contextmanager
+    def giving_up_on_failure(self) -> Iterator[None]:
+        try:
+            yield
+        except BaseException:
+            if self.give_up is not None:
+                self.give_up()
+            raise
 
     def response(self, done: CompletionResponse) -> Response:
         self.metadata[REUSE_KEY] = done.additional_kwargs[REUSE_KEY]
@@ -305,8 +344,13 @@ def craft_query_engine(
         raise ValueError(msg)
     key_source = key_source or default_key_source(llm.planner)
     # CraftSynthesizer serves the engine's append-only conversation: earlier chunks stay in it.
+    # The reorderer fits each turn for the reply budget the synthesizer asks for.
+    max_tokens = llm._options(dict(sampling))[0].max_tokens
     reorderer = llm.reorderer(
-        key_source=key_source, conversation_id=conversation_id, keeps_earlier_chunks=True
+        key_source=key_source,
+        conversation_id=conversation_id,
+        keeps_earlier_chunks=True,
+        max_tokens=max_tokens,
     )
     synthesizer = CraftSynthesizer(
         llm,
