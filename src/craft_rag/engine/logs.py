@@ -117,7 +117,7 @@ def start_progress(what: str, log_level: str, model_path: str | None = None) -> 
     docstring for why). ``model_path`` is shown by its folder name."""
     started = time.perf_counter()
     name = Path(model_path).name or model_path if model_path else None
-    line = f"starting {what}" + (f" for {name}" if name else "") + " (10-60 s on a CPU) ..."
+    line = f"starting {what}" + (f" for {name}" if name else "") + " (usually 10-60 s on a CPU; longer on a busy machine) ..."
     if LOGGER.isEnabledFor(logging.INFO):
         LOGGER.info("%s", line)
     elif check_log_level(log_level) != "critical":
