@@ -32,7 +32,7 @@ class ChunkAccessTable:
 
     Memory is O(distinct chunks in the window + total chunks in the window): the windowed
     requests are kept flat, every key in one deque (8 bytes a key) plus one length per request,
-    not a tuple per request (+40 bytes each; issue 16's state size). Owner: only
+    not a tuple per request (+40 bytes each). Owner: only
     :meth:`record` and :meth:`from_json` mutate state.
     """
 

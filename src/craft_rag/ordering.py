@@ -62,7 +62,7 @@ class FrequencyOrder:
 
 
 def _by_frequency_then_rank(chunks: Sequence[Chunk], table: ChunkAccessTable) -> list[Chunk]:
-    # Ties by retriever rank (issue 16). The tree policy's set match already gives a chunk set
+    # Ties by retriever rank. The tree policy's set match already gives a chunk set
     # served before its cached order back, whatever order the retriever returns it in, so the
     # tie-break only shapes the NEW branch this request adds to the CP-Tree: a later request
     # reuses that branch up to its first chunk the later request lacks. A reworded or

@@ -85,7 +85,8 @@ class PlanLease:
 
     def matches(self, plan: Plan) -> bool:
         """True if ``plan`` is the plan as made: the very object ``plan()`` returned (O(1);
-        the common case, issue 16), else one whose content hashes the same (O(k))."""
+        the common case: the caller commits what it planned), else one whose content
+        hashes the same (O(k))."""
         return plan is self.plan or fingerprint(plan) == fingerprint(self.plan)
 
     @property
@@ -101,7 +102,7 @@ class PlanLeases:
 
     def __init__(self) -> None:
         # A plain dict keeps insertion order (oldest first; a lease is never re-inserted) and
-        # sets / pops faster than an OrderedDict (issue 16's planner cost).
+        # sets / pops faster than an OrderedDict (a set and a pop per request).
         self._leases: dict[int, PlanLease] = {}
         # ``get(plan_id)``: the lease or None, the dict's own C method (no Python frame).
         self.get: Callable[[int], PlanLease | None] = self._leases.get

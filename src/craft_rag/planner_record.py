@@ -6,7 +6,7 @@ Two entries, one effect: :meth:`StateRecorder._record` applies an entry of a sha
 log (it may come from another process: the table's ``record`` and the tree's ``insert`` check
 it again); :meth:`StateRecorder._record_local` applies this planner's own commit, whose
 arguments ``commit`` checked once and whose keys came from checked Chunks, through the table's
-``_add`` and the tree's ``_extend`` with no second pass (issue 16's planner cost;
+``_add`` and the tree's ``_extend`` with no second pass (commit runs on every request;
 ``tests/test_planner_fast_path.py`` holds the two to the same state). Caller holds the lock.
 """
 
@@ -81,7 +81,8 @@ class StateRecorder:
     ) -> tuple[int, int, int]:
         """:meth:`_record` for this planner's own commit, whose arguments :meth:`commit`
         checked once (:func:`craft_rag.plans.commit_spans`) and whose keys came from checked
-        Chunks: no second validation pass in the table or tree (issue 16). Same effect.
+        Chunks: no second validation pass in the table or tree (it runs on every request). Same
+        effect.
         ``nodes``: the tree's match of ``keys`` when the caller knows it is current (the
         plan's, tree unchanged since: :meth:`craft_rag.plan_lease.PlanLease.match`)."""
         self.access_table._add(keys + removed if removed else keys)
@@ -92,7 +93,7 @@ class StateRecorder:
                 nodes = tree._matched(keys)
             if type(self._promotion) is ServedPromotion and keys:
                 # _reuse_and_promote inline for the tree policy's rule (the whole served
-                # order), its touch done by _extend in the same pass (issue 16)
+                # order), its touch done by _extend in the same pass: one walk of the path, not two
                 reused = len(nodes)
                 if reused_chunks is not None and reused_chunks < reused:
                     stale = tree.remove(nodes[reused_chunks])

@@ -101,8 +101,8 @@ class Plan:
     turn: int
     policy: str
     planner_token: int = 0
-    # ``ordered``'s keys, computed once (commit reads them several times; issue 16's planner
-    # cost). A plan altered after planning is refused by its fingerprint, which reads
+    # ``ordered``'s keys, computed once (commit reads them several times per
+    # request). A plan altered after planning is refused by its fingerprint, which reads
     # ``ordered`` itself, so this copy is never trusted over it.
     _keys: tuple[ChunkKey, ...] = field(init=False, repr=False, compare=False)
 
@@ -138,7 +138,7 @@ class CommitResult:
 
 # Frozen dataclasses set each field through ``object.__setattr__`` in ``__init__``: ~3x the
 # cost of setting the slots directly, and plan() / commit() build one Plan and one
-# CommitResult per request (issue 16's planner cost). The planner builds them from values it
+# CommitResult per request, on the planner's hot path. The planner builds them from values it
 # made and checked with these makers; the public constructors stay.
 _new = object.__new__
 _RESULT_SET = tuple(CommitResult.__dict__[f.name].__set__ for f in fields(CommitResult))
@@ -198,7 +198,7 @@ def made_result(reused: int, inserted: int, stale: int, turn: int) -> CommitResu
     """``CommitResult(reused, inserted, stale, turn)`` for the planner's commit. O(1).
 
     A result is immutable, so equal ones are shared: the few thousand small value tuples a
-    planner meets are built once (no object per commit; issue 16's planner cost)."""
+    planner meets are built once (no object per commit)."""
     key = (reused, inserted, stale, turn)
     result = _RESULTS.get(key)
     if result is None:

@@ -5,7 +5,7 @@ or removed leaves a stale entry behind, skipped when popped, and the queue is re
 leaves when entries outnumber live leaves 4 to 1. Stamps are unique (push order), so the pop
 order is fully determined by the keys, not by the queue's layout.
 
-The queue is two parts (issue 16's planner cost): ``_leaf_fifo``, a deque of entries in
+The queue is two parts (commits push and pop it): ``_leaf_fifo``, a deque of entries in
 increasing key order, and ``_leaf_heap``, a min-heap of the entries that arrived out of order.
 Almost every push is a leaf just touched or inserted (key ``(now, fresh stamp)``, the largest
 yet with a monotonic clock): an O(1) append. A parent left childless keeps its older access

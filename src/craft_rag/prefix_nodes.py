@@ -49,14 +49,14 @@ class KVLocation:
 
 NO_CHILDREN: Mapping[ChunkKey, PrefixNode] = MappingProxyType({})
 """The ``children`` of every node that has none: one shared read-only empty mapping instead of
-an empty dict per leaf (most nodes are leaves; issue 16's state size and GC cost). Writing into
+an empty dict per leaf (most nodes are leaves: less memory, less for the GC). Writing into
 it raises ``TypeError``; add children with :func:`add_child`."""
 
 
 class OneChild(Mapping[ChunkKey, "PrefixNode"]):
     """The ``children`` of a node with exactly one child: the read-only mapping
     ``{child.key: child}`` in one 40-byte object instead of a 184-byte dict. Served chunk
-    orders are chains, so most inner CP-Tree nodes have one child (issue 16: 60,000 of 65,536
+    orders are chains, so most inner CP-Tree nodes have one child (60,000 of 65,536
     nodes at k=20). Behaves like that dict for reading (``get``, ``[]``, ``in``, ``keys() &
     other``, iteration in insertion order); :func:`add_child` / :func:`drop_child` change it."""
 
@@ -170,7 +170,7 @@ class PrefixNode:
         heap_stamp: int = -1,
     ) -> None:
         # Written out (not dataclass-generated): no default factory call per node, and the
-        # tree's insert builds one node per new chunk (issue 16's planner cost).
+        # tree's insert builds one node per new chunk on the per-request path.
         self.key = key
         self.parent = parent
         self.depth = depth
@@ -208,7 +208,7 @@ def new_leaf(
 ) -> PrefixNode:
     """``PrefixNode(key, parent, depth, NO_CHILDREN, token_start, token_end, location, (), 0,
     now)``, not yet linked, for the tree's insert: plain slot stores, no ``__init__`` call
-    (~25% cheaper; one node per new chunk, issue 16's planner cost). O(1)."""
+    (~25% cheaper; one node per new chunk on the per-request path). O(1)."""
     node: PrefixNode = _new(PrefixNode)
     node.key = key
     node.parent = parent

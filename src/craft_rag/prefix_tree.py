@@ -270,8 +270,8 @@ class ChunkPrefixTree(PrefixRemoval):
     ) -> None:
         """:meth:`insert` for arguments already checked: distinct non-empty string ``keys``,
         ``spans[i]`` / ``hashes[i]`` (None: keep the node's) of the same length, spans
-        contiguous. The planner's commit checks its arguments once and calls this (issue 16:
-        no second pass over them). ``matched``: the nodes of a leading part of ``keys`` the
+        contiguous. The planner's commit checks its arguments once and calls this (no
+        second pass per request). ``matched``: the nodes of a leading part of ``keys`` the
         caller has just walked (:meth:`_matched`, nothing changed since): not looked up
         again. ``touch``: ``matched`` is the whole cached part of ``keys`` (the tree's
         match, cut where stale nodes were removed); first :meth:`_touch` it, in the same pass
@@ -326,7 +326,7 @@ class ChunkPrefixTree(PrefixRemoval):
                     self._set_hashes(child, block_hashes)
             # Children start where this node ended before (invariant), so only a changed
             # (or newly known) end can leave stale children: the scan is O(fan-out), and a
-            # hot chunk's node has thousands of children (issue 16's planner cost).
+            # hot chunk's node has thousands of children (a scan per commit would dominate it).
             if child.children and child.token_end != old_end:
                 if touch and i + 1 < known:  # _touch would have seen them all first
                     self._touch_at(matched[i + 1 : known], touched)

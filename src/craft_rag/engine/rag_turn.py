@@ -227,7 +227,7 @@ class RagTurns:
     def give_up_plan(self, planner: CraftPlanner, plan: Plan, caller_plan: bool) -> None:
         """A turn that will not be committed: a caller's plan is released (its holder may
         serve it again); a plan the engine made is aborted, so its conversation is not left
-        with a plan in flight (issue 11 item 11)."""
+        with a plan in flight (which would block its next turn)."""
         if caller_plan:
             planner.release(plan)
         else:
@@ -270,7 +270,7 @@ class RagTurns:
             reused_chunks=kv_chunks if flight.sampling.read_prefix_cache else None,
             block_hashes=block_hashes,
             # Recorded only in a conversation: a single request's ids would be checked, O(prompt
-            # tokens) in Python (~65 µs for 1,600 ids), then dropped (issue 16).
+            # tokens) in Python (~65 µs for 1,600 ids), then dropped.
             turn_tokens=tokens if plan.conversation_id is not None else None,
             # A restart re-sent dedup's chunks: the turn records every key in its prompt.
             removed_in_prompt=resent,

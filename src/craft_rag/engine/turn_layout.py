@@ -1,4 +1,4 @@
-"""Turn layout: append to the conversation's prompt, or restart it compacted (issue 15 item 3).
+"""Turn layout: append to the conversation's prompt, or restart it compacted.
 
 An append-only turn (:mod:`craft_rag.engine.conversation_prompts`) reuses the whole cached
 history, but on a CPU engine every new token also attends to every cached one, so a turn that

@@ -1,4 +1,4 @@
-"""KV-aware routing across vLLM replicas: joint placement and chunk order (issue 14).
+"""KV-aware routing across vLLM replicas: joint placement and chunk order.
 
 :class:`Router` places each request on a replica and plans its order against that replica's
 CP-Tree; :mod:`craft_rag.routing.simulator` replays traces through N simulated replicas.
