@@ -119,7 +119,8 @@ def test_progress_is_one_stderr_line_unless_critical(
     out = capsys.readouterr()
     assert out.out == ""
     assert out.err == (
-        "craft-rag: starting the vLLM engine for SmolLM2-135M-Instruct (usually 10-60 s on a CPU; longer on a busy machine) ...\n"
+        "craft-rag: starting the vLLM engine for SmolLM2-135M-Instruct "
+        "(usually 10-60 s on a CPU; longer on a busy machine) ...\n"
     )
     start_progress("the vLLM engine", "critical", "/m")()
     assert capsys.readouterr() == ("", "")
@@ -133,7 +134,9 @@ def test_progress_goes_to_the_logger_when_the_app_configured_info(
     with caplog.at_level(logging.INFO, logger="craft_rag.engine"):
         start_progress("the vLLM engine", "error", "/m")()
     messages = [r.getMessage() for r in caplog.records if r.name == "craft_rag.engine"]
-    assert messages[0] == "starting the vLLM engine for m (usually 10-60 s on a CPU; longer on a busy machine) ..."
+    assert messages[0] == (
+        "starting the vLLM engine for m (usually 10-60 s on a CPU; longer on a busy machine) ..."
+    )
     assert messages[1].startswith("the vLLM engine ready in ")
     assert len(messages) == 2
     assert capsys.readouterr().err == ""  # not twice

@@ -57,6 +57,10 @@ NOISY_WARNINGS: tuple[type[Warning], ...] = (
 )
 
 
+#: How long a start takes, as the start line says it.
+START_ESTIMATE = "usually 10-60 s on a CPU; longer on a busy machine"
+
+
 def check_log_level(value: object) -> str:
     """``value`` if it is one of :data:`LOG_LEVELS`, else ``ValueError`` naming them."""
     if not isinstance(value, str) or value not in LOG_LEVELS:
@@ -117,7 +121,7 @@ def start_progress(what: str, log_level: str, model_path: str | None = None) -> 
     docstring for why). ``model_path`` is shown by its folder name."""
     started = time.perf_counter()
     name = Path(model_path).name or model_path if model_path else None
-    line = f"starting {what}" + (f" for {name}" if name else "") + " (usually 10-60 s on a CPU; longer on a busy machine) ..."
+    line = f"starting {what}" + (f" for {name}" if name else "") + f" ({START_ESTIMATE}) ..."
     if LOGGER.isEnabledFor(logging.INFO):
         LOGGER.info("%s", line)
     elif check_log_level(log_level) != "critical":
