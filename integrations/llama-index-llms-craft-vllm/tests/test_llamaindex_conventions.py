@@ -150,5 +150,12 @@ def test_the_prompt_sent_is_on_the_response_and_the_dispatcher(
     assert streamed[-1].additional_kwargs[PROMPT_KEY]["token_ids"] == list(backend.added[-1][1])
     prompts = [e for e in recorder.events if isinstance(e, CraftPromptEvent)]
     assert [p.token_ids for p in prompts] == [sent, list(backend.added[-1][1])]
+    # The prompt event comes before the generation ends (it fires when the request starts).
+    names = [type(e).__name__ for e in recorder.events]
+    first_prompt = names.index("CraftPromptEvent")
+    assert names.index("LLMChatStartEvent") < first_prompt < names.index("LLMChatEndEvent")
+    assert names.index("LLMCompletionStartEvent") < names.index(
+        "CraftPromptEvent", first_prompt + 1
+    ) < names.index("LLMCompletionInProgressEvent")
     ends = [e for e in recorder.events if type(e).__name__ == "LLMChatEndEvent"]
     assert ends and ends[0].response.additional_kwargs[PROMPT_KEY]["token_ids"] == sent

@@ -64,9 +64,10 @@ MakeResponse = Callable[[str, str | None, Served | None], R]
 
 
 class CraftPromptEvent(BaseEvent):
-    """The exact prompt of one finished ``CraftVLLM`` request, on the instrumentation
-    dispatcher (next to LlamaIndex's ``LLMCompletionEndEvent``/``LLMChatEndEvent``, whose
-    response carries it too under ``additional_kwargs["craft_prompt"]``)."""
+    """The exact prompt of one ``CraftVLLM`` request, on the instrumentation dispatcher as
+    soon as it is rendered and started, before its first token (inside the call's span, after
+    LlamaIndex's ``LLMCompletionStartEvent``/``LLMChatStartEvent``, which fire before the
+    prompt exists). The response carries it too under ``additional_kwargs["craft_prompt"]``."""
 
     text: str | None
     token_ids: list[int]
@@ -126,27 +127,30 @@ class EngineCall:
             raise
 
     def submit(self) -> RequestHandle:
-        """Start the request (``engine.submit``)."""
-        return self.engine.submit(self.request)
+        """Start the request (``engine.submit``: planned, rendered, started) and emit its
+        :class:`CraftPromptEvent`. Cost: one decode of the prompt ids."""
+        handle = self.engine.submit(self.request)
+        ids = list(handle.prompt_token_ids)
+        decode = getattr(self.engine.tokenizer, "decode", None)
+        dispatcher.event(
+            CraftPromptEvent(
+                text=decode(ids) if callable(decode) else None,
+                token_ids=ids,
+                request_id=handle.request_id,
+            )
+        )
+        return handle
 
     def served(self, result: GenerationResult) -> Served:
         """Emit ``CraftCommitEvent(source="engine")`` for the plan the engine just committed
-        (it commits a served plan exactly when the request finished) and a
-        :class:`CraftPromptEvent`, and hand the report to the open reuse collectors."""
+        (it commits a served plan exactly when the request finished), and hand the report
+        to the open reuse collectors."""
         for collector in self.collectors:
             collector.add(result.report)
         if self.plan is not None:
             assert result.report.plan_id == self.plan.plan_id, "the engine served another plan"
             dispatcher.event(CraftCommitEvent(plan=self.plan, source="engine", reuse=result.report))
-        prompt = sent_prompt(self.engine, result)
-        dispatcher.event(
-            CraftPromptEvent(
-                text=prompt["text"],
-                token_ids=prompt["token_ids"],
-                request_id=result.report.request_id,
-            )
-        )
-        return Served(result, prompt)
+        return Served(result, sent_prompt(self.engine, result))
 
 
 def response_kwargs(served: Served) -> dict[str, Any]:
