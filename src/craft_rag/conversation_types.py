@@ -12,6 +12,9 @@ from craft_rag.chunk import Chunk
 from craft_rag.types import ChunkKey, ConversationId
 
 DEFAULT_MAX_CONVERSATIONS = 10_000
+"""A planner's conversation bound (``PlannerConfig.max_conversations``, a
+:class:`~craft_rag.conversation.ConversationStore`'s default). An engine's default planner keeps
+fewer: :data:`craft_rag.engine.conversation_prompts.ENGINE_MAX_CONVERSATIONS`."""
 DEFAULT_TTL_S = 3600.0
 _FORMAT = "craft-rag/conversations/v1"
 

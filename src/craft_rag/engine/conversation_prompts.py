@@ -60,7 +60,7 @@ from craft_rag.types import ChunkKey, ConversationId
 
 __all__ = [
     "DEFAULT_HISTORY_BUDGET",
-    "DEFAULT_MAX_CONVERSATIONS",
+    "ENGINE_MAX_CONVERSATIONS",
     "ConversationPrompts",
     "ConversationStores",
     "HistoryBudget",
@@ -68,8 +68,11 @@ __all__ = [
     "RenderedTurn",
 ]
 
-DEFAULT_MAX_CONVERSATIONS = 1024
-"""The engine's conversation bound (its default planner's ``max_conversations``)."""
+ENGINE_MAX_CONVERSATIONS = 1024
+"""An engine's conversation bound when none is given (its default planner's
+``max_conversations``; a planner on its own keeps
+:data:`craft_rag.conversation.DEFAULT_MAX_CONVERSATIONS`, 10,000)."""
+DEFAULT_MAX_CONVERSATIONS = ENGINE_MAX_CONVERSATIONS  # the former name, still importable
 
 
 @dataclass(frozen=True, slots=True)
@@ -117,7 +120,7 @@ class ConversationPrompts:
         assembler: PromptAssembler,
         *,
         max_model_len: int,
-        max_conversations: int = DEFAULT_MAX_CONVERSATIONS,
+        max_conversations: int = ENGINE_MAX_CONVERSATIONS,
         history_budget: HistoryBudget | None = None,
         stores: ConversationStores | None = None,
         turn_layout: TurnLayoutPolicy = APPEND_ONLY,

@@ -34,7 +34,7 @@ from craft_rag.chunk import Chunk
 from craft_rag.engine.chat_format import RenderFn, model_renderer
 from craft_rag.engine.conversation_prompts import (
     DEFAULT_HISTORY_BUDGET,
-    DEFAULT_MAX_CONVERSATIONS,
+    ENGINE_MAX_CONVERSATIONS,
     ConversationPrompts,
     HistoryBudget,
 )
@@ -146,8 +146,8 @@ class CraftEngine(RequestForms):
         ``max_conversations`` bounds the conversations the planners keep (one LRU + TTL bound
         on each planner's conversation store: chunk keys and prompt tokens together); ``None``
         keeps a given planner's own bound, and gives the default planner
-        :data:`DEFAULT_MAX_CONVERSATIONS` (with ``store=``: ``PlannerConfig``'s default, which
-        the store's other workers share).
+        :data:`~craft_rag.engine.conversation_prompts.ENGINE_MAX_CONVERSATIONS` (1,024; with
+        ``store=``: ``PlannerConfig``'s default, 10,000, which the store's other workers share).
 
         ``history_budget`` bounds each conversation's stored prompt history (oldest whole turns
         dropped, with hysteresis; see :class:`HistoryBudget`); ``None``: only ``max_model_len``
@@ -184,7 +184,7 @@ class CraftEngine(RequestForms):
         if store is not None:
             planner, salted_factory = store_planners(store, planner, salt_planner_factory, bound)
         elif planner is None:
-            planner = default_planner(bound or DEFAULT_MAX_CONVERSATIONS)
+            planner = default_planner(bound or ENGINE_MAX_CONVERSATIONS)
         elif bound is not None:
             planner = bound_conversations(planner, bound)
         self._namespaces = PlannerNamespaces(

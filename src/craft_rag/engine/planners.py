@@ -37,7 +37,7 @@ from typing import NewType
 
 from craft_rag.chunk import Chunk
 from craft_rag.conversation import ConversationStore
-from craft_rag.engine.conversation_prompts import DEFAULT_MAX_CONVERSATIONS
+from craft_rag.engine.conversation_prompts import ENGINE_MAX_CONVERSATIONS
 from craft_rag.planner import CraftPlanner, Plan, PlannerConfig
 from craft_rag.stores import DEFAULT_NAMESPACE, StateStore, as_store, namespace_for_salt
 from craft_rag.types import BlockHash, ChunkKey, ConversationId
@@ -88,7 +88,7 @@ def planner_factory_like(default: CraftPlanner) -> Callable[[], CraftPlanner]:
     return lambda: CraftPlanner(config)
 
 
-def default_planner(max_conversations: int = DEFAULT_MAX_CONVERSATIONS) -> CraftPlanner:
+def default_planner(max_conversations: int = ENGINE_MAX_CONVERSATIONS) -> CraftPlanner:
     """The engine's planner when none is given: the ``tree`` policy, ``max_conversations``
     conversations."""
     return CraftPlanner(PlannerConfig(policy="tree", max_conversations=max_conversations))

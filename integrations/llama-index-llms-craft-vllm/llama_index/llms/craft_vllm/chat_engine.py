@@ -49,6 +49,7 @@ from llama_index.core.postprocessor.types import BaseNodePostprocessor
 from llama_index.core.schema import NodeWithScore, QueryBundle
 from llama_index.llms.craft_vllm.base import REUSE_KEY, CraftVLLM
 from llama_index.llms.craft_vllm.calls import LEGACY_REUSE_KEY
+from llama_index.llms.craft_vllm.reuse import REUSE_METADATA_KEY
 from llama_index.llms.craft_vllm.streaming import _BlockingStreamResponse, _StreamResponse
 from llama_index.postprocessor.craft import (
     CraftReorderPostprocessor,
@@ -68,8 +69,6 @@ from craft_rag.engine import (
     condense_off_reason,
 )
 
-REUSE_METADATA_KEY = "craft_reuse"
-"""Response metadata key of the turn's :class:`ReuseReport` (also under ``reuse_report``)."""
 CONDENSE_METADATA_KEY = "craft_condense"
 """Response metadata key of the turn's :class:`~craft_rag.engine.condense.Condensed` (the
 question retrieval used and the condense request's own report)."""

@@ -40,6 +40,8 @@ from pydantic import PrivateAttr
 from craft_rag.engine import ReuseReport
 
 REUSE_METADATA_KEY = "craft_reuse"
+"""Response metadata key of a turn's :class:`ReuseReport` (the chat engine's responses also
+carry it under ``reuse_report``)."""
 REUSE_REPORTS_KEY = "craft_reuse_reports"
 
 _OPEN: ContextVar[tuple[ReuseCollector, ...]] = ContextVar("craft_reuse_collectors", default=())
