@@ -1,4 +1,5 @@
-"""LangChain integration for craft-rag: CRAFT chunk reordering and an in-process vLLM engine.
+"""LangChain integration for craft-rag: CRAFT chunk reordering and a vLLM engine (in-process, or
+a vLLM server).
 
 * :class:`CraftReorder`: LCEL step / document transformer / compressor ordering documents so
   shared chunks form shared prompt prefixes; :class:`CraftRetriever` applies it to a retriever.

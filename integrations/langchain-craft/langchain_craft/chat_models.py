@@ -1,4 +1,5 @@
-"""``ChatCraftVLLM``: a LangChain chat model served by craft-rag's in-process vLLM engine.
+"""``ChatCraftVLLM``: a LangChain chat model served by craft-rag's vLLM engine (in-process, or a
+vLLM server).
 
 What reaches the engine:
 
@@ -88,7 +89,7 @@ def _text(message: BaseMessage, index: int) -> str:
 
 
 class ChatCraftVLLM(CraftEngineParams, BaseChatModel):
-    """Chat model over a ``CraftEngine`` (in-process vLLM with prefix caching and CRAFT).
+    """Chat model over a ``CraftEngine`` (vLLM with prefix caching and CRAFT).
 
     Example::
 

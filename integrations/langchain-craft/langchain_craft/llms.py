@@ -1,4 +1,5 @@
-"""``CraftVLLM``: a LangChain completion LLM served by craft-rag's in-process vLLM engine.
+"""``CraftVLLM``: a LangChain completion LLM served by craft-rag's vLLM engine (in-process, or a
+vLLM server).
 
 A prompt string is the question; ``documents=`` (and ``conversation_id=``) on the call make it a
 RAG request that the engine plans, serves token-exactly and commits, as for ``ChatCraftVLLM``.
@@ -40,7 +41,7 @@ from langchain_craft.prompt import build_context
 
 
 class CraftVLLM(CraftEngineParams, BaseLLM):
-    """Completion LLM over a ``CraftEngine`` (in-process vLLM with prefix caching and CRAFT).
+    """Completion LLM over a ``CraftEngine`` (vLLM with prefix caching and CRAFT).
 
     ``llm.invoke("Who wrote Hamlet?", documents=docs, conversation_id="s1")``; the final
     generation's ``generation_info`` holds ``craft`` (the reuse report), ``usage`` and

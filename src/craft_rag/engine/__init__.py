@@ -1,4 +1,5 @@
-"""Engine side of craft-rag: an in-process vLLM engine that serves CRAFT-ordered prompts.
+"""Engine side of craft-rag: a vLLM engine (in-process, or a vLLM server over HTTP) that serves
+CRAFT-ordered prompts.
 
 Importing this package is cheap: vLLM, torch and transformers load only when an engine starts
 or the embedded model is converted. See docs/engine.md.

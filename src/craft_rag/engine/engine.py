@@ -1,4 +1,5 @@
-"""``CraftEngine``: CRAFT planning in front of one in-process vLLM engine with prefix caching.
+"""``CraftEngine``: CRAFT planning in front of one vLLM engine with prefix caching, in-process or
+a vLLM server (``server=``).
 
 Per request: ``plan`` (order, dedup; CP-Tree prediction) -> ``render`` (token-exact, chat
 template, append-only across turns) -> ``generate`` (token ids to vLLM, deltas back through one
@@ -102,7 +103,7 @@ _InFlight = InFlight
 
 
 class CraftEngine(RequestForms):
-    """One in-process vLLM engine with prefix caching, fed CRAFT-planned prompts.
+    """One vLLM engine with prefix caching (in-process, or a server), fed CRAFT-planned prompts.
 
     Invariants: exactly one backend engine per instance; every call into it goes through the
     driver's lock; a planner is committed only for requests that finished, and only by the

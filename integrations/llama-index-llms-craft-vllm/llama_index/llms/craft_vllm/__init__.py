@@ -1,4 +1,4 @@
-"""CRAFT's in-process vLLM engine for LlamaIndex.
+"""CRAFT's vLLM engine for LlamaIndex (started in-process, or a vLLM server it serves through).
 
 ``CraftVLLM`` is the LLM; ``CraftSynthesizer`` / ``craft_query_engine`` keep chunks intact and in
 CRAFT order up to the engine; ``CraftChatEngine`` (``as_craft_chat_engine(index)``) is

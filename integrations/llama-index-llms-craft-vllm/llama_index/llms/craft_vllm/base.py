@@ -1,4 +1,5 @@
-"""CraftVLLM: a LlamaIndex LLM backed by craft-rag's in-process vLLM engine (``CraftEngine``).
+"""CraftVLLM: a LlamaIndex LLM backed by craft-rag's vLLM engine (``CraftEngine``, in-process or
+over a vLLM server).
 
 Two kinds of calls:
 
