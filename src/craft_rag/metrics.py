@@ -86,6 +86,15 @@ def lcp(a: Sequence[Hashable], b: Sequence[Hashable]) -> int:
     return n
 
 
+def percentile(values: Sequence[float], q: float) -> float:
+    """Nearest-rank percentile (q in [0, 100]); 0.0 for no values. O(n log n): sorts a copy."""
+    if not values:
+        return 0.0
+    ordered = sorted(values)
+    rank = max(0, min(len(ordered) - 1, round(q / 100 * (len(ordered) - 1))))
+    return ordered[rank]
+
+
 def fraction(part: float, whole: float) -> float:
     """``part / whole``, 0.0 when ``whole`` is 0."""
     return part / whole if whole else 0.0

@@ -12,7 +12,7 @@ latency.
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable
 from dataclasses import asdict, dataclass
 
 from craft_rag.engine.conversation_prompts import ConversationPrompts
@@ -20,7 +20,7 @@ from craft_rag.engine.driver import RequestState
 from craft_rag.engine.planners import CacheSalt, PlannerNamespaces, validate_cache_salt
 from craft_rag.engine.rag_turn import RagTurn, RagTurns, reused_chunk_count
 from craft_rag.engine.results import RagRequest, SamplingRequest
-from craft_rag.metrics import fraction, prefix_overlap, total_overlap
+from craft_rag.metrics import fraction, percentile, prefix_overlap, total_overlap
 from craft_rag.planner import CraftPlanner, PlannerConfig
 from craft_rag.prefix_cache_sim import SimulatedPrefixCache
 from craft_rag.prompt import AssembledPrompt, PromptAssembler, PromptFormat
@@ -87,15 +87,6 @@ class ServedRequest:
     cached_tokens: int
     reused_chunks: int
     removed_by_dedup: int
-
-
-def percentile(values: Sequence[float], q: float) -> float:
-    """Nearest-rank percentile (q in [0, 100]); 0.0 for no values."""
-    if not values:
-        return 0.0
-    ordered = sorted(values)
-    rank = max(0, min(len(ordered) - 1, round(q / 100 * (len(ordered) - 1))))
-    return ordered[rank]
 
 
 @dataclass(slots=True)

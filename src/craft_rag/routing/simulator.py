@@ -26,9 +26,9 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any
 
+from craft_rag.metrics import percentile
 from craft_rag.prefix_cache_sim import SimulatedPrefixCache, block_hashes
 from craft_rag.prompt import PromptAssembler, PromptFormat
-from craft_rag.replay import percentile
 from craft_rag.routing.policies import ROUTING_POLICIES
 from craft_rag.routing.queueing import DEFAULT_TTFT_MODEL, TTFTModel
 from craft_rag.routing.router import RouteDecision, Router, RouterConfig
