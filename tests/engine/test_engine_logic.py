@@ -451,7 +451,7 @@ def test_bad_salts_and_backends_without_salts(make_fake_engine: Factory) -> None
             super().add_request(request_id, token_ids, sampling)
 
     old, old_backend = make_fake_engine(NoSaltBackend())
-    with pytest.raises(NotImplementedError, match="takes no cache_salt"):
+    with pytest.raises(ValueError, match="takes no cache_salt"):
         old.generate([], "Q?", cache_salt="a")
     assert old.generate([], "Q?", max_tokens=1).report.prompt_tokens > 0  # unsalted still fine
     assert old_backend.salts == [None]

@@ -391,7 +391,7 @@ class CraftEngine(RequestForms):
                 "its add_request needs a cache_salt keyword put into vLLM's prompt dict; "
                 "send the request without cache_salt or use the vLLM backend"
             )
-            raise NotImplementedError(msg)
+            raise ValueError(msg)
         return salt
 
     # ---- the request path: submit -> _start (RAG turn or prompt) -> handle -> _finish -----------
