@@ -17,7 +17,7 @@ from dataclasses import asdict, dataclass
 
 from craft_rag.engine.conversation_prompts import ConversationPrompts
 from craft_rag.engine.driver import RequestState
-from craft_rag.engine.planners import CacheSalt, PlannerNamespaces, validate_cache_salt
+from craft_rag.engine.planners import PlannerNamespaces
 from craft_rag.engine.rag_turn import RagTurn, RagTurns, reused_chunk_count
 from craft_rag.engine.results import RagRequest, SamplingRequest
 from craft_rag.metrics import fraction, percentile, prefix_overlap, total_overlap
@@ -27,8 +27,8 @@ from craft_rag.prompt import AssembledPrompt, PromptAssembler, PromptFormat
 from craft_rag.stores import DEFAULT_NAMESPACE, StateStore
 from craft_rag.tokenizer import Tokenizer
 from craft_rag.trace import TraceRequest
-from craft_rag.types import ChunkKey
-from craft_rag.validation import MAX_INT
+from craft_rag.types import CacheSalt, ChunkKey
+from craft_rag.validation import MAX_INT, validate_cache_salt
 
 __all__ = [
     "DEFAULT_BLOCK_SIZE",

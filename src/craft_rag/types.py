@@ -14,6 +14,10 @@ ChunkKey = NewType("ChunkKey", str)
 ConversationId = NewType("ConversationId", str)
 """Caller-chosen id of a multi-turn conversation."""
 
+CacheSalt = NewType("CacheSalt", str)
+"""A vLLM ``cache_salt``: prefix-cache entries are shared only between requests with the same
+salt (tenants, users). Checked by :func:`craft_rag.validation.validate_cache_salt`."""
+
 BlockHash = NewType("BlockHash", bytes)
 """An engine's hash of one full KV block, as vLLM reports it in KV cache events.
 

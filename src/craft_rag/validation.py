@@ -18,7 +18,7 @@ import math
 from collections.abc import Collection, Iterable, Mapping
 from typing import Any
 
-from craft_rag.types import ConversationId
+from craft_rag.types import CacheSalt, ConversationId
 
 MAX_INT = 2**63 - 1
 """Largest integer accepted for counts, token positions and stamps (what a C int64 holds)."""
@@ -43,6 +43,39 @@ def has_lone_surrogate(text: str) -> bool:
     except UnicodeEncodeError:
         return True
     return False
+
+
+# vLLM's own limits on salts (vllm.entrypoints.generate.base.protocol.validate_cache_salt):
+# the in-process engine does not check them, cache backends keyed by the salt rely on them.
+_MAX_SALT_LENGTH = 128
+_FORBIDDEN_SALT_CHARS = frozenset("@/\\\x00")
+
+
+def validate_cache_salt(cache_salt: object) -> CacheSalt | None:
+    """``cache_salt`` as a :data:`~craft_rag.types.CacheSalt` (``None`` stays ``None``).
+    ``ValueError`` unless it is a non-empty string of valid Unicode, at most 128 characters,
+    without ``@``, ``/``, ``\\`` or NUL (vLLM's rules). O(len)."""
+    if cache_salt is None:
+        return None
+    # A salt is a tenant's key to its cache namespace: messages describe it, never quote it.
+    if not isinstance(cache_salt, str) or not cache_salt:
+        got = "an empty string" if cache_salt == "" else f"a {type(cache_salt).__name__}"
+        msg = f"cache_salt must be a non-empty string or None, got {got}"
+        raise ValueError(msg)
+    if has_lone_surrogate(cache_salt):  # not UTF-8: no namespace digest, no JSON for a server
+        msg = (
+            "cache_salt holds a lone surrogate (not valid Unicode, cannot be encoded as UTF-8; "
+            "not shown: a salt is a tenant's key)"
+        )
+        raise ValueError(msg)
+    if len(cache_salt) > _MAX_SALT_LENGTH or any(c in _FORBIDDEN_SALT_CHARS for c in cache_salt):
+        msg = (
+            f"cache_salt must be at most {_MAX_SALT_LENGTH} characters without '@', '/', '\\' "
+            f"or NUL (vLLM's rules), got one of {len(cache_salt)} characters (not shown: a salt "
+            "is a tenant's key); hash the tenant id if needed"
+        )
+        raise ValueError(msg)
+    return CacheSalt(cache_salt)
 
 
 def check_text(value: object, name: str, *, nonempty: bool = False) -> str:

@@ -30,7 +30,6 @@ from craft_rag.engine.model import (
     prepare_default_model,
     resolve_model,
 )
-from craft_rag.engine.planners import validate_cache_salt
 from craft_rag.engine.requests import RequestHandle
 from craft_rag.engine.results import (
     SAMPLING_KEYWORDS,
@@ -57,6 +56,7 @@ from craft_rag.engine.turn_layout import (
     TurnLayoutPolicy,
 )
 from craft_rag.engine.vllm_backend import EngineSettings, EngineStartError
+from craft_rag.validation import validate_cache_salt
 
 __all__ = [
     "APPEND_ONLY",

@@ -33,7 +33,6 @@ import threading
 from collections import OrderedDict
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import replace
-from typing import NewType
 
 from craft_rag.chunk import Chunk
 from craft_rag.conversation import ConversationStore
@@ -41,45 +40,13 @@ from craft_rag.engine.conversation_prompts import ENGINE_MAX_CONVERSATIONS
 from craft_rag.planner import CraftPlanner, Plan, PlannerConfig
 from craft_rag.stores import DEFAULT_NAMESPACE, StateStore, as_store, namespace_for_salt
 from craft_rag.types import BlockHash, ChunkKey, ConversationId
-from craft_rag.validation import has_lone_surrogate
 
-CacheSalt = NewType("CacheSalt", str)
-"""A vLLM ``cache_salt``: prefix-cache entries are shared only between requests with the same
-salt (tenants, users)."""
+# The salt type and its check live in the core (no core module imports the engine); both
+# stay importable from here.
+from craft_rag.types import CacheSalt as CacheSalt
+from craft_rag.validation import validate_cache_salt as validate_cache_salt
 
 DEFAULT_MAX_SALT_NAMESPACES = 64
-
-# vLLM's own limits on salts (vllm.entrypoints.generate.base.protocol.validate_cache_salt):
-# the in-process engine does not check them, cache backends keyed by the salt rely on them.
-_MAX_SALT_LENGTH = 128
-_FORBIDDEN_SALT_CHARS = frozenset("@/\\\x00")
-
-
-def validate_cache_salt(cache_salt: object) -> CacheSalt | None:
-    """``cache_salt`` as a :data:`CacheSalt` (``None`` stays ``None``). ``ValueError`` unless it
-    is a non-empty string of valid Unicode, at most 128 characters, without ``@``, ``/``,
-    ``\\`` or NUL (vLLM's rules)."""
-    if cache_salt is None:
-        return None
-    # A salt is a tenant's key to its cache namespace: messages describe it, never quote it.
-    if not isinstance(cache_salt, str) or not cache_salt:
-        got = "an empty string" if cache_salt == "" else f"a {type(cache_salt).__name__}"
-        msg = f"cache_salt must be a non-empty string or None, got {got}"
-        raise ValueError(msg)
-    if has_lone_surrogate(cache_salt):  # not UTF-8: no namespace digest, no JSON for a server
-        msg = (
-            "cache_salt holds a lone surrogate (not valid Unicode, cannot be encoded as UTF-8; "
-            "not shown: a salt is a tenant's key)"
-        )
-        raise ValueError(msg)
-    if len(cache_salt) > _MAX_SALT_LENGTH or any(c in _FORBIDDEN_SALT_CHARS for c in cache_salt):
-        msg = (
-            f"cache_salt must be at most {_MAX_SALT_LENGTH} characters without '@', '/', '\\' "
-            f"or NUL (vLLM's rules), got one of {len(cache_salt)} characters (not shown: a salt "
-            "is a tenant's key); hash the tenant id if needed"
-        )
-        raise ValueError(msg)
-    return CacheSalt(cache_salt)
 
 
 def planner_factory_like(default: CraftPlanner) -> Callable[[], CraftPlanner]:

@@ -25,7 +25,6 @@ from dataclasses import dataclass, field, replace
 from typing import Protocol
 
 from craft_rag.engine.driver import RequestCancelled, RequestState
-from craft_rag.engine.planners import CacheSalt
 from craft_rag.engine.results import (
     GenerationResult,
     RagRequest,
@@ -34,6 +33,7 @@ from craft_rag.engine.results import (
     StepOutput,
     StreamChunk,
 )
+from craft_rag.types import CacheSalt
 
 __all__ = [
     "InFlight",

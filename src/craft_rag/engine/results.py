@@ -13,7 +13,6 @@ from dataclasses import dataclass, field, fields, replace
 from typing import TYPE_CHECKING, Any, TypeAlias
 
 from craft_rag.chunk import Chunk
-from craft_rag.engine.planners import validate_cache_salt
 from craft_rag.engine.turn_layout import LayoutChoice
 from craft_rag.types import ChunkKey
 from craft_rag.validation import (
@@ -21,6 +20,7 @@ from craft_rag.validation import (
     check_int,
     check_number,
     materialise,
+    validate_cache_salt,
     validate_conversation_id,
 )
 
