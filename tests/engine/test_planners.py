@@ -1,4 +1,5 @@
-"""Salt namespaces (one planner per cache salt) and checks on caller-made plans."""
+"""Salt namespaces (one planner per cache salt), checks on caller-made plans, and the engine's
+conversation bound (one default per bound)."""
 
 from __future__ import annotations
 
@@ -6,14 +7,20 @@ import random
 
 import pytest
 
+from craft_rag.conversation import DEFAULT_MAX_CONVERSATIONS
+from craft_rag.engine import conversation_prompts
+from craft_rag.engine.conversation_prompts import ENGINE_MAX_CONVERSATIONS
+from craft_rag.engine.engine import CraftEngine
 from craft_rag.engine.planners import (
     CacheSalt,
     PlannerNamespaces,
+    bound_conversations,
     check_plan,
+    default_planner,
     validate_cache_salt,
 )
 from craft_rag.planner import CraftPlanner, PlannerConfig
-from craft_rag.testing import make_chunks
+from craft_rag.testing import FAKE_FORMAT, FakeBackend, HashingTokenizer, make_chunks
 from craft_rag.types import BlockHash
 
 
@@ -151,3 +158,35 @@ def test_check_plan_resolves_a_plan_ref_or_refuses_it_clearly() -> None:
         check_plan("not-a-ref", planner, plan.ordered, None)
     with pytest.raises(RuntimeError, match="made by another planner"):
         check_plan(plan.ref, CraftPlanner(), plan.ordered, None)
+
+
+def test_a_planner_and_an_engine_default_to_their_own_bounds() -> None:
+    assert (DEFAULT_MAX_CONVERSATIONS, ENGINE_MAX_CONVERSATIONS) == (10_000, 1024)
+    assert PlannerConfig().max_conversations == DEFAULT_MAX_CONVERSATIONS
+    assert CraftPlanner().conversations.max_conversations == DEFAULT_MAX_CONVERSATIONS
+    planner = default_planner()
+    assert planner.config.max_conversations == ENGINE_MAX_CONVERSATIONS
+    assert planner.conversations.max_conversations == ENGINE_MAX_CONVERSATIONS
+    # The engine module's former name stays importable, as the engine's bound.
+    assert conversation_prompts.DEFAULT_MAX_CONVERSATIONS == ENGINE_MAX_CONVERSATIONS
+
+
+def test_an_engine_without_a_planner_keeps_the_engine_bound() -> None:
+    backend = FakeBackend()
+    engine = CraftEngine(
+        backend=backend,
+        tokenizer=HashingTokenizer(),
+        prompt_format=FAKE_FORMAT,
+        block_hasher=backend.block_hasher,
+    )
+    try:
+        assert engine.planner.config.max_conversations == ENGINE_MAX_CONVERSATIONS
+        assert engine.conversations.max_conversations == ENGINE_MAX_CONVERSATIONS
+    finally:
+        engine.close()
+
+
+def test_bound_conversations_sets_config_and_store() -> None:
+    planner = bound_conversations(CraftPlanner(), 7)
+    assert planner.config.max_conversations == 7
+    assert planner.conversations.max_conversations == 7
