@@ -53,13 +53,13 @@ from craft_rag.plans import PlannerConfig
 from craft_rag.prefix_tree import ChunkPrefixTree, KVLocation, NodeMetadata
 from craft_rag.stores import ConversationConflict, StateStore, StoreCorrupted, StoreUnavailable
 from craft_rag.stores.base import LogRead
-from craft_rag.stores.histories import SharedPosition
 from craft_rag.stores.shared import (
     CommitEntry,
     EndEntry,
     Entry,
     ForgetEntry,
     ReplayClock,
+    SharedPosition,
     SharedState,
     decode_entry,
     decode_snapshot,

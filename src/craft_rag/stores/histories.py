@@ -25,34 +25,18 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from craft_rag.conversation import ConversationHistory
-from craft_rag.stores.base import (
-    StateStore,
-    StoreCorrupted,
-    StoreUnavailable,
-    namespace_label,
-)
+from craft_rag.stores.base import StoreCorrupted, StoreUnavailable
 from craft_rag.stores.json_codec import is_stored_int, loads_strict
+
+# Lives with the shared-store log (the planner reads it without importing this module, which
+# reads planners); still importable from here.
+from craft_rag.stores.shared import SharedPosition as SharedPosition
 from craft_rag.types import ChunkKey, ConversationId
 
 if TYPE_CHECKING:
     from craft_rag.planner import CraftPlanner
 
 logger = logging.getLogger(__name__)
-
-
-@dataclass(frozen=True, slots=True)
-class SharedPosition:
-    """Where a sharing planner stands: its ``store`` and ``namespace``, the last log ``seq`` it
-    applied, and the conversation TTL (histories expire with the conversation records)."""
-
-    store: StateStore
-    namespace: str
-    seq: int
-    ttl_s: float | None
-
-    @property
-    def where(self) -> str:
-        return f"store {self.store.url} {namespace_label(self.namespace)}"
 
 
 @dataclass(frozen=True, slots=True)

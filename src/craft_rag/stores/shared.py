@@ -42,6 +42,21 @@ logger = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True, slots=True)
+class SharedPosition:
+    """Where a sharing planner stands: its ``store`` and ``namespace``, the last log ``seq`` it
+    applied, and the conversation TTL (histories expire with the conversation records)."""
+
+    store: StateStore
+    namespace: str
+    seq: int
+    ttl_s: float | None
+
+    @property
+    def where(self) -> str:
+        return f"store {self.store.url} {namespace_label(self.namespace)}"
+
+
+@dataclass(frozen=True, slots=True)
 class CommitEntry:
     """One committed plan, as every planner of the namespace replays it."""
 
