@@ -38,7 +38,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from craft_rag.engine import gemma
+import craft_rag.engine.gemma as gemma
 from craft_rag.files import write_atomic
 from craft_rag.paths import craft_home, default_model_dir
 
