@@ -32,6 +32,7 @@ from craft_rag import (
     Plan,
     PlannerConfig,
 )
+from craft_rag.files import write_atomic
 
 Decision = dict[str, Any]
 
@@ -160,7 +161,7 @@ def main(argv: list[str] | None = None) -> int:
             lines.append(line)
         if args.dump is not None:
             args.dump.mkdir(parents=True, exist_ok=True)
-            (args.dump / f"{name}.jsonl").write_text("\n".join(lines) + "\n", encoding="utf-8")
+            write_atomic(args.dump / f"{name}.jsonl", "\n".join(lines) + "\n")
         print(f"{name:24s} {len(lines):6d} decisions  {digest.hexdigest()}")
         overall.update(digest.digest())
     print(f"{'all':24s} {'':6s}            {overall.hexdigest()}")
