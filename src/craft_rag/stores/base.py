@@ -97,6 +97,40 @@ class HistoryRecord:
 
 
 @dataclass(frozen=True, slots=True)
+class AppendRequest:
+    """One :meth:`StateStore.append` as the backends' ``_append`` primitive gets it (the one
+    place its fields are listed): add ``data``; return the entries after ``since``; refuse
+    when ``conversation``'s last commit is after ``not_after`` (no check when None) or when
+    ``token`` was voided; the conversation record expires after ``ttl_s`` (None: never)."""
+
+    data: str
+    since: int
+    conversation: str | None = None
+    not_after: int | None = None
+    ttl_s: float | None = None
+    token: str | None = None
+
+    def expiry(self, now: float) -> float | None:
+        """When a conversation record written at ``now`` expires (None: never)."""
+        return now + self.ttl_s if self.ttl_s is not None else None
+
+    def check_last(self, last: int) -> None:
+        """:class:`ConversationConflict` when ``conversation``'s last commit ``last`` (0:
+        none or expired) is after ``not_after``."""
+        if self.not_after is not None and last > self.not_after:
+            raise self.conflict(last)
+
+    def conflict(self, last: int) -> ConversationConflict:
+        """The error for a conversation whose last commit ``last`` is after ``not_after``."""
+        assert self.conversation is not None and self.not_after is not None
+        return ConversationConflict(conflict_message(self.conversation, last, self.not_after))
+
+    def voided(self) -> CommitVoided:
+        """The error for an append whose ``token`` :meth:`StateStore.settle` voided."""
+        return CommitVoided(f"append {self.token!r} was settled as not written")
+
+
+@dataclass(frozen=True, slots=True)
 class LogRead:
     """What a reader at ``since`` must apply: the ``snapshot`` first when the entries right
     after ``since`` were trimmed, then ``entries`` (contiguous, ascending). ``head`` is the
@@ -199,21 +233,12 @@ class StateStore(abc.ABC):
         """``(head, entries with seq > since)``, atomically."""
 
     @abc.abstractmethod
-    def _append(
-        self,
-        namespace: str,
-        data: str,
-        since: int,
-        conversation: str | None,
-        not_after: int | None,
-        ttl_s: float | None,
-        token: str | None = None,
-    ) -> tuple[int, list[LogEntry]]:
-        """Atomically: refuse (``ConversationConflict``) when ``conversation``'s last commit
-        is after ``not_after`` (no check when None), and (``CommitVoided``) when ``token`` was
-        voided by :meth:`settle`; add ``data`` as entry ``head + 1``; set the conversation's
-        last seq (expiring after ``ttl_s``); remember ``token`` -> seq (until the entry is
-        trimmed); return ``(head, entries with seq > since)``."""
+    def _append(self, namespace: str, request: AppendRequest) -> tuple[int, list[LogEntry]]:
+        """Atomically: refuse (``ConversationConflict``) when the request's conversation's
+        last commit is after ``not_after`` (no check when None), and (``CommitVoided``) when
+        its ``token`` was voided by :meth:`settle`; add ``data`` as entry ``head + 1``; set the
+        conversation's last seq (expiring after ``ttl_s``); remember ``token`` -> seq (until
+        the entry is trimmed); return ``(head, entries with seq > since)``."""
 
     def settle(self, namespace: str, token: str) -> int:
         """After an append carrying ``token`` failed without a clear answer (a reply later
@@ -274,12 +299,8 @@ class StateStore(abc.ABC):
     ) -> LogRead:
         """Append one entry (see :meth:`_append`) and return what the caller at ``since`` must
         apply, its own entry included (last)."""
-        if token is None:  # the former call, for backends without tokens
-            head, entries = self._append(namespace, data, since, conversation, not_after, ttl_s)
-        else:
-            head, entries = self._append(
-                namespace, data, since, conversation, not_after, ttl_s, token
-            )
+        request = AppendRequest(data, since, conversation, not_after, ttl_s, token)
+        head, entries = self._append(namespace, request)
         return self._complete(namespace, since, head, entries)
 
     def _complete(

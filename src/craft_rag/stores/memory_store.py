@@ -16,14 +16,12 @@ from craft_rag.redact import redact_url
 from craft_rag.stores.base import (
     DEFAULT_SNAPSHOT_EVERY,
     TOKEN_VOID_TTL_S,
-    CommitVoided,
-    ConversationConflict,
+    AppendRequest,
     HistoryRecord,
     LogEntry,
     Snapshot,
     StateStore,
     check_namespace,
-    conflict_message,
     parse_options,
     positive_int_option,
 )
@@ -106,34 +104,24 @@ class MemoryStore(StateStore):
             space = self._space(namespace)
             return space.head, _after(space.log, since)
 
-    def _append(
-        self,
-        namespace: str,
-        data: str,
-        since: int,
-        conversation: str | None,
-        not_after: int | None,
-        ttl_s: float | None,
-        token: str | None = None,
-    ) -> tuple[int, list[LogEntry]]:
+    def _append(self, namespace: str, request: AppendRequest) -> tuple[int, list[LogEntry]]:
+        conversation, token = request.conversation, request.token
         with self._lock:
             space = self._space(namespace)
             now = self._clock()
             if token is not None and space.voids.get(token, now) > now:
-                raise CommitVoided(f"append {token!r} was settled as not written")
+                raise request.voided()
             if conversation is not None:
                 last, expires = space.conversations.get(conversation, (0, None))
                 if expires is not None and expires <= now:
                     last = 0
-                if not_after is not None and last > not_after:
-                    raise ConversationConflict(conflict_message(conversation, last, not_after))
+                request.check_last(last)
             space.head += 1
-            space.log.append(LogEntry(space.head, data))
+            space.log.append(LogEntry(space.head, request.data))
             if token is not None:
                 space.tokens[token] = space.head
             if conversation is not None:
-                expiry = now + ttl_s if ttl_s is not None else None
-                space.conversations[conversation] = (space.head, expiry)
+                space.conversations[conversation] = (space.head, request.expiry(now))
                 if space.head % 1024 == 0:
                     space.conversations = {
                         c: r for c, r in space.conversations.items() if r[1] is None or r[1] > now
@@ -141,7 +129,7 @@ class MemoryStore(StateStore):
                     space.histories = {
                         c: h for c, h in space.histories.items() if h[2] is None or h[2] > now
                     }
-            return space.head, _after(space.log, since)
+            return space.head, _after(space.log, request.since)
 
     def settle(self, namespace: str, token: str) -> int:
         with self._lock:

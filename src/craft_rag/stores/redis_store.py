@@ -24,8 +24,7 @@ from craft_rag.stores.base import (
     DEFAULT_SNAPSHOT_EVERY,
     STORE_FORMAT,
     TOKEN_VOID_TTL_S,
-    CommitVoided,
-    ConversationConflict,
+    AppendRequest,
     HistoryRecord,
     LogEntry,
     Snapshot,
@@ -33,7 +32,6 @@ from craft_rag.stores.base import (
     StoreCorrupted,
     StoreUnavailable,
     check_namespace,
-    conflict_message,
     fallback_option,
     parse_options,
     positive_int_option,
@@ -121,6 +119,11 @@ redis.call('SET', KEYS[1], ARGV[1], 'NX')
 redis.call('SET', KEYS[2], ARGV[2], 'NX')
 return {redis.call('GET', KEYS[1]), redis.call('GET', KEYS[2])}
 """
+
+
+def _ttl_ms(ttl_s: float | None) -> str:
+    """A TTL as the scripts take it: whole milliseconds, at least 1 ('' = no expiry)."""
+    return "" if ttl_s is None else str(max(1, round(ttl_s * 1000)))
 
 
 def _display(url: str) -> str:
@@ -292,26 +295,18 @@ class RedisStore(StateStore):
         head, raw = self._call(self._range_script, keys=keys, args=[since])
         return self._int(head, namespace, "the log head"), self._entries(raw, namespace, since)
 
-    def _append(
-        self,
-        namespace: str,
-        data: str,
-        since: int,
-        conversation: str | None,
-        not_after: int | None,
-        ttl_s: float | None,
-        token: str | None = None,
-    ) -> tuple[int, list[LogEntry]]:
+    def _append(self, namespace: str, request: AppendRequest) -> tuple[int, list[LogEntry]]:
+        conversation, token = request.conversation, request.token
         head_key = self._key(namespace, "head")
         conv_key = head_key
         if conversation is not None:
             conv_key = self._conv_key(namespace, "conv", conversation)
         args = [
-            data,
-            since,
+            request.data,
+            request.since,
             "1" if conversation is not None else "0",
-            "" if not_after is None else str(not_after),
-            "" if ttl_s is None else str(max(1, round(ttl_s * 1000))),
+            "" if request.not_after is None else str(request.not_after),
+            _ttl_ms(request.ttl_s),
             "" if token is None else token,
         ]
         void_key = head_key if token is None else self._token_key(namespace, token)
@@ -321,11 +316,10 @@ class RedisStore(StateStore):
         ]
         head, payload = self._call(self._append_script, keys=keys, args=args)
         if int(head) == -2:
-            raise CommitVoided(f"append {token!r} was settled as not written")
+            raise request.voided()
         if int(head) == -1:
-            assert conversation is not None and not_after is not None
-            raise ConversationConflict(conflict_message(conversation, int(payload), not_after))
-        return int(head), self._entries(payload, namespace, since)
+            raise request.conflict(int(payload))
+        return int(head), self._entries(payload, namespace, request.since)
 
     def _token_key(self, namespace: str, token: str) -> str:
         digest = hashlib.sha256(token.encode("utf-8")).hexdigest()
@@ -344,8 +338,8 @@ class RedisStore(StateStore):
         self, namespace: str, conversation: str, version: int, data: str, ttl_s: float | None
     ) -> bool:
         key = self._conv_key(namespace, "hist", conversation)
-        ttl = "" if ttl_s is None else str(max(1, round(ttl_s * 1000)))
-        return bool(self._call(self._put_history_script, keys=[key], args=[version, data, ttl]))
+        args = [version, data, _ttl_ms(ttl_s)]
+        return bool(self._call(self._put_history_script, keys=[key], args=args))
 
     def get_history(self, namespace: str, conversation: str) -> HistoryRecord:
         keys = [

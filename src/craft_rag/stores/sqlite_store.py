@@ -27,8 +27,7 @@ from craft_rag.stores.base import (
     DEFAULT_SNAPSHOT_EVERY,
     STORE_FORMAT,
     TOKEN_VOID_TTL_S,
-    CommitVoided,
-    ConversationConflict,
+    AppendRequest,
     HistoryRecord,
     LogEntry,
     Snapshot,
@@ -36,7 +35,6 @@ from craft_rag.stores.base import (
     StoreCorrupted,
     StoreUnavailable,
     check_namespace,
-    conflict_message,
     parse_options,
     positive_int_option,
 )
@@ -291,16 +289,8 @@ class SQLiteStore(StateStore):
                     raise StoreUnavailable(msg) from e
                 raise damaged(self.url, e) from e
 
-    def _append(
-        self,
-        namespace: str,
-        data: str,
-        since: int,
-        conversation: str | None,
-        not_after: int | None,
-        ttl_s: float | None,
-        token: str | None = None,
-    ) -> tuple[int, list[LogEntry]]:
+    def _append(self, namespace: str, request: AppendRequest) -> tuple[int, list[LogEntry]]:
+        conversation, token = request.conversation, request.token
         now = self._clock()
         with self._transaction() as cur:
             if token is not None:
@@ -313,17 +303,15 @@ class SQLiteStore(StateStore):
                     if self._int(row[0], namespace, what) == 0 and self._live(
                         row[1], now, namespace, what
                     ):
-                        raise CommitVoided(f"append {token!r} was settled as not written")
-            if conversation is not None and not_after is not None:
+                        raise request.voided()
+            if conversation is not None and request.not_after is not None:
                 row = cur.execute(
                     "SELECT last_seq, expires FROM craft_conv WHERE ns = ? AND id = ?",
                     (namespace, conversation),
                 ).fetchone()
                 what = f"the record of conversation {preview(conversation)}"
                 if row is not None and self._live(row[1], now, namespace, what):
-                    last = self._int(row[0], namespace, what)
-                    if last > not_after:
-                        raise ConversationConflict(conflict_message(conversation, last, not_after))
+                    request.check_last(self._int(row[0], namespace, what))
             cur.execute(
                 "INSERT INTO craft_head VALUES (?, 1) "
                 "ON CONFLICT(ns) DO UPDATE SET seq = seq + 1",
@@ -333,24 +321,23 @@ class SQLiteStore(StateStore):
                 cur.execute("SELECT seq FROM craft_head WHERE ns = ?", (namespace,)).fetchone()[0],
                 namespace, "the log head",
             )
-            cur.execute("INSERT INTO craft_log VALUES (?, ?, ?)", (namespace, seq, data))
+            cur.execute("INSERT INTO craft_log VALUES (?, ?, ?)", (namespace, seq, request.data))
             if token is not None:
                 cur.execute(
                     "INSERT OR REPLACE INTO craft_token VALUES (?, ?, ?, NULL)",
                     (namespace, token, seq),
                 )
             if conversation is not None:
-                expires = now + ttl_s if ttl_s is not None else None
                 cur.execute(
                     "INSERT OR REPLACE INTO craft_conv VALUES (?, ?, ?, ?)",
-                    (namespace, conversation, seq, expires),
+                    (namespace, conversation, seq, request.expiry(now)),
                 )
                 if seq % 1024 == 0:
                     for table in ("craft_conv", "craft_history"):
                         cur.execute(
                             f"DELETE FROM {table} WHERE ns = ? AND expires <= ?", (namespace, now)
                         )
-            return self._head_and_after(cur, namespace, since)
+            return self._head_and_after(cur, namespace, request.since)
 
     def settle(self, namespace: str, token: str) -> int:
         now = self._clock()
