@@ -22,8 +22,9 @@ import time
 from typing import Any
 
 from craft_rag.chunk import Chunk
+from craft_rag.metrics import percentile
 from craft_rag.planner import CraftPlanner, PlannerConfig
-from craft_rag.replay import percentile, replay
+from craft_rag.replay import replay
 from craft_rag.tokenizer import HashingTokenizer
 from craft_rag.trace import TraceRequest
 from craft_rag_bench.bench.overhead import _requests

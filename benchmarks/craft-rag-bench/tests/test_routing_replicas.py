@@ -167,7 +167,7 @@ def test_policies_on_two_real_replicas(two_servers: list[str], trace: list[Trace
 def merge_passes(runs: list[dict[str, Any]]) -> dict[str, Any]:
     """One row from a policy's passes: per-pass cached tokens and mean TTFT, their means,
     p99 over every request of every pass, requests per replica of the first pass."""
-    from craft_rag.replay import percentile
+    from craft_rag.metrics import percentile
 
     ttfts = [t for run in runs for t in run["ttft_ms"]]
     cached = [run["cached_tokens"] for run in runs]

@@ -28,9 +28,9 @@ from tqdm import tqdm
 
 from craft_rag.chunk import make_chunk
 from craft_rag.cli_args import check_input_file, int_range, non_negative_int, seed_int
+from craft_rag.metrics import percentile
 from craft_rag.planner import CraftPlanner, PlannerConfig
 from craft_rag.redact import redact_url
-from craft_rag.replay import percentile
 from craft_rag.trace import TraceRequest, read_trace
 
 if TYPE_CHECKING:

@@ -18,8 +18,8 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from typing import TYPE_CHECKING, Any
 
+from craft_rag.metrics import percentile
 from craft_rag.planner import CraftPlanner
-from craft_rag.replay import percentile
 from craft_rag.trace import TraceRequest
 from craft_rag_bench.bench.context import BenchContext
 from craft_rag_bench.bench.serving import SYSTEMS, BenchSystem, serve, warm_up

@@ -34,8 +34,8 @@ from dataclasses import asdict, dataclass
 from typing import Any
 
 from craft_rag.chunk import Chunk
+from craft_rag.metrics import percentile
 from craft_rag.planner import CraftPlanner, PlannerConfig
-from craft_rag.replay import percentile
 from craft_rag.types import ChunkKey
 
 

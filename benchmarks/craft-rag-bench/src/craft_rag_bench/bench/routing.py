@@ -181,8 +181,8 @@ def serve_on_replicas(
     requests per replica."""
     from typing import cast
 
+    from craft_rag.metrics import percentile
     from craft_rag.planner import CraftPlanner
-    from craft_rag.replay import percentile
     from craft_rag.routing.router import Router, RouterConfig
 
     block = next(iter(engines.values())).block_size
@@ -290,7 +290,7 @@ def _decision_latency(
     replica pays too). The top-level ``p50_us``/``p99_us`` are N = 32's ``route_*``."""
     import os
 
-    from craft_rag.replay import percentile
+    from craft_rag.metrics import percentile
 
     repeats = 1 if ctx.quick else LATENCY_REPEATS
     started, load_before = time.perf_counter(), os.getloadavg()[0]

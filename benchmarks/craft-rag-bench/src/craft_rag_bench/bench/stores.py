@@ -24,8 +24,8 @@ from contextlib import ExitStack, contextmanager
 from typing import Any
 
 from craft_rag.chunk import Chunk
+from craft_rag.metrics import percentile
 from craft_rag.planner import CraftPlanner, PlannerConfig
-from craft_rag.replay import percentile
 from craft_rag.stores import StateStore, open_store
 from craft_rag_bench.bench.overhead import _requests
 

@@ -29,7 +29,7 @@ from contextlib import contextmanager
 from dataclasses import asdict
 from typing import TYPE_CHECKING, Any
 
-from craft_rag.replay import percentile
+from craft_rag.metrics import percentile
 from craft_rag_bench.demo import summarise
 
 if TYPE_CHECKING:
