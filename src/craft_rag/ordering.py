@@ -15,6 +15,7 @@ from craft_rag.access_table import ChunkAccessTable
 from craft_rag.chunk import Chunk
 from craft_rag.prefix_tree import ChunkPrefixTree, PrefixNode
 from craft_rag.types import ChunkKey
+from craft_rag.validation import from_registry
 
 
 @dataclass(frozen=True, slots=True)
@@ -151,8 +152,4 @@ DEFAULT_POLICY = "tree"
 
 def get_policy(name: str) -> OrderingPolicy:
     """A new policy object by name; ``ValueError`` lists the valid names."""
-    try:
-        return ORDERING_POLICIES[name]()
-    except (KeyError, TypeError):  # TypeError: an unhashable name
-        msg = f"unknown ordering policy {name!r}; choose one of {sorted(ORDERING_POLICIES)}"
-        raise ValueError(msg) from None
+    return from_registry(ORDERING_POLICIES, name, "ordering policy")

@@ -18,6 +18,7 @@ from typing import Protocol
 
 from craft_rag.access_table import ChunkAccessTable
 from craft_rag.types import ChunkKey
+from craft_rag.validation import from_registry
 
 
 @dataclass(frozen=True, slots=True)
@@ -73,8 +74,4 @@ PROMOTION_RULES: Mapping[str, Callable[[], PromotionRule]] = {
 
 def get_promotion_rule(name: str) -> PromotionRule:
     """A new rule object by name; ``ValueError`` lists the valid names."""
-    try:
-        return PROMOTION_RULES[name]()
-    except (KeyError, TypeError):  # TypeError: an unhashable name
-        msg = f"unknown promotion rule {name!r}; choose one of {sorted(PROMOTION_RULES)}"
-        raise ValueError(msg) from None
+    return from_registry(PROMOTION_RULES, name, "promotion rule")

@@ -15,13 +15,15 @@ Every check is O(1) except where noted; none mutates its input.
 from __future__ import annotations
 
 import math
-from collections.abc import Collection, Iterable, Mapping
-from typing import Any
+from collections.abc import Callable, Collection, Iterable, Mapping
+from typing import Any, TypeVar
 
 from craft_rag.types import CacheSalt, ConversationId
 
 MAX_INT = 2**63 - 1
 """Largest integer accepted for counts, token positions and stamps (what a C int64 holds)."""
+
+_T = TypeVar("_T")
 
 
 # ---- argument checks --------------------------------------------------------------------------
@@ -185,6 +187,17 @@ def check_optional_number(
         return check_number(value, name, positive=positive, minimum=minimum, maximum=maximum)
     except ValueError as exc:
         msg = f"{exc} (or None: {none_means})"
+        raise ValueError(msg) from None
+
+
+def from_registry(registry: Mapping[str, Callable[[], _T]], name: str, what: str) -> _T:
+    """A new object of the policy registered as ``name`` (one call of its factory);
+    ``ValueError`` naming ``what`` and the valid names for any other name, an unhashable one
+    included. O(1); O(n log n) on error (the names are sorted for the message)."""
+    try:
+        return registry[name]()
+    except (KeyError, TypeError):  # TypeError: an unhashable name
+        msg = f"unknown {what} {name!r}; choose one of {sorted(registry)}"
         raise ValueError(msg) from None
 
 

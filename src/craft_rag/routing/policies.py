@@ -35,6 +35,7 @@ from craft_rag.routing.matching import fixed_match_end, set_match_end
 from craft_rag.routing.queueing import TTFTModel
 from craft_rag.routing.replica import Replica
 from craft_rag.types import ChunkKey, ConversationId
+from craft_rag.validation import from_registry
 
 
 @dataclass(slots=True)
@@ -293,8 +294,4 @@ DEFAULT_ROUTING_POLICY = "craft_joint"
 
 def get_routing_policy(name: str) -> RoutingPolicy:
     """A new policy object by name; ``ValueError`` lists the valid names."""
-    try:
-        return ROUTING_POLICIES[name]()
-    except (KeyError, TypeError):
-        msg = f"unknown routing policy {name!r}; choose one of {sorted(ROUTING_POLICIES)}"
-        raise ValueError(msg) from None
+    return from_registry(ROUTING_POLICIES, name, "routing policy")
