@@ -4,7 +4,8 @@ Suites (one module each under ``craft_rag_bench.bench``): ``overlap``, ``sensiti
 ``overhead`` (no engine), then ``ttft``, ``kv``, ``quality``, ``topk``, ``load`` (the
 in-process vLLM engine; ONE engine serves them all within a process), ``routing``
 (simulated replicas; its full run fits the prefill model on the engine). ``all`` runs every suite
-in that order (``cache-sizes`` aside: one engine per KV size, run it alone). Each suite writes
+in that order (``cache-sizes`` and ``tiers`` aside: one engine per KV size / per system, run
+them alone). Each suite writes
 ``<out>/<suite>.json`` and ``<out>/<suite>.png``; the report ``<out>/report.md`` is regenerated
 from every JSON result in ``<out>`` after each suite.
 ``--quick`` shrinks every size (CI smoke test) and writes under ``benchmarks/results/quick``
@@ -83,14 +84,17 @@ SUITES: dict[str, Suite] = {
     "routing": _lazy("routing"),
     "chat": _lazy("chat"),
     "cache-sizes": _lazy("cache_sizes"),
+    "tiers": _lazy("tiers"),
 }
 """Suite name -> function; ``all`` runs them in this order (engine suites last), except
 :data:`NOT_IN_ALL`."""
 
-NOT_IN_ALL = frozenset({"cache-sizes"})
-"""Suites ``all`` skips: ``cache-sizes`` starts one engine per KV size (minutes); run it alone."""
+NOT_IN_ALL = frozenset({"cache-sizes", "tiers"})
+"""Suites ``all`` skips: ``cache-sizes`` starts one engine per KV size, ``tiers`` one engine
+process per system (minutes); run them alone."""
 
-ENGINE_SUITES = frozenset({"ttft", "kv", "quality", "topk", "load", "chat", "cache-sizes"})
+ENGINE_SUITES = frozenset({"ttft", "kv", "quality", "topk", "load", "chat", "cache-sizes",
+                           "tiers"})
 
 
 def add_bench_parser(subparsers: Any) -> None:
@@ -113,6 +117,13 @@ def add_bench_parser(subparsers: Any) -> None:
                    help="cache-sizes: KV cache sizes, names computed from the trace's working set "
                    "(whole, medium, small) or block counts, e.g. whole,medium,small (default) "
                    "or 64,256,4096")
+    p.add_argument("--pool-requests", type=int_range(1, 10_000), default=None,
+                   help="tiers: the engine's KV pool holds about N mean prompts of the trace "
+                   "(default 4)")
+    p.add_argument("--tier-ram-mib", type=int_range(1, 1 << 24), default=None,
+                   help="tiers: RAM tier size in MiB (default 1024)")
+    p.add_argument("--tier-disk-mib", type=int_range(1, 1 << 26), default=None,
+                   help="tiers: disk tier size in MiB (default 4096)")
     p.add_argument("--ttft-passes", type=int_range(1, 8), default=None,
                    help="ttft: serve every system N times in mirrored order (A B .. B A), each "
                    "pass from an empty cache, TTFT over all passes (default 1; 2 against load "
@@ -179,6 +190,15 @@ def run_bench(args: argparse.Namespace) -> int:
         ctx.with_sizes(routing_replicas=replicas)
     if cache_sizes is not None:
         ctx.with_sizes(cache_sizes=cache_sizes)
+    tier_sizes = {
+        field: value for field, value in (
+            ("tiers_pool_requests", getattr(args, "pool_requests", None)),
+            ("tiers_ram_bytes", _mib(getattr(args, "tier_ram_mib", None))),
+            ("tiers_disk_bytes", _mib(getattr(args, "tier_disk_mib", None))),
+        ) if value is not None
+    }
+    if tier_sizes:
+        ctx.with_sizes(**tier_sizes)
     names = [n for n in SUITES if n not in NOT_IN_ALL] if args.suite == "all" else [args.suite]
     started = time.perf_counter()
     try:
@@ -195,6 +215,10 @@ def run_bench(args: argparse.Namespace) -> int:
             print(f"== {name}: {result['seconds']} s -> {out / (name + '.json')}")
         print(f"report: {out / 'report.md'} ({total:.0f} s in all)")
     return 0
+
+
+def _mib(value: int | None) -> int | None:
+    return None if value is None else value << 20
 
 
 def run_suites(

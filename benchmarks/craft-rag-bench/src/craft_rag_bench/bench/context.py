@@ -70,6 +70,14 @@ class BenchSizes:
     routing_replicas: tuple[int, ...] = (2, 8, 32, 128)
     cache_sizes: tuple[str, ...] = ("whole", "medium", "small")
     """``cache-sizes`` suite: KV sizes (names or block counts; see bench/cache_sizes.py)."""
+    tiers_requests: int = 300
+    """``tiers`` suite: requests per workload (SQuAD, HotpotQA)."""
+    tiers_pool_requests: int = 4
+    """``tiers`` suite: the engine's KV pool holds about this many mean prompts."""
+    tiers_ram_bytes: int = 1 << 30
+    tiers_disk_bytes: int = 4 << 30
+    tiers_max_tokens: int = 8
+    """``tiers`` suite: greedy reply length (the exactness check compares these tokens)."""
 
     def __post_init__(self) -> None:
         for i, rate in enumerate(self.load_rates):
@@ -99,6 +107,8 @@ QUICK = BenchSizes(
     overhead_distinct=20_000,
     overhead_memory=False,
     routing_replicas=(2, 8),
+    tiers_requests=8,
+    tiers_max_tokens=4,
 )
 
 

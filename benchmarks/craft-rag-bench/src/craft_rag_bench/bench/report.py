@@ -240,6 +240,12 @@ def _cache_sizes(r: Mapping[str, Any]) -> list[str]:
     return report_lines(dict(r))
 
 
+def _tiers(r: Mapping[str, Any]) -> list[str]:
+    from craft_rag_bench.bench.tiers import report_lines
+
+    return report_lines(r)
+
+
 SECTIONS: dict[str, tuple[str, Section]] = {
     "overhead": ("Planner overhead", _overhead),
     "overlap": ("Overlap: Prefix vs Total (Fig. 3) and replay under the three policies",
@@ -254,6 +260,8 @@ SECTIONS: dict[str, tuple[str, Section]] = {
     "routing": ("KV-aware routing across replicas (simulated cluster)", _routing),
     "cache-sizes": ("KV cache sizes: every system from a whole-working-set cache down to "
                     "~10 requests (issue 16)", _cache_sizes),
+    "tiers": ("KV tiers: prefix caching, CRAFT, and CRAFT with RAM/disk KV tiers (LRU, PGDSF) "
+              "on a small pool", _tiers),
 }
 
 

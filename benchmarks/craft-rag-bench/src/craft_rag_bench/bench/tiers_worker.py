@@ -1,0 +1,180 @@
+"""One system of the ``tiers`` suite on its own engine, in its own process.
+
+``python -m craft_rag_bench.bench.tiers_worker SPEC OUT``: reads a :class:`WorkerSpec` (JSON),
+starts ONE in-process engine with the spec's KV pool (and, for a tier system, the craft-rag KV
+connector loaded by module path through ``EngineSettings.engine_kwargs["kv_transfer_config"]``),
+serves the spec's trace under the system's planner (:func:`craft_rag_bench.bench.serving.serve`:
+fresh planner, warm-up, empty pool) and writes one JSON object to OUT atomically.
+
+Why a process per system: vLLM keeps process-global state (the distributed group, the KV
+transfer agent) that a second engine in the same process would inherit or break, and a
+connector's engine must not leave state behind for the next system. The parent
+(:mod:`craft_rag_bench.bench.tiers`) owns every path in the spec (a private temp folder).
+
+OUT holds, per request in trace order: ``id``, ``prompt_tokens``, ``cached_tokens``,
+``ttft_ms``, ``output_ids`` (the greedy reply's token ids) and ``prompt_sha256`` (of the exact
+prompt ids, so the parent compares prompts across systems without shipping them); plus
+``engine_start_s``, ``serve_s`` and ``connector`` (the connector's store statistics, or None
+when the system has no connector or the connector exposes none).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import sys
+import time
+from collections.abc import Mapping
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from craft_rag.engine import CraftEngine
+
+CONNECTOR_NAME = "CraftTierConnector"
+CONNECTOR_MODULE = "craft_rag.kvtiers.connector"
+STATS_METHODS: tuple[str, ...] = ("tier_stats", "store_stats", "stats")
+"""Methods tried, in order, on the scheduler-side connector for its store statistics."""
+
+
+@dataclass(frozen=True, slots=True)
+class WorkerSpec:
+    """What one worker process serves. ``policy`` is the tier policy (``lru``/``pgdsf``) or
+    None for a system without tiers (then ``disk_dir`` is unused)."""
+
+    system: str
+    planner: str
+    trace_path: str
+    blocks: int
+    block_size: int
+    max_model_len: int
+    max_tokens: int
+    policy: str | None = None
+    ram_bytes: int = 0
+    disk_bytes: int = 0
+    disk_dir: str | None = None
+    progress: bool = False
+
+    def to_json(self) -> str:
+        return json.dumps(asdict(self))
+
+    @classmethod
+    def from_json(cls, text: str) -> WorkerSpec:
+        data = json.loads(text)
+        if not isinstance(data, dict):
+            msg = "a worker spec is a JSON object"
+            raise ValueError(msg)
+        return cls(**data)
+
+
+def connector_extra_config(spec: WorkerSpec) -> dict[str, Any]:
+    """``kv_connector_extra_config`` of a tier system (``ValueError`` without a policy or a
+    disk folder: a caller bug in the parent)."""
+    if spec.policy is None or spec.disk_dir is None:
+        msg = f"system {spec.system!r} has no tier policy or disk folder"
+        raise ValueError(msg)
+    return {"ram_bytes": spec.ram_bytes, "disk_bytes": spec.disk_bytes,
+            "disk_dir": spec.disk_dir, "policy": spec.policy}
+
+
+def start_engine(spec: WorkerSpec) -> CraftEngine:
+    """The engine of ``spec``: exactly ``spec.blocks`` KV blocks, the connector when tiered."""
+    from craft_rag.engine import CraftEngine, EngineSettings
+
+    kwargs: dict[str, Any] = {}
+    if spec.policy is not None:
+        from vllm.config import KVTransferConfig
+
+        kwargs["kv_transfer_config"] = KVTransferConfig(
+            kv_connector=CONNECTOR_NAME, kv_connector_module_path=CONNECTOR_MODULE,
+            kv_role="kv_both", kv_connector_extra_config=connector_extra_config(spec),
+        )
+    return CraftEngine(EngineSettings(
+        block_size=spec.block_size, max_model_len=spec.max_model_len,
+        num_gpu_blocks_override=spec.blocks, engine_kwargs=kwargs,
+    ))
+
+
+def scheduler_connector(engine: CraftEngine) -> Any:
+    """The scheduler-side KV connector of an in-process engine, or None. Reached through
+    vLLM's private objects (``LLM.llm_engine.engine_core.engine_core.scheduler.connector``),
+    so every step is optional."""
+    llm = getattr(getattr(engine, "_backend", None), "llm", None)
+    core = getattr(getattr(llm, "llm_engine", None), "engine_core", None)
+    scheduler = getattr(getattr(core, "engine_core", None), "scheduler", None)
+    return getattr(scheduler, "connector", None)
+
+
+def connector_stats(connector: Any) -> dict[str, Any] | None:
+    """The connector's store statistics as a JSON-able dict (the first of
+    :data:`STATS_METHODS` it has; a dataclass result is converted), or None."""
+    if connector is None:
+        return None
+    for name in STATS_METHODS:
+        method = getattr(connector, name, None)
+        if not callable(method):
+            continue
+        value = method()
+        if hasattr(value, "__dataclass_fields__"):
+            value = asdict(value)
+        if isinstance(value, Mapping):
+            plain: dict[str, Any] = json.loads(json.dumps(dict(value), default=str))
+            return plain
+    return None
+
+
+def run_worker(spec: WorkerSpec) -> dict[str, Any]:
+    """Serve ``spec``'s trace on a fresh engine (closed before returning)."""
+    from craft_rag.planner import PlannerConfig
+    from craft_rag.trace import read_trace
+    from craft_rag_bench.bench.context import BenchContext
+    from craft_rag_bench.bench.serving import BenchSystem, serve
+
+    trace = read_trace(spec.trace_path)
+    started = time.perf_counter()
+    engine = start_engine(spec)
+    engine_start = time.perf_counter() - started
+    try:
+        started = time.perf_counter()
+        results = serve(engine, BenchSystem(spec.system, PlannerConfig(policy=spec.planner)),
+                        trace, max_tokens=spec.max_tokens, desc=spec.system,
+                        ctx=BenchContext(progress=spec.progress))
+        serve_s = time.perf_counter() - started
+        stats = connector_stats(scheduler_connector(engine)) if spec.policy else None
+    finally:
+        engine.close()
+    return {
+        "system": spec.system,
+        "engine_start_s": round(engine_start, 1),
+        "serve_s": round(serve_s, 1),
+        "connector": stats,
+        "requests": [
+            {"id": request.id, "prompt_tokens": r.report.prompt_tokens,
+             "cached_tokens": r.report.cached_tokens, "ttft_ms": r.report.ttft_ms,
+             "output_ids": list(r.token_ids),
+             "prompt_sha256": prompt_digest(r.prompt_token_ids)}
+            for request, r in zip(trace, results, strict=True)
+        ],
+    }
+
+
+def prompt_digest(ids: tuple[int, ...] | list[int]) -> str:
+    """SHA-256 of a prompt's token ids (comma-separated decimal)."""
+    return hashlib.sha256(",".join(map(str, ids)).encode()).hexdigest()
+
+
+def main(argv: list[str]) -> int:
+    from craft_rag.files import write_atomic
+
+    if len(argv) != 2:
+        print("usage: python -m craft_rag_bench.bench.tiers_worker SPEC OUT", file=sys.stderr)
+        return 2
+    spec = WorkerSpec.from_json(Path(argv[0]).read_text(encoding="utf-8"))
+    result = run_worker(spec)
+    write_atomic(Path(argv[1]), json.dumps(result, allow_nan=False) + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

@@ -1,0 +1,258 @@
+"""The ``tiers`` suite's pure parts: pool sizing, summaries, exactness, hit ratio, verdicts, the
+side-by-side loop over a fake worker runner (no engine, no process) and the JSON layout. The
+real run starts one engine process per system (minutes); it is run by hand
+(docs/benchmarks.md, "KV tiers")."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from craft_rag_bench.bench import tiers
+from craft_rag_bench.bench.cache_sizes import WorkingSet
+from craft_rag_bench.bench.cli import NOT_IN_ALL, SUITES, finite_json
+from craft_rag_bench.bench.context import BenchContext
+from craft_rag_bench.bench.tiers import (
+    SYSTEMS,
+    TARGETS,
+    engine_max_len,
+    exactness,
+    pool_blocks,
+    report_lines,
+    side_by_side,
+    summarise_requests,
+    tier_hit_ratio,
+    verdicts,
+)
+from craft_rag_bench.bench.tiers_worker import (
+    WorkerSpec,
+    connector_extra_config,
+    connector_stats,
+    prompt_digest,
+)
+
+
+def ws_of(request_blocks: int, mean: float, largest: int, block: int = 32) -> WorkingSet:
+    return WorkingSet(requests=30, block_size=block, request_blocks=request_blocks,
+                      distinct_blocks=request_blocks // 2, mean_request_blocks=mean,
+                      max_request_blocks=largest)
+
+
+def test_pool_holds_about_n_mean_prompts_within_bounds() -> None:
+    ws = ws_of(730, 24.33, 36)
+    assert pool_blocks(ws, 4) == 98 == -(-4 * 24.33 // 1)
+    assert pool_blocks(ws, 1) == 37  # at least the largest request plus one block
+    assert pool_blocks(ws, 1000) == 730 + 36  # never above the whole working set
+    with pytest.raises(ValueError, match="--pool-requests"):
+        pool_blocks(ws, 0)
+
+
+def test_engine_max_len_fits_the_pool_and_the_longest_request() -> None:
+    ws = ws_of(730, 24.33, 36)
+    assert engine_max_len(4096, 98, ws) == 97 * 32  # one block spare
+    assert engine_max_len(2048, 98, ws) == 2048
+    with pytest.raises(ValueError, match="--max-model-len 1000"):
+        engine_max_len(1000, 98, ws)
+
+
+def req(i: int, cached: int, ttft: float, out: tuple[int, ...] = (1, 2), prompt: str = "p",
+        tokens: int = 100) -> dict[str, Any]:
+    return {"id": f"q{i}", "prompt_tokens": tokens, "cached_tokens": cached, "ttft_ms": ttft,
+            "output_ids": list(out), "prompt_sha256": prompt_digest([i, len(prompt)]) + prompt}
+
+
+def test_summarise_requests() -> None:
+    rows = [req(0, 0, 100.0), req(1, 50, 20.0), req(2, 100, 30.0, tokens=200)]
+    s = summarise_requests(rows)
+    assert (s["requests"], s["prompt_tokens"], s["cached_tokens"]) == (3, 400, 150)
+    assert s["cached_token_fraction"] == 150 / 400
+    assert s["mean_ttft_ms"] == 50.0
+    assert (s["p50_ttft_ms"], s["p99_ttft_ms"]) == (30.0, 100.0)
+    assert summarise_requests([])["cached_token_fraction"] == 0.0
+
+
+def test_exactness_compares_same_prompts_and_counts_tier_hits() -> None:
+    ref = [req(0, 0, 1.0), req(1, 32, 1.0), req(2, 0, 1.0), req(3, 0, 1.0), req(4, 0, 1.0)]
+    rows = [
+        req(0, 0, 1.0),  # same prompt, no gain: identical, not a tier hit
+        req(1, 96, 1.0),  # tier hit (+64), identical
+        req(2, 64, 1.0, out=(9,)),  # tier hit (+64), output differs
+        req(3, 64, 1.0, prompt="other"),  # another order: not comparable
+        {**req(4, 0, 1.0), "id": "z"},  # another request: not compared
+    ]
+    e = exactness(ref, rows)
+    assert e == {"compared": 4, "same_prompt": 3, "identical": 2, "tier_hit_requests": 2,
+                 "tier_hit_identical": 1, "tier_extra_cached_tokens": 128, "mismatched": ["q2"]}
+
+
+def test_tier_hit_ratio_from_the_forms_a_store_may_report() -> None:
+    assert tier_hit_ratio({"hit_ratio": 0.25}) == 0.25
+    assert tier_hit_ratio({"hits": 3, "misses": 1}) == 0.75
+    assert tier_hit_ratio({"hits": 1, "lookups": 4}) == 0.25
+    assert tier_hit_ratio({"hits": 0, "misses": 0}) is None
+    assert tier_hit_ratio({"bytes": 5}) is None
+    assert tier_hit_ratio(None) is None
+
+
+def system(cached: float, ttft: float, hit: float | None = None, hits: int = 0,
+           same: int = 0) -> dict[str, Any]:
+    return {"cached_token_fraction": cached, "mean_ttft_ms": ttft, "tier_hit_ratio": hit,
+            "exactness": {"tier_hit_requests": hits, "tier_hit_identical": same}}
+
+
+def test_verdicts_against_the_targets() -> None:
+    v = verdicts({
+        "prefix": system(0.2, 500.0),
+        "craft": system(0.3, 400.0),
+        "craft_tier_lru": system(0.45, 300.0, hit=0.5, hits=60, same=60),
+        "craft_tier_pgdsf": system(0.6, 250.0, hit=0.6, hits=60, same=59),
+    })
+    lru, pgdsf = v["craft_tier_lru"], v["craft_tier_pgdsf"]
+    assert lru["cached_ratio"] == pytest.approx(1.5) and lru["cached_met"]
+    assert lru["ttft_speedup"] == pytest.approx(400 / 300) and lru["ttft_met"]
+    assert lru["exact_met"] and lru["exact_all_identical"]
+    assert pgdsf["cached_ratio"] == pytest.approx(2.0)
+    assert not pgdsf["exact_met"] and not pgdsf["exact_all_identical"]  # one output differs
+    assert v["pgdsf_vs_lru"]["hit_ratio_ratio"] == pytest.approx(1.2)
+    assert v["pgdsf_vs_lru"]["hit_ratio_met"] is True
+    # Below the targets; unknown hit ratios give None, not a verdict.
+    low = verdicts({"craft": system(0.3, 400.0),
+                    "craft_tier_lru": system(0.4, 350.0, hits=10, same=10),
+                    "craft_tier_pgdsf": system(0.4, 350.0)})
+    assert low["craft_tier_lru"]["cached_met"] is False
+    assert low["craft_tier_lru"]["ttft_met"] is False
+    assert low["craft_tier_lru"]["exact_met"] is False  # 10 < 50
+    assert low["pgdsf_vs_lru"]["hit_ratio_ratio"] is None
+    assert low["pgdsf_vs_lru"]["hit_ratio_met"] is None
+    # A failed system gives no verdict; no reference, no tier-vs-craft verdicts.
+    assert "craft_tier_lru" not in verdicts({"craft": system(0.3, 400.0),
+                                             "craft_tier_lru": {"error": "boom"}})
+    assert verdicts({"craft_tier_lru": system(0.4, 1.0)}) == {}
+    assert TARGETS.exact_requests == 50 and TARGETS.cached_ratio == 1.5
+
+
+class FakeRunner:
+    """Stands in for the worker process: records specs, checks each tier system's disk folder
+    exists (private, empty) while it runs, and returns rows where tiers cache more."""
+
+    def __init__(self, fail: str | None = None) -> None:
+        self.specs: list[WorkerSpec] = []
+        self.fail = fail
+
+    def __call__(self, spec: WorkerSpec) -> dict[str, Any]:
+        self.specs.append(spec)
+        if spec.system == self.fail:
+            return {"error": "worker exited 1: no connector"}
+        if spec.disk_dir is not None:
+            folder = Path(spec.disk_dir)
+            assert folder.is_dir() and not any(folder.iterdir())
+            assert (folder.stat().st_mode & 0o777) == 0o700
+            (folder / "block.kv").write_bytes(b"x" * 10)
+        gain = {"prefix": 0, "craft": 20, "craft_tier_lru": 50, "craft_tier_pgdsf": 60}
+        rows = [req(i, gain[spec.system] if i else 0, 100.0 - gain[spec.system])
+                for i in range(3)]
+        stats = {"hits": gain[spec.system], "misses": 100 - gain[spec.system]}
+        return {"system": spec.system, "engine_start_s": 1.0, "serve_s": 2.0,
+                "connector": stats if spec.policy else None, "requests": rows}
+
+
+def base_spec(trace: Path) -> WorkerSpec:
+    return WorkerSpec(system="", planner="", trace_path=str(trace), blocks=98, block_size=32,
+                      max_model_len=3104, max_tokens=4, ram_bytes=1 << 30, disk_bytes=4 << 30)
+
+
+def test_side_by_side_one_worker_per_system_fresh_private_disk(tmp_path: Path) -> None:
+    runner = FakeRunner()
+    rows = side_by_side(base_spec(tmp_path / "t.jsonl"), list(SYSTEMS), runner, tmp_path)
+    assert [s.system for s in runner.specs] == list(SYSTEMS)
+    assert [s.planner for s in runner.specs] == ["retriever", "tree", "tree", "tree"]
+    assert [s.policy for s in runner.specs] == [None, None, "lru", "pgdsf"]
+    dirs = [s.disk_dir for s in runner.specs if s.disk_dir]
+    assert len(set(dirs)) == 2 and not any(Path(d).exists() for d in dirs)  # removed after
+    assert all(s.blocks == 98 and s.ram_bytes == 1 << 30 for s in runner.specs)
+    assert list(rows) == list(SYSTEMS)
+    assert "tier_policy" not in rows["craft"] and rows["craft_tier_lru"]["tier_policy"] == "lru"
+    assert rows["craft_tier_pgdsf"]["tier_hit_ratio"] == 0.6
+    assert rows["craft_tier_lru"]["disk_dir_bytes"] == 10
+    exact = rows["craft_tier_lru"]["exactness"]
+    assert exact["tier_hit_requests"] == 2 and exact["tier_hit_identical"] == 2
+    assert connector_extra_config(runner.specs[3]) == {
+        "ram_bytes": 1 << 30, "disk_bytes": 4 << 30, "disk_dir": runner.specs[3].disk_dir,
+        "policy": "pgdsf"}
+    with pytest.raises(ValueError, match="no tier policy"):
+        connector_extra_config(runner.specs[0])
+    with pytest.raises(ValueError, match="valid"):
+        side_by_side(base_spec(tmp_path / "t.jsonl"), ["craft", "nope"], runner, tmp_path)
+
+
+def test_a_failed_system_is_reported_and_the_others_still_run(tmp_path: Path) -> None:
+    rows = side_by_side(base_spec(tmp_path / "t.jsonl"), list(SYSTEMS),
+                        FakeRunner(fail="craft_tier_lru"), tmp_path)
+    assert rows["craft_tier_lru"] == {"error": "worker exited 1: no connector"}
+    assert "error" not in rows["craft_tier_pgdsf"]
+    v = verdicts(rows)
+    assert "craft_tier_lru" not in v and "pgdsf_vs_lru" not in v and "craft_tier_pgdsf" in v
+    assert any("failed" in line for line in report_lines(layout(rows)))
+
+
+def layout(rows: dict[str, dict[str, Any]]) -> dict[str, Any]:
+    return {"suite": "tiers", "pool_requests": 4, "tier_ram_bytes": 1 << 30,
+            "tier_disk_bytes": 4 << 30,
+            "workloads": {"trace": {"requests": 3, "pool_blocks": 98, "pool_tokens": 3136,
+                                    "systems": rows, "verdicts": verdicts(rows)}}}
+
+
+SYSTEM_FIELDS = {"requests", "prompt_tokens", "cached_tokens", "cached_token_fraction",
+                 "mean_ttft_ms", "p50_ttft_ms", "p99_ttft_ms", "engine_start_s", "serve_s"}
+TIER_FIELDS = SYSTEM_FIELDS | {"tier_policy", "tier_stats", "tier_hit_ratio", "exactness",
+                               "disk_dir_bytes"}
+
+
+def test_json_layout_is_stable(tmp_path: Path) -> None:
+    """The field names docs/benchmarks.md documents."""
+    rows = side_by_side(base_spec(tmp_path / "t.jsonl"), list(SYSTEMS), FakeRunner(), tmp_path)
+    assert set(rows["prefix"]) == set(rows["craft"]) == SYSTEM_FIELDS
+    assert set(rows["craft_tier_lru"]) == set(rows["craft_tier_pgdsf"]) == TIER_FIELDS
+    v = verdicts(rows)
+    assert set(v) == {"craft_tier_lru", "craft_tier_pgdsf", "pgdsf_vs_lru"}
+    assert set(v["craft_tier_lru"]) == {"cached_ratio", "cached_met", "ttft_speedup",
+                                        "ttft_met", "exact_tier_hits", "exact_all_identical",
+                                        "exact_met"}
+    assert set(v["pgdsf_vs_lru"]) == {"hit_ratio_ratio", "hit_ratio_met", "cached_ratio"}
+    text = json.dumps(finite_json(layout(rows)), allow_nan=False)  # strict JSON
+    assert json.loads(text)["workloads"]["trace"]["systems"]["craft"]["requests"] == 3
+    lines = report_lines(layout(rows))
+    assert any(line.startswith("| craft_tier_pgdsf | ") for line in lines)
+    assert any("PGDSF vs LRU" in line for line in lines)
+
+
+def test_connector_stats_probe() -> None:
+    class WithStats:
+        def store_stats(self) -> dict[str, int]:
+            return {"hits": 2, "misses": 2}
+
+    assert connector_stats(None) is None
+    assert connector_stats(object()) is None
+    assert connector_stats(WithStats()) == {"hits": 2, "misses": 2}
+
+
+def test_worker_spec_round_trips() -> None:
+    spec = base_spec(Path("/tmp/t.jsonl"))
+    assert WorkerSpec.from_json(spec.to_json()) == spec
+    with pytest.raises(ValueError, match="JSON object"):
+        WorkerSpec.from_json("[1]")
+
+
+def test_tiers_is_a_suite_that_all_skips_and_a_lent_engine_skips_it() -> None:
+    assert "tiers" in SUITES and "tiers" in NOT_IN_ALL
+    class Lent:
+        planner = None
+
+    lent: Any = Lent()
+    ctx = BenchContext(engine=lent)
+    out = tiers.run(ctx)
+    assert "skipped" in out and out["workloads"] == {}
+    assert report_lines(out)[0].startswith("Skipped")
