@@ -195,6 +195,17 @@ def positive_int_option(url: str, options: Mapping[str, str], name: str, default
     return int(raw)
 
 
+SNAPSHOT_EVERY_OPTION: Mapping[str, str] = {
+    "snapshot_every": "commits between snapshots; the log keeps up to twice that"
+}
+"""The option every backend's URL takes, as its entry in the backend's option table."""
+
+
+def snapshot_every_option(url: str, options: Mapping[str, str]) -> int:
+    """``?snapshot_every=N`` (a positive integer; default :data:`DEFAULT_SNAPSHOT_EVERY`)."""
+    return positive_int_option(url, options, "snapshot_every", DEFAULT_SNAPSHOT_EVERY)
+
+
 def fallback_option(url: str, options: Mapping[str, str]) -> str | None:
     raw = options.get("fallback")
     if raw is None:

@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 from craft_rag.redact import redact_url
 from craft_rag.stores.base import (
     DEFAULT_SNAPSHOT_EVERY,
+    SNAPSHOT_EVERY_OPTION,
     TOKEN_VOID_TTL_S,
     AppendRequest,
     HistoryRecord,
@@ -23,10 +24,10 @@ from craft_rag.stores.base import (
     StateStore,
     check_namespace,
     parse_options,
-    positive_int_option,
+    snapshot_every_option,
 )
 
-_OPTIONS = {"snapshot_every": "commits between snapshots; the log keeps up to twice that"}
+_OPTIONS = SNAPSHOT_EVERY_OPTION
 
 
 @dataclass(slots=True)
@@ -82,8 +83,7 @@ class MemoryStore(StateStore):
             )
             raise ValueError(msg)
         options = parse_options(url, query, _OPTIONS)
-        every = positive_int_option(url, options, "snapshot_every", DEFAULT_SNAPSHOT_EVERY)
-        return cls(snapshot_every=every, url=url.split("?", 1)[0])
+        return cls(snapshot_every=snapshot_every_option(url, options), url=url.split("?", 1)[0])
 
     def _space(self, namespace: str) -> _Namespace:
         space = self._spaces.get(namespace)

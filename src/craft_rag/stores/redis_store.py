@@ -22,6 +22,7 @@ from urllib.parse import unquote, urlsplit
 from craft_rag.redact import MASK, redact_url
 from craft_rag.stores.base import (
     DEFAULT_SNAPSHOT_EVERY,
+    SNAPSHOT_EVERY_OPTION,
     STORE_FORMAT,
     TOKEN_VOID_TTL_S,
     AppendRequest,
@@ -35,12 +36,13 @@ from craft_rag.stores.base import (
     fallback_option,
     parse_options,
     positive_int_option,
+    snapshot_every_option,
 )
 from craft_rag.stores.json_codec import MAX_STORED_INT, preview
 from craft_rag.validation import check_number
 
 _OPTIONS = {
-    "snapshot_every": "commits between snapshots; the log keeps up to twice that",
+    **SNAPSHOT_EVERY_OPTION,
     "fallback": "memory: go on with local state (logged) when Redis is unreachable",
     "timeout_ms": "connect and read timeout per call (default 2000)",
 }
@@ -206,9 +208,7 @@ class RedisStore(StateStore):
         options = parse_options(url, query, _OPTIONS)
         return cls(
             base,
-            snapshot_every=positive_int_option(
-                url, options, "snapshot_every", DEFAULT_SNAPSHOT_EVERY
-            ),
+            snapshot_every=snapshot_every_option(url, options),
             fallback=fallback_option(url, options),
             timeout_s=positive_int_option(url, options, "timeout_ms", 2000) / 1000,
             url=base,

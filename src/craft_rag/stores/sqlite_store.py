@@ -25,6 +25,7 @@ from pathlib import Path
 from craft_rag.redact import redact_url
 from craft_rag.stores.base import (
     DEFAULT_SNAPSHOT_EVERY,
+    SNAPSHOT_EVERY_OPTION,
     STORE_FORMAT,
     TOKEN_VOID_TTL_S,
     AppendRequest,
@@ -37,6 +38,7 @@ from craft_rag.stores.base import (
     check_namespace,
     parse_options,
     positive_int_option,
+    snapshot_every_option,
 )
 from craft_rag.stores.json_codec import MAX_STORED_INT, preview
 from craft_rag.stores.sqlite_files import (
@@ -49,7 +51,7 @@ from craft_rag.stores.sqlite_files import (
 )
 
 _OPTIONS = {
-    "snapshot_every": "commits between snapshots; the log keeps up to twice that",
+    **SNAPSHOT_EVERY_OPTION,
     "synchronous": "normal (default) or full (fsync every commit)",
     "busy_timeout_ms": "how long to wait for another process's transaction (default 5000)",
 }
@@ -149,9 +151,7 @@ class SQLiteStore(StateStore):
         options = parse_options(url, query, _OPTIONS)
         return cls(
             path,
-            snapshot_every=positive_int_option(
-                url, options, "snapshot_every", DEFAULT_SNAPSHOT_EVERY
-            ),
+            snapshot_every=snapshot_every_option(url, options),
             synchronous=options.get("synchronous", "normal"),
             busy_timeout_ms=positive_int_option(url, options, "busy_timeout_ms", 5000),
             url=url.split("?", 1)[0],
