@@ -28,6 +28,7 @@ from craft_rag.planner import CraftPlanner, Plan, PlannerConfig
 from craft_rag.prefix_cache_sim import SimulatedPrefixCache
 from craft_rag.prefix_tree import ChunkPrefixTree, KVLocation, NodeMetadata
 from craft_rag.promotion import get_promotion_rule
+from craft_rag.routing.policies import get_routing_policy
 from craft_rag.types import BlockHash, ChunkKey, ConversationId, as_block_hash
 
 
@@ -431,6 +432,25 @@ def test_policy_and_promotion_lookups_name_the_valid_options(name: object) -> No
     with pytest.raises(ValueError, match="choose one of") as info2:
         get_promotion_rule(name)  # type: ignore[arg-type]
     assert type(info2.value) is ValueError
+    with pytest.raises(ValueError, match="choose one of") as info3:
+        get_routing_policy(name)  # type: ignore[arg-type]
+    assert type(info3.value) is ValueError
+
+
+def test_registry_lookups_name_what_they_look_up_and_every_valid_name() -> None:
+    expected = {
+        get_policy: "unknown ordering policy 'x'; choose one of ['frequency', 'retriever', 'tree']",
+        get_promotion_rule: "unknown promotion rule 'x'; choose one of ['served', 'threshold']",
+        get_routing_policy: (
+            "unknown routing policy 'x'; choose one of "
+            "['craft_joint', 'least_loaded', 'prefix_fixed_order', 'round_robin']"
+        ),
+    }
+    for lookup, message in expected.items():
+        with pytest.raises(ValueError) as info:
+            lookup("x")
+        assert str(info.value) == message
+    assert get_routing_policy("craft_joint") is not get_routing_policy("craft_joint")
 
 
 @pytest.mark.parametrize("tokens", [["a", "b"], [1.5, 2.0], [2**70, 1]])
