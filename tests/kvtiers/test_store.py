@@ -96,16 +96,16 @@ def test_capacity_is_exact_and_eviction_copies_down_once(
     store.flush()
     stats = store.stats()
     assert (stats.ram_bytes, stats.ram_evictions, stats.copy_downs) == (3 * SIZE, 1, 1)
-    assert chain.get(store, 2) == chain.payloads[2]  # disk hit, promoted; evicts block 1
-    assert store.lookup(chain.keys) == [Tier.RAM, Tier.DISK, Tier.RAM, Tier.DISK]
-    assert chain.get(store, 0) == chain.payloads[0]
-    assert other.get(store, 0) == other.payloads[0]
-    third.put(store, 0)  # LRU leaf is block 2 again: already on disk, not written again
+    # a disk hit is promoted; its RAM parent (block 1, a leaf) is kept, so `other` goes down
+    assert chain.get(store, 2) == chain.payloads[2]
+    assert store.lookup(chain.keys) == [Tier.RAM, Tier.RAM, Tier.RAM, Tier.DISK]
+    assert store.lookup(other.keys) == [Tier.DISK]
+    third.put(store, 0)  # the only RAM leaf is block 2: already on disk, not written again
     store.flush()
     stats = store.stats()
     assert (stats.ram_evictions, stats.copy_downs, stats.disk_writes) == (3, 2, 3)
     assert (stats.disk_hits, stats.promotions, stats.disk_bytes) == (1, 1, 3 * SIZE)
-    assert files(tier_dir) == {chain.keys[i].hex() + ".kv" for i in (1, 2, 3)}
+    assert files(tier_dir) == {k.hex() + ".kv" for k in (*chain.keys[2:], *other.keys)}
     store._check_invariants(check_files=True)
 
 
@@ -345,3 +345,13 @@ def test_seeded_stress_keeps_invariants(tier_dir: Path, policy: str, seed: int) 
         s.unpin(pinned)
         stats = s.stats()
         assert stats.ram_evictions > 0 and stats.disk_evictions > 0
+
+
+def test_close_persists_prefixes_first_when_disk_is_smaller(tier_dir: Path) -> None:
+    chain = make_chain(0, 3)
+    with TieredBlockStore(3 * SIZE, 2 * SIZE, tier_dir, policy="lru") as s:
+        chain.put_all(s)
+    with TieredBlockStore(3 * SIZE, 2 * SIZE, tier_dir, policy="lru") as s:
+        # block 2 could only be written by evicting its parent: it is dropped instead
+        assert s.lookup(chain.keys) == [Tier.DISK, Tier.DISK]
+        assert s.lookup(chain.keys[2:]) == []

@@ -148,26 +148,16 @@ class TieredBlockStore:
                 len(payload),
                 self._cost.block_cost(prefix_tokens, len(token_ids)),
             )
-            # the parent is never evicted to make room for its own child (the child would
-            # then be unreachable by a lookup that starts at or before the parent)
-            guard = self._entries.get(parent) if parent is not None else None
-            if guard is not None:
-                guard.pins += 1
-            try:
-                if self._cap[Tier.RAM] >= entry.size and self._make_room(Tier.RAM, entry.size):
-                    self._entries[key] = entry
-                    entry.ram = payload
-                    self._add(entry, Tier.RAM, 1)
-                    return True
-                disk_fits = self._dir is not None and self._cap[Tier.DISK] >= entry.size
-                if disk_fits and self._make_room(Tier.DISK, entry.size):
-                    self._entries[key] = entry
-                    self._queue_write(entry, payload, 1)
-                    return True
-            finally:
-                if guard is not None:
-                    guard.pins -= 1
-                    self._forget_if_gone(guard)
+            if self._cap[Tier.RAM] >= entry.size and self._make_room(Tier.RAM, entry.size, parent):
+                self._entries[key] = entry
+                entry.ram = payload
+                self._add(entry, Tier.RAM, 1)
+                return True
+            disk_fits = self._dir is not None and self._cap[Tier.DISK] >= entry.size
+            if disk_fits and self._make_room(Tier.DISK, entry.size, parent):
+                self._entries[key] = entry
+                self._queue_write(entry, payload, 1)
+                return True
             return False
 
     def lookup(self, keys: Sequence[BlockKey]) -> list[Tier]:
@@ -250,7 +240,7 @@ class TieredBlockStore:
                 if entry.disk is not DiskState.NONE:
                     self._policies[Tier.DISK].on_access(key)
                 wanted = self._promote and entry.ram is None and self._cap[Tier.RAM] >= entry.size
-                if wanted and self._make_room(Tier.RAM, entry.size):
+                if wanted and self._make_room(Tier.RAM, entry.size, entry.parent):
                     on_disk = entry.disk is not DiskState.NONE
                     entry.ram = payload
                     self._add(
@@ -345,15 +335,19 @@ class TieredBlockStore:
         ):
             del self._entries[entry.key]
 
-    def _make_room(self, tier: Tier, size: int) -> bool:
+    def _make_room(self, tier: Tier, size: int, keep: BlockKey | None = None) -> bool:
         """Evict leaves of ``tier`` until ``size`` more bytes fit; ``False`` if they cannot.
 
+        ``keep`` is the parent of the block about to enter: never evicted for its own child
+        (the child would be unreachable by a lookup that starts at or before the parent).
         May evict some entries and still fail (the rest pinned or not leaves). O(n) per victim.
         """
         children = self._children[tier]
         while self._used[tier] + size > self._cap[tier]:
             candidates = [
-                k for k in self._members[tier] if self._entries[k].pins == 0 and k not in children
+                k
+                for k in self._members[tier]
+                if self._entries[k].pins == 0 and k not in children and k != keep
             ]
             if not candidates:
                 return False
@@ -380,7 +374,9 @@ class TieredBlockStore:
         self._forget_if_gone(entry)
 
     def _copy_down(self, entry: _Entry, payload: bytes, frequency: int = 1) -> None:
-        if self._cap[Tier.DISK] >= entry.size and self._make_room(Tier.DISK, entry.size):
+        if self._cap[Tier.DISK] >= entry.size and self._make_room(
+            Tier.DISK, entry.size, entry.parent
+        ):
             self._queue_write(entry, payload, frequency)
             self._stats.copy_downs += 1
 
