@@ -9,8 +9,8 @@ Imports are *top-level* when they run at import time (module body, not under
 ``if TYPE_CHECKING:``), *deferred* otherwise (inside a function, or for annotations only).
 
 - No cycle among top-level edges: a cycle there makes the import order matter.
-- Deferred cycles only inside the known group below (the tree modules, one package in
-  disguise); a new one, or one that grows, fails.
+- No deferred cycle either (the CP-Tree's modules had one until they became the
+  ``craft_rag.tree`` package, whose modules import downwards only).
 - No module outside ``craft_rag.engine`` imports the engine, at any level, except the
   application modules in :data:`ABOVE_ENGINE`; and nothing outside the engine imports those
   (otherwise the core reaches the engine through them, as ``routing.simulator`` did through
@@ -42,20 +42,8 @@ ABOVE_ENGINE: Mapping[str, str] = {
     "craft_rag.testing": "make_fake_engine builds a CraftEngine",
 }
 
-# Deferred cycles known today: the CP-Tree modules (annotations, and prefix_tree_io building a
-# tree when loading). They go away when the tree becomes one package; until then they may
-# shrink, never grow.
-KNOWN_DEFERRED_CYCLES: tuple[frozenset[str], ...] = (
-    frozenset(
-        {
-            "craft_rag.prefix_eviction",
-            "craft_rag.prefix_removal",
-            "craft_rag.prefix_tree",
-            "craft_rag.prefix_tree_checks",
-            "craft_rag.prefix_tree_io",
-        }
-    ),
-)
+# Deferred cycles allowed (none: a new one fails; add one here only with its reason).
+KNOWN_DEFERRED_CYCLES: tuple[frozenset[str], ...] = ()
 
 
 @dataclass(slots=True)
@@ -213,7 +201,7 @@ def test_no_top_level_import_cycle() -> None:
     assert not found, f"import cycles among top-level imports: {[sorted(c) for c in found]}"
 
 
-def test_deferred_cycles_only_the_known_ones() -> None:
+def test_no_deferred_import_cycle() -> None:
     found = cycles(graph_edges := build_graph().all_edges())
     assert graph_edges  # the walk found the package
     new = [sorted(c) for c in found if not any(c <= known for known in KNOWN_DEFERRED_CYCLES)]

@@ -16,7 +16,7 @@ from hypothesis import settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
-import craft_rag.planner as planner_module
+import craft_rag.planner.planner as planner_module
 from craft_rag.chunk import Chunk, make_chunk
 from craft_rag.planner import CraftPlanner, Plan, PlannerConfig
 from craft_rag.prefix_tree import KVLocation

@@ -17,13 +17,13 @@ from typing import Any
 
 import pytest
 
-import craft_rag.prefix_tree as prefix_tree_module
 from craft_rag.access_table import ChunkAccessTable
 from craft_rag.chunk import Chunk
 from craft_rag.ordering import OrderingContext, TreeOrder
 from craft_rag.planner import CraftPlanner, PlannerConfig
-from craft_rag.prefix_eviction import Entry, pop_entry, push_entry
-from craft_rag.prefix_tree import ChunkPrefixTree, PrefixNode
+from craft_rag.tree import ChunkPrefixTree, PrefixNode
+from craft_rag.tree.eviction import Entry, pop_entry, push_entry
+from craft_rag.tree.state import TreeState
 from craft_rag.types import ChunkKey
 
 
@@ -96,17 +96,18 @@ def test_eviction_takes_the_least_recently_used_leaf_with_any_clock(
 ) -> None:
     rng = random.Random(seed)
     tree = ChunkPrefixTree(max_nodes, clock=SteppingClock(rng))
-    real = prefix_tree_module.evict_over_bound
+    real = TreeState._evict_over_bound
     checked = [0]
 
-    def evict_and_compare(target: ChunkPrefixTree, protect: PrefixNode | None) -> None:
+    def evict_and_compare(target: TreeState, protect: PrefixNode | None) -> None:
+        assert isinstance(target, ChunkPrefixTree)
         expected = _copy(target)
         _reference_evict(expected, protect.path() if protect is not None else None)
         real(target, protect)
         assert target.to_json() == expected.to_json()
         checked[0] += 1
 
-    monkeypatch.setattr(prefix_tree_module, "evict_over_bound", evict_and_compare)
+    monkeypatch.setattr(TreeState, "_evict_over_bound", evict_and_compare)
     for _ in range(600):
         keys = rng.sample([ChunkKey(f"c{i}") for i in range(12)], rng.randint(1, k))
         if rng.random() < 0.3:  # a reuse: hits and a fresh access time on a cached prefix
@@ -199,7 +200,7 @@ def test_reloaded_planner_keeps_deciding_like_the_original(mode: str, max_nodes:
     planner = CraftPlanner(config, clock=clock)
     _drive(planner, clock, random.Random(1), 300, mode)
     if mode == "back" and max_nodes >= 17:  # out-of-order entries: the reload re-lays them
-        assert planner.prefix_tree._leaf_heap
+        assert planner.prefix_tree._leaves.heap
     evicted_before = planner.prefix_tree.evictions
     twin_clock = SteeredClock(clock.now)
     twin = CraftPlanner.from_json(json.loads(json.dumps(planner.to_json())), clock=twin_clock)
@@ -246,13 +247,13 @@ def test_commit_reads_the_plans_match_only_while_the_tree_is_unchanged(
     clock = SteeredClock()
     planner = CraftPlanner(config, clock=clock)
     walks: list[int] = []
-    matched = ChunkPrefixTree._matched
+    matched = ChunkPrefixTree.match_nodes
 
     def counted(tree: ChunkPrefixTree, keys: Any) -> list[PrefixNode]:
         walks.append(len(keys))
         return matched(tree, keys)
 
-    monkeypatch.setattr(ChunkPrefixTree, "_matched", counted)
+    monkeypatch.setattr(ChunkPrefixTree, "match_nodes", counted)
     chunks = [Chunk(key=ChunkKey(k), text="", num_tokens=4) for k in "abc"]
     planner.commit(planner.plan(chunks), prefix_tokens=0, block_hashes=[[1], [2], [3]])
     assert walks == []  # plan -> commit, nothing in between: plan()'s match is read

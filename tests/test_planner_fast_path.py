@@ -1,6 +1,7 @@
 """Issue 16: the planner's own commit takes a fast path (arguments checked once in
-``commit``, then the CA-Table's ``_add`` and the CP-Tree's ``_extend`` with no second pass),
-while an entry replayed from a shared store goes through the checked ``record`` / ``insert``.
+``commit``, then the CA-Table's ``_add`` and the CP-Tree's ``insert_trusted`` with no second
+pass), while an entry replayed from a shared store goes through the checked ``record`` /
+``insert`` (both through the planner's one ``_record(ServedTurn)``).
 Both must change state identically: a local planner and a store-backed planner (which applies
 its own commits from the log, through the checked path) are fed the same seeded stream, with
 evictions, stale reuse, block hashes, KV events and conversations, and must agree on every

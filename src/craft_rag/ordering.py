@@ -125,7 +125,7 @@ class TreeOrder:
             if type(chunks) is not list and not isinstance(chunks, Sequence):
                 chunks = list(chunks)  # a one-shot iterable: read it once
             by_key = {c.key: c for c in chunks}
-        path = context.prefix_tree._subset_path(by_key)
+        path = context.prefix_tree.subset_path(by_key)
         if not path:
             return _by_frequency_then_rank(chunks, context.access_table), path
         if len(by_key) == len(chunks):  # distinct keys (as plan() passes them)

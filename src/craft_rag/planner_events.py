@@ -1,35 +1,5 @@
-"""The engine's KV-cache events as a planner hears them (a mixin of
-:class:`craft_rag.planner.CraftPlanner`): evicted blocks drop CP-Tree nodes, moved blocks
-relocate them, a full clear empties the tree. Each takes the planner's lock."""
+"""Moved to craft_rag.planner.feedback; alias kept for one release."""
 
-from __future__ import annotations
+from craft_rag.planner.feedback import KVFeedback
 
-import threading
-from collections.abc import Iterable
-
-from craft_rag.prefix_tree import ChunkPrefixTree, KVLocation
-from craft_rag.types import BlockHash
-
-
-class KVFeedback:
-    """The KV-event half of :class:`~craft_rag.planner.CraftPlanner` (see the module)."""
-
-    prefix_tree: ChunkPrefixTree
-    _lock: threading.Lock
-
-    def on_blocks_removed(self, hashes: Iterable[BlockHash | int]) -> int:
-        """The engine evicted these blocks: drop the CP-Tree nodes owning them (count).
-        Hashes are bytes or ints (normalised by :func:`craft_rag.types.as_block_hash`);
-        ``ValueError`` (nothing changed) for any other type."""
-        with self._lock:
-            return self.prefix_tree.remove_blocks(hashes)
-
-    def on_blocks_moved(self, hashes: Iterable[BlockHash | int], location: KVLocation) -> int:
-        """The engine moved these blocks to another tier/replica: update node locations."""
-        with self._lock:
-            return self.prefix_tree.relocate_blocks(hashes, location)
-
-    def on_all_blocks_cleared(self) -> None:
-        """The engine dropped its whole prefix cache: empty the CP-Tree."""
-        with self._lock:
-            self.prefix_tree.clear()
+__all__ = ["KVFeedback"]

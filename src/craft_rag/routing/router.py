@@ -497,7 +497,7 @@ class Router:
             for conv in r.conversations:
                 assert self._homes[conv] == r.id
             for planner in r._planners.values():
-                planner._check_invariants()
+                planner.check_invariants()
         for conv, rid in self._homes.items():
             assert self._replicas[rid].healthy and conv in self._replicas[rid].conversations
         assert self._restart <= self._homes.keys()

@@ -152,7 +152,7 @@ def _give_up_lost_turns(
     history = planner.conversations.history(cid)
     if history is None or history.in_flight or None not in history.turns:
         return 0
-    if planner._clock() - history.last_used < LOST_HISTORY_GRACE_S:
+    if planner.now() - history.last_used < LOST_HISTORY_GRACE_S:
         return 0  # the committing worker may still be storing them
     n = max(i for i, t in enumerate(history.turns) if t is None) + 1
     logger.warning("%s: conversation %r: the token ids of %d turn(s) were never stored (their "
