@@ -37,6 +37,8 @@ from craft_rag.kvtiers.policies import TierPolicy, get_tier_policy
 from craft_rag.kvtiers.store_checks import check_store
 from craft_rag.kvtiers.tier_types import DiskState, Tier, TierStats
 
+__all__ = ["Tier", "TierStats", "TieredBlockStore"]  # Tier/TierStats re-exported for importers
+
 
 @dataclass(slots=True)
 class _Entry:
