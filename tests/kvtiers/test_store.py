@@ -12,6 +12,7 @@ from pathlib import Path
 import pytest
 
 from craft_rag.kvtiers import disk_tier
+from craft_rag.kvtiers.cost_model import PrefillCostModel
 from craft_rag.kvtiers.keys import BlockKey, chain_keys
 from craft_rag.kvtiers.store import TieredBlockStore
 from craft_rag.kvtiers.tier_types import Tier
@@ -321,7 +322,13 @@ def test_concurrent_puts_and_gets(tier_dir: Path) -> None:
 @pytest.mark.parametrize("seed", [0, 1, 2])
 def test_seeded_stress_keeps_invariants(tier_dir: Path, policy: str, seed: int) -> None:
     rng = random.Random(seed)
-    chains = [make_chain(100 * c, 5) for c in range(6)]
+    # chains share prefixes of 0-3 blocks, so entries have several children per tier
+    trunk = list(range(5000, 5000 + 3 * BLOCK))
+    chains = [make_chain(100 * c, 5) for c in range(3)]
+    for c in range(3):
+        shared = trunk[: rng.randrange(4) * BLOCK]
+        tail = list(range(200 * (c + 10), 200 * (c + 10) + 5 * BLOCK - len(shared)))
+        chains.append(Chain(shared + tail))
     pinned: list[BlockKey] = []
     with TieredBlockStore(4 * SIZE, 6 * SIZE, tier_dir, policy=policy) as s:
         for _ in range(400):
@@ -355,3 +362,49 @@ def test_close_persists_prefixes_first_when_disk_is_smaller(tier_dir: Path) -> N
         # block 2 could only be written by evicting its parent: it is dropped instead
         assert s.lookup(chain.keys) == [Tier.DISK, Tier.DISK]
         assert s.lookup(chain.keys[2:]) == []
+
+
+def test_a_block_larger_than_ram_goes_to_disk(tier_dir: Path) -> None:
+    with TieredBlockStore(SIZE, 4 * SIZE, tier_dir) as s:
+        big = Chain(list(range(BLOCK)), size=2 * SIZE)
+        assert big.put(s, 0) is True
+        assert s.lookup(big.keys) == [Tier.DISK]
+        s.flush()
+        assert big.get(s, 0) == big.payloads[0]
+        assert s.stats().promotions == 0  # does not fit RAM
+
+
+def test_frequency_survives_copy_down_and_promotion(tier_dir: Path) -> None:
+    with TieredBlockStore(SIZE, 4 * SIZE, tier_dir, policy="pgdsf") as s:
+        a, b = make_chain(0, 1), make_chain(500, 1)
+        a.put(s, 0)
+        for _ in range(3):
+            a.get(s, 0)
+        b.put(s, 0)  # a (4 uses) is copied down
+        assert s._policies[Tier.DISK].frequency(a.keys[0]) == 4
+        s.flush()
+        a.get(s, 0)  # disk hit: 5 uses, promoted with them
+        assert s._policies[Tier.RAM].frequency(a.keys[0]) == 5
+
+
+def test_pgdsf_store_keeps_late_prefix_blocks_that_lru_drops(tmp_path: Path) -> None:
+    """Blocks deep in a long prompt cost more to recompute (attention): PGDSF keeps them."""
+    deep = make_chain(0, 6)  # blocks 4-5 sit after 16-20 tokens of prefix
+    scans = [make_chain(1000 + 100 * i, 1) for i in range(12)]
+    saved: dict[str, int] = {}
+    for policy in ("lru", "pgdsf"):
+        # a steep profile, so the depth effect shows at this test's 4-token blocks
+        model = PrefillCostModel([(0, 0.0), (8, 0.1), (24, 2.0)])
+        with TieredBlockStore(8 * SIZE, 0, None, policy=policy, cost_model=model) as s:
+            deep.put_all(s)
+            hits = 0
+            for i, scan in enumerate(scans):
+                scan.put(s, 0)
+                scan.put(s, 0)  # used twice while hot
+                if i % 4 == 3:  # the long prompt comes back now and then
+                    run = len(s.lookup(deep.keys))  # a load needs the leading run
+                    hits += sum(deep.get(s, j) is not None for j in range(run))
+                    deep.put_all(s)  # recomputed blocks are written back
+                s._check_invariants()
+            saved[policy] = hits
+    assert saved == {"lru": 12, "pgdsf": 18}, saved  # PGDSF keeps all 6 blocks
