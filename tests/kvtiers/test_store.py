@@ -408,3 +408,15 @@ def test_pgdsf_store_keeps_late_prefix_blocks_that_lru_drops(tmp_path: Path) -> 
                 s._check_invariants()
             saved[policy] = hits
     assert saved == {"lru": 12, "pgdsf": 18}, saved  # PGDSF keeps all 6 blocks
+
+
+def test_restart_drops_a_header_whose_key_does_not_hash_its_prefix(tier_dir: Path) -> None:
+    s, chain = disk_store(tier_dir, blocks=2)
+    s.close()
+    # a well-formed file (valid checksums) that claims block 1's key with other tokens
+    disk_tier.write_block(
+        tier_dir.resolve(), chain.keys[1], chain.keys[0], [7, 7, 7, 7], BLOCK, b"x" * SIZE
+    )
+    with TieredBlockStore(0, 4 * SIZE, tier_dir) as s2:
+        assert s2.stats().corrupt_drops == 1
+        assert s2.lookup(chain.keys) == [Tier.DISK]

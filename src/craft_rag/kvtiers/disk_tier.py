@@ -160,6 +160,11 @@ def _parse_header(data: bytes, name_key: BlockKey | None, file_size: int) -> Blo
     if file_size != size + plen:
         raise CorruptBlock(f"file is {file_size} bytes, header says {size + plen}")
     off = _FIXED.size
+    # a child's key is sha256(parent key + its tokens): check it, so a header can never claim a
+    # prefix it does not have (nor close a parent cycle); a root's key also hashes the tenant's
+    # salt, which is not stored, so roots are checked by their token ids at load time
+    if flags and hashlib.sha256(parent + data[off : off + 8 * ntok]).digest() != key:
+        raise CorruptBlock("key does not hash the parent key and token ids")
     token_ids = struct.unpack_from(f"<{ntok}q", data, off)
     digest = data[off + 8 * ntok : off + 8 * ntok + _PAYLOAD_DIGEST]
     return BlockHeader(

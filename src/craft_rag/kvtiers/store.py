@@ -223,7 +223,7 @@ class TieredBlockStore:
                 return None
             if entry.ram is not None:
                 self._stats.ram_hits += 1
-                self._policies[Tier.RAM].on_access(key)
+                self._touch(entry)
                 return entry.ram
             self._stats.ram_misses += 1
             payload = entry.pending
@@ -239,8 +239,7 @@ class TieredBlockStore:
                         self._drop_disk(entry, evicted=False)
                     return None
                 self._stats.disk_hits += 1
-                if entry.disk is not DiskState.NONE:
-                    self._policies[Tier.DISK].on_access(key)
+                self._touch(entry)
                 wanted = self._promote and entry.ram is None and self._cap[Tier.RAM] >= entry.size
                 if wanted and self._make_room(Tier.RAM, entry.size, entry.parent):
                     on_disk = entry.disk is not DiskState.NONE
@@ -306,7 +305,7 @@ class TieredBlockStore:
         return tiers
 
     def _touch(self, entry: _Entry) -> None:
-        """A repeated put: the block was used again."""
+        """Count one use of ``entry`` in every tier holding it (a get, or a repeated put)."""
         for tier in Tier:
             if entry.key in self._members[tier]:
                 self._policies[tier].on_access(entry.key)
