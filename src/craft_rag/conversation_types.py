@@ -14,7 +14,8 @@ from craft_rag.types import ChunkKey, ConversationId
 DEFAULT_MAX_CONVERSATIONS = 10_000
 """A planner's conversation bound (``PlannerConfig.max_conversations``, a
 :class:`~craft_rag.conversation.ConversationStore`'s default). An engine's default planner keeps
-fewer: :data:`craft_rag.engine.conversation_prompts.ENGINE_MAX_CONVERSATIONS`."""
+fewer: :data:`craft_rag.engine.planners.ENGINE_MAX_CONVERSATIONS` (1,024), the bound's one other
+default (its conversations also keep their prompts' token ids)."""
 DEFAULT_TTL_S = 3600.0
 _FORMAT = "craft-rag/conversations/v1"
 

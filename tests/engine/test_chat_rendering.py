@@ -10,9 +10,9 @@ from dataclasses import replace
 from pathlib import Path
 
 import pytest
+from rag_turn_harness import TurnHarness
 
 from craft_rag.engine.chat_format import derive_chat_format
-from craft_rag.engine.conversation_prompts import ConversationPrompts
 from craft_rag.engine.engine import CraftEngine
 from craft_rag.engine.wiring import conversation_format
 from craft_rag.prompt import DEFAULT_INSTRUCTIONS, PromptAssembler, PromptFormat
@@ -159,22 +159,21 @@ def test_conversation_prompts_count_and_fit_with_the_chat_assembler() -> None:
     tok = HashingTokenizer()
     longer = "<s>SYS. A longer head, for conversations only: answer from the documents.\n"
     chat_format = replace(CHAT_FORMAT, head=longer)
-    cp = ConversationPrompts(
-        PromptAssembler(tok, FAKE_FORMAT), max_model_len=400,
-        chat_assembler=PromptAssembler(tok, chat_format),
-    )
+    h = TurnHarness(chat_format=chat_format)
+    cp = h.prompts
     chunks = make_chunks(2)
     single_n = cp.turn_token_count(chunks, "q?")
     chat_n = cp.turn_token_count(chunks, "q?", "c")
     assert chat_n - single_n == len(tok.encode(" </u><u>")) - len(tok.encode("Q: "))
-    alone = cp.render(chunks, "q?", max_tokens=4)
-    turn = cp.render(chunks, "q?", max_tokens=4, conversation_id="c")
+    alone = h.serve(chunks, "q?", [7, 8], max_tokens=4)
+    turn = h.serve(chunks, "q?", [7, 8], conversation_id="c", max_tokens=4)
     assert alone.prompt.prefix_tokens == len(cp.assembler.head_ids)
     heads = len(cp.chat_assembler.head_ids), len(cp.assembler.head_ids)
     assert turn.prompt.prefix_tokens == heads[0] != heads[1]
     assert len(turn.turn_ids) == chat_n
-    cp.complete(turn, [7, 8])
     # fit counts the chat head: with room for exactly head + history + turn nothing drops.
     room = 400 - len(cp.chat_assembler.head_ids) - cp.history_tokens("c") - chat_n
-    assert cp.fit("c", chat_n, room) == frozenset()
-    assert cp.fit("c", chat_n, room + 1) == frozenset(c.key for c in chunks)
+    assert h.turns.fit_turn(chunks, "q?", ("c", room, None)) == frozenset()
+    assert h.turns.fit_turn(chunks, "q?", ("c", room + 1, None)) == frozenset(
+        c.key for c in chunks
+    )

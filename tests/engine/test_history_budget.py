@@ -11,9 +11,12 @@ import random
 from collections.abc import Callable
 
 import pytest
+from rag_turn_harness import TurnHarness
 
-from craft_rag.engine.conversation_prompts import ConversationPrompts, HistoryBudget, LocalStores
+from craft_rag.engine.conversation_prompts import ConversationPrompts, HistoryBudget
 from craft_rag.engine.engine import CraftEngine
+from craft_rag.engine.planners import PlannerNamespaces
+from craft_rag.planner import CraftPlanner
 from craft_rag.prompt import PromptAssembler
 from craft_rag.testing import FAKE_FORMAT, FakeBackend, make_chunks
 from craft_rag.tokenizer import HashingTokenizer
@@ -21,27 +24,21 @@ from craft_rag.tokenizer import HashingTokenizer
 Factory = Callable[..., tuple[CraftEngine, FakeBackend]]
 
 
-class RecordingStores(LocalStores):
-    """Local stores that note every drop of oldest turns as ``(conversation, salt, n)``."""
-
-    def __init__(self, drops: list[tuple[str, str | None, int]]) -> None:
-        super().__init__(8)
-        self.drops = drops
-
-    def forget_turns(self, cache_salt: str | None, conversation_id: str, n: int) -> int:
-        self.drops.append((conversation_id, cache_salt, n))
-        return super().forget_turns(cache_salt, conversation_id, n)
-
-
-def make_prompts(
+def make_turns(
     budget: HistoryBudget | None, drops: list[tuple[str, str | None, int]]
-) -> ConversationPrompts:
-    return ConversationPrompts(
-        PromptAssembler(HashingTokenizer(), FAKE_FORMAT),
-        max_model_len=4000,
-        history_budget=budget,
-        stores=RecordingStores(drops),
-    )
+) -> TurnHarness:
+    """Turns on the planner path whose planner notes every drop of oldest turns as
+    ``(conversation, salt, n)``."""
+    h = TurnHarness(max_model_len=4000, history_budget=budget)
+    planner = h.namespaces.default
+    forget = planner.forget_turns
+
+    def recording(conversation_id: str, n: int) -> int:
+        drops.append((conversation_id, None, n))
+        return forget(conversation_id, n)
+
+    planner.forget_turns = recording  # type: ignore[method-assign]
+    return h
 
 
 def test_budget_values_are_checked() -> None:
@@ -53,21 +50,22 @@ def test_budget_values_are_checked() -> None:
         ConversationPrompts(
             PromptAssembler(HashingTokenizer(), FAKE_FORMAT),
             max_model_len=100,
+            stores=PlannerNamespaces(CraftPlanner()),
             history_budget=(10, 5),  # type: ignore[arg-type]
         )
 
 
 def test_over_budget_drops_oldest_whole_turns_down_to_keep_then_appends_again() -> None:
     drops: list[tuple[str, str | None, int]] = []
-    prompts = make_prompts(HistoryBudget(max_tokens=120, keep_tokens=60), drops)
+    h = make_turns(HistoryBudget(max_tokens=120, keep_tokens=60), drops)
+    prompts = h.prompts
     sizes: list[int] = []
     dropped_at: list[int] = []
     for turn in range(12):
         chunks = make_chunks(1, words=8, prefix=f"t{turn}", seed=turn)
-        rendered = prompts.render(chunks, f"Q{turn}?", max_tokens=4, conversation_id="c")
+        rendered = h.serve(chunks, f"Q{turn}?", [7, 8, 9], conversation_id="c", max_tokens=4)
         if rendered.earlier_dropped:
             dropped_at.append(turn)
-        prompts.complete(rendered, [7, 8, 9])
         sizes.append(prompts.history_tokens("c"))
         prompts._check_invariants()
         assert prompts.history_tokens("c") <= 120
@@ -84,31 +82,31 @@ def test_over_budget_drops_oldest_whole_turns_down_to_keep_then_appends_again() 
 
 def test_the_newest_turn_is_kept_even_when_it_alone_exceeds_keep() -> None:
     drops: list[tuple[str, str | None, int]] = []
-    prompts = make_prompts(HistoryBudget(max_tokens=20, keep_tokens=0), drops)
+    h = make_turns(HistoryBudget(max_tokens=20, keep_tokens=0), drops)
     for turn in range(3):
-        rendered = prompts.render(
-            make_chunks(1, words=30, prefix=f"t{turn}"), "Q?", max_tokens=4, conversation_id="c"
+        h.serve(
+            make_chunks(1, words=30, prefix=f"t{turn}"), "Q?", [5], conversation_id="c",
+            max_tokens=4,
         )
-        prompts.complete(rendered, [5])
-        assert prompts.turn_count("c") == 1
+        assert h.prompts.turn_count("c") == 1
     assert [n for _, _, n in drops] == [1, 1]
 
 
 def test_no_budget_keeps_everything() -> None:
     drops: list[tuple[str, str | None, int]] = []
-    prompts = make_prompts(None, drops)
+    h = make_turns(None, drops)
     for turn in range(5):
-        rendered = prompts.render(
-            make_chunks(1, words=30, prefix=f"t{turn}"), "Q?", max_tokens=4, conversation_id="c"
+        h.serve(
+            make_chunks(1, words=30, prefix=f"t{turn}"), "Q?", [5], conversation_id="c",
+            max_tokens=4,
         )
-        prompts.complete(rendered, [5])
-    assert prompts.turn_count("c") == 5 and drops == []
+    assert h.prompts.turn_count("c") == 5 and drops == []
 
 
 def test_side_prompt_continues_the_history_and_stores_nothing() -> None:
-    prompts = make_prompts(None, [])
-    rendered = prompts.render(make_chunks(2), "Q1?", max_tokens=4, conversation_id="c")
-    prompts.complete(rendered, [11, 12])
+    h = make_turns(None, [])
+    prompts = h.prompts
+    rendered = h.serve(make_chunks(2), "Q1?", [11, 12], conversation_id="c", max_tokens=4)
     stored = prompts.history_tokens("c")
     side = prompts.side_prompt("c", "Rewrite the follow-up.")
     head = prompts.assembler.head_ids

@@ -9,9 +9,9 @@ import pytest
 
 from craft_rag.conversation import DEFAULT_MAX_CONVERSATIONS
 from craft_rag.engine import conversation_prompts
-from craft_rag.engine.conversation_prompts import ENGINE_MAX_CONVERSATIONS
 from craft_rag.engine.engine import CraftEngine
 from craft_rag.engine.planners import (
+    ENGINE_MAX_CONVERSATIONS,
     CacheSalt,
     PlannerNamespaces,
     bound_conversations,
@@ -167,8 +167,10 @@ def test_a_planner_and_an_engine_default_to_their_own_bounds() -> None:
     planner = default_planner()
     assert planner.config.max_conversations == ENGINE_MAX_CONVERSATIONS
     assert planner.conversations.max_conversations == ENGINE_MAX_CONVERSATIONS
-    # The engine module's former name stays importable, as the engine's bound.
-    assert conversation_prompts.DEFAULT_MAX_CONVERSATIONS == ENGINE_MAX_CONVERSATIONS
+    # The renderer module's former name stays importable, as the engine's bound (it warns:
+    # one name per bound).
+    with pytest.warns(DeprecationWarning, match="ENGINE_MAX_CONVERSATIONS"):
+        assert conversation_prompts.DEFAULT_MAX_CONVERSATIONS == ENGINE_MAX_CONVERSATIONS
 
 
 def test_an_engine_without_a_planner_keeps_the_engine_bound() -> None:
@@ -181,7 +183,7 @@ def test_an_engine_without_a_planner_keeps_the_engine_bound() -> None:
     )
     try:
         assert engine.planner.config.max_conversations == ENGINE_MAX_CONVERSATIONS
-        assert engine.conversations.max_conversations == ENGINE_MAX_CONVERSATIONS
+        assert engine.planner.conversations.max_conversations == ENGINE_MAX_CONVERSATIONS
     finally:
         engine.close()
 

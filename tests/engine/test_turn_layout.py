@@ -1,9 +1,9 @@
 """Turn layout (issue 15 item 3): append, or restart the prompt with a compacted history.
 
 The cost model and policy are pure; the renderer tests use the real prompt assembler over the
-hashing tokenizer with local stores; the engine tests a real CraftEngine (planner, store,
-renderer) over the fake backend, and two engines sharing a real store (memory, SQLite). The
-real vLLM engine is in ``test_turn_layout_vllm.py``.
+hashing tokenizer on the planner path (``rag_turn_harness``); the engine tests a real
+CraftEngine (planner, store, renderer) over the fake backend, and two engines sharing a real
+store (memory, SQLite). The real vLLM engine is in ``test_turn_layout_vllm.py``.
 """
 
 from __future__ import annotations
@@ -12,12 +12,15 @@ import itertools
 from pathlib import Path
 
 import pytest
+from rag_turn_harness import TurnHarness, rag_turn, rendered
 
 from craft_rag.chunk import Chunk
 from craft_rag.engine import APPEND_ONLY, DEFAULT_TURN_LAYOUT, TurnCostModel, TurnLayoutPolicy
 from craft_rag.engine.chat_format import jinja_renderer
 from craft_rag.engine.conversation_prompts import ConversationPrompts
 from craft_rag.engine.engine import CraftEngine
+from craft_rag.engine.planners import PlannerNamespaces
+from craft_rag.engine.turn_context import TurnContext
 from craft_rag.engine.turn_layout import ChunkSpanMemo, compact_turns
 from craft_rag.planner import CraftPlanner
 from craft_rag.prompt import PromptAssembler
@@ -53,6 +56,7 @@ def test_bad_policy_values_are_value_errors_naming_the_field() -> None:
     with pytest.raises(ValueError, match="turn_layout"):
         ConversationPrompts(
             PromptAssembler(HashingTokenizer(), FAKE_FORMAT), max_model_len=100,
+            stores=PlannerNamespaces(CraftPlanner()),
             turn_layout="append_only",  # type: ignore[arg-type]
         )
 
@@ -94,37 +98,28 @@ def test_compact_turns_cuts_known_chunk_regions_and_keeps_unknown_turns_whole() 
 # ---- the renderer --------------------------------------------------------------------------
 
 
-def _prompts(layout: TurnLayoutPolicy) -> ConversationPrompts:
-    return ConversationPrompts(
-        PromptAssembler(HashingTokenizer(), FAKE_FORMAT), max_model_len=4000, turn_layout=layout
-    )
+def _prompts(layout: TurnLayoutPolicy) -> TurnHarness:
+    return TurnHarness(max_model_len=4000, turn_layout=layout, block_size=16)
 
 
 def _turn(
-    prompts: ConversationPrompts, chunks: list[Chunk], question: str, reply: list[int]
+    h: TurnHarness, chunks: list[Chunk], question: str, reply: list[int]
 ) -> tuple[tuple[int, ...], bool]:
-    """One turn as an engine runs it without a planner: choose, dedup (as the planner would),
-    render, complete. Returns the prompt ids and whether it restarted."""
-    layout = prompts.choose_layout("c", chunks, question, block_size=16)
-    store = prompts.stores.conversation_store(None)
-    new, seen = store.split(ConversationId("c"), chunks)
-    restart = layout is not None and layout.restart
-    rendered = prompts.render(
-        [*new, *seen] if restart else new, question, max_tokens=4, conversation_id="c",
-        layout=layout,
-    )
-    prompts.complete(rendered, reply)
-    prompts._check_invariants()
-    return rendered.prompt.token_ids, restart
+    """One turn on the planner path: layout, plan (dedup), render, commit. Returns the prompt
+    ids and whether it restarted."""
+    rendered = h.serve(chunks, question, reply, conversation_id="c", max_tokens=4)
+    h.prompts._check_invariants()
+    return rendered.prompt.token_ids, rendered.layout is not None and rendered.layout.restart
 
 
 def test_restart_compacts_history_keeps_questions_and_answers_and_resends_chunks() -> None:
-    prompts = _prompts(FORCE)
+    h = _prompts(FORCE)
+    prompts = h.prompts
     a = prompts.assembler
     chunks = make_chunks(6, words=15)
-    _, r1 = _turn(prompts, chunks[:3], "first question?", [41, 42])
+    _, r1 = _turn(h, chunks[:3], "first question?", [41, 42])
     assert not r1  # nothing to compact in turn 1
-    p2, r2 = _turn(prompts, [chunks[1], chunks[3]], "second question?", [43])
+    p2, r2 = _turn(h, [chunks[1], chunks[3]], "second question?", [43])
     assert r2
     text = list(p2)
     # Head, then turn 1's question, tail and reply (its chunks cut out), then ALL of turn 2's
@@ -141,31 +136,32 @@ def test_restart_compacts_history_keeps_questions_and_answers_and_resends_chunks
         a.question_ids("second question?")
     )
     # The store holds one live turn carrying exactly turn 2's chunk keys.
-    history = prompts.stores.conversation_store(None).history(ConversationId("c"))
+    history = h.namespaces.default.conversations.history(ConversationId("c"))
     assert history is not None and len(history.turns) == 1
     assert set(history.keys[0]) == {chunks[1].key, chunks[3].key}
     # Turn 3 appends (or restarts again) after the restarted prompt: dedup of chunk 3 is right
     # because the restarted prompt holds it; chunk 0 (only in the compacted turn 1) is re-sent.
-    policy_off = _prompts(APPEND_ONLY)
-    assert policy_off.choose_layout("c", chunks, "q", block_size=16) is None
+    policy_off = _prompts(APPEND_ONLY).prompts
+    assert policy_off.choose_layout(TurnContext("c"), chunks, "q", block_size=16) is None
     prompts.turn_layout = APPEND_ONLY
-    p3, r3 = _turn(prompts, [chunks[3], chunks[0]], "third?", [44])
+    p3, r3 = _turn(h, [chunks[3], chunks[0]], "third?", [44])
     assert not r3
     assert p3[: len(p2) + 1] == (*p2, 43)
-    assert prompts.stores.conversation_store(None).split(ConversationId("c"), chunks[:1])[1]
+    assert h.namespaces.default.conversations.split(ConversationId("c"), chunks[:1])[1]
 
 
 def test_a_restart_that_is_not_served_leaves_the_history_as_it_was() -> None:
-    prompts = _prompts(FORCE)
+    h = _prompts(FORCE)
+    prompts = h.prompts
     chunks = make_chunks(4, words=15)
-    _turn(prompts, chunks[:2], "q1?", [41])
-    before = prompts.stores.conversation_store(None).history(ConversationId("c"))
-    layout = prompts.choose_layout("c", chunks[2:], "q2?", block_size=16)
-    assert layout is not None and layout.restart
-    rendered = prompts.render(chunks[2:], "q2?", max_tokens=4, conversation_id="c", layout=layout)
-    assert rendered.compacted_turns == 1
-    prompts.cancel(rendered)
-    after = prompts.stores.conversation_store(None).history(ConversationId("c"))
+    _turn(h, chunks[:2], "q1?", [41])
+    before = h.namespaces.default.conversations.history(ConversationId("c"))
+    flight = h.start(chunks[2:], "q2?", conversation_id="c", max_tokens=4)
+    turn = rendered(flight)
+    assert turn.layout is not None and turn.layout.restart
+    assert turn.compacted_turns == 1
+    rag_turn(flight).give_up()
+    after = h.namespaces.default.conversations.history(ConversationId("c"))
     assert after is not None and before is not None
     assert after.turns == before.turns and after.keys == before.keys and not after.in_flight
     assert prompts.end("c") and prompts.turn_count("c") == 0

@@ -21,31 +21,37 @@ forgotten in the conversation store (through the salt's planner, so a shared sto
 which also forgets their chunks: conversation dedup is only correct while the turn carrying a
 chunk is still in the prompt.
 
-When ``history + new turn + max_tokens`` would exceed ``max_model_len``, :meth:`fit` drops whole
-oldest turns before the turn is planned (never part of a turn, never part of a chunk); the count
-is reported. A turn that cannot fit even alone raises ``ValueError``.
+When ``history + new turn + max_tokens`` would exceed ``max_model_len``, the turn's
+:class:`~craft_rag.engine.turn_context.TurnContext` drops whole oldest turns before it is
+planned (never part of a turn, never part of a chunk); the count is reported. A turn that
+cannot fit even alone raises ``ValueError``.
 
 **State.** This module keeps none: every turn (chunk keys and token ids), the turn in flight
 and the bounds live in the one conversation store (:class:`craft_rag.conversation.
-ConversationStore`), one per cache salt, found through
-:class:`~craft_rag.engine.conversation_stores.ConversationStores` (in an engine: each salt's
-planner's store). :class:`ConversationPrompts` renders from it and applies
-the :class:`HistoryBudget` policy and the :class:`~craft_rag.engine.turn_layout.TurnLayoutPolicy`
-(append, or restart the prompt with a compacted history when the cost model says so: see that
-module). With several workers (``CraftEngine(store=...)``) the token
-history also has a shared copy (:mod:`craft_rag.stores.histories`).
+ConversationStore`) of each cache salt's planner, found through
+:class:`~craft_rag.engine.conversation_stores.ConversationStores` (an engine's
+:class:`~craft_rag.engine.planners.PlannerNamespaces`). A turn reads its conversation once,
+into a :class:`~craft_rag.engine.turn_context.TurnContext` (fit and layout happen there,
+before planning); :meth:`ConversationPrompts.render` renders from that view and
+:meth:`ConversationPrompts.turns_to_forget` applies the :class:`HistoryBudget` to it, so the
+planner that records the turn also forgets what the prompt left out. With several workers
+(``CraftEngine(store=...)``) the token history also has a shared copy
+(:mod:`craft_rag.stores.histories`).
 """
 
 from __future__ import annotations
 
 import threading
+import warnings
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from craft_rag.chunk import Chunk
 from craft_rag.conversation import ConversationHistory
-from craft_rag.engine.conversation_stores import ConversationStores, LocalStores
+from craft_rag.engine.conversation_stores import ConversationStores
 from craft_rag.engine.history_budget import DEFAULT_HISTORY_BUDGET, HistoryBudget
+from craft_rag.engine.planners import ENGINE_MAX_CONVERSATIONS
+from craft_rag.engine.turn_context import TurnContext
 from craft_rag.engine.turn_layout import (
     APPEND_ONLY,
     ChunkSpanMemo,
@@ -56,7 +62,7 @@ from craft_rag.engine.turn_layout import (
     restarted_here,
 )
 from craft_rag.prompt import AssembledPrompt, PromptAssembler
-from craft_rag.types import ChunkKey, ConversationId
+from craft_rag.types import ConversationId
 
 __all__ = [
     "DEFAULT_HISTORY_BUDGET",
@@ -64,22 +70,31 @@ __all__ = [
     "ConversationPrompts",
     "ConversationStores",
     "HistoryBudget",
-    "LocalStores",
     "RenderedTurn",
 ]
 
-ENGINE_MAX_CONVERSATIONS = 1024
-"""An engine's conversation bound when none is given (its default planner's
-``max_conversations``; a planner on its own keeps
-:data:`craft_rag.conversation.DEFAULT_MAX_CONVERSATIONS`, 10,000)."""
-DEFAULT_MAX_CONVERSATIONS = ENGINE_MAX_CONVERSATIONS  # the former name, still importable
+
+def __getattr__(name: str) -> object:
+    # One name per bound: this module's former DEFAULT_MAX_CONVERSATIONS (1,024) was the
+    # engine's bound under the name craft_rag.conversation uses for a planner's (10,000).
+    if name == "DEFAULT_MAX_CONVERSATIONS":
+        warnings.warn(
+            "craft_rag.engine.conversation_prompts.DEFAULT_MAX_CONVERSATIONS is "
+            "ENGINE_MAX_CONVERSATIONS (an engine's default planner); a planner's own bound "
+            "is craft_rag.conversation.DEFAULT_MAX_CONVERSATIONS",
+            DeprecationWarning,
+            stacklevel=2,
+        )
+        return ENGINE_MAX_CONVERSATIONS
+    msg = f"module {__name__!r} has no attribute {name!r}"
+    raise AttributeError(msg)
 
 
 @dataclass(frozen=True, slots=True)
 class RenderedTurn:
     """A prompt ready to send. ``dropped_turns`` old turns were left out to fit the context;
     ``kept_turns`` earlier turns are in it. ``turn_ids`` is this turn's own segment (chunks,
-    question, tail) — what :meth:`ConversationPrompts.complete` stores with the reply."""
+    question, tail) — what :meth:`ConversationPrompts.stored_turn` stores with the reply."""
 
     prompt: AssembledPrompt
     conversation_id: str | None
@@ -87,13 +102,13 @@ class RenderedTurn:
     kept_turns: int
     turn_ids: tuple[int, ...]
     earlier_dropped: int = 0
-    """Turns dropped since the previous served turn (history budget, :meth:`fit`): also left
-    out of this prompt, already forgotten. Reports add it to ``dropped_turns``."""
+    """Turns dropped since the previous served turn (history budget, the turn's fit): also
+    left out of this prompt, already forgotten. Reports add it to ``dropped_turns``."""
     cache_salt: str | None = field(default=None, repr=False)  # a tenant's key: never shown
     compacted_turns: int = 0
     """A restart (:mod:`craft_rag.engine.turn_layout`): the earlier live turns are in this
-    prompt only compacted (``turn_ids`` starts with them); :meth:`ConversationPrompts.settle`
-    forgets them once the turn is recorded."""
+    prompt only compacted (``turn_ids`` starts with them); they are forgotten once the turn
+    is recorded (:meth:`ConversationPrompts.turns_to_forget`)."""
     layout: LayoutChoice | None = None
     chunk_span: tuple[int, int] = (0, 0)
     """Where this turn's chunks lie in ``turn_ids`` (what a later compaction cuts out)."""
@@ -105,14 +120,15 @@ class RenderedTurn:
 
 
 class ConversationPrompts:
-    """Renders single- and multi-turn prompts from the conversation stores; applies the
-    history budget. Holds no conversation state (see the module docstring).
+    """Renders single- and multi-turn prompts from a turn's view of its conversation
+    (:class:`~craft_rag.engine.turn_context.TurnContext`); applies the history budget. Holds
+    no conversation state (see the module docstring): the salts' planners do.
 
     A conversation is scoped by its tenant: it lives in its salt's store and is looked up
     there alone, so the same id under another ``cache_salt`` is another conversation (never an
     error that would tell one tenant about another's ids). Thread-safe (one lock guards the
     assemblers' chunk caches; the stores lock themselves). Cost of ``render``: O(prompt
-    tokens) to concatenate plus tokenizing uncached segments; finding a conversation is O(1).
+    tokens) to concatenate plus tokenizing uncached segments; it reads no store.
     """
 
     def __init__(
@@ -120,33 +136,28 @@ class ConversationPrompts:
         assembler: PromptAssembler,
         *,
         max_model_len: int,
-        max_conversations: int = ENGINE_MAX_CONVERSATIONS,
+        stores: ConversationStores,
         history_budget: HistoryBudget | None = None,
-        stores: ConversationStores | None = None,
         turn_layout: TurnLayoutPolicy = APPEND_ONLY,
         chat_assembler: PromptAssembler | None = None,
     ) -> None:
-        """``stores``: where conversations live (default: :class:`LocalStores` bounded by
-        ``max_conversations``; an engine passes its planners, whose config bounds them).
-        ``turn_layout``: append-only (default here; replay) or the engine's cost-model restart.
-        ``chat_assembler``: renders conversation turns (default ``assembler``; same tokenizer)."""
-        if max_conversations < 1:
-            msg = f"max_conversations must be >= 1, got {max_conversations}"
-            raise ValueError(msg)
+        """``stores``: where conversations live, one per salt (an engine's planners, whose
+        config bounds them). ``turn_layout``: append-only (default here; replay) or the
+        engine's cost-model restart. ``chat_assembler``: renders conversation turns (default
+        ``assembler``; same tokenizer)."""
         if history_budget is not None and not isinstance(history_budget, HistoryBudget):
             msg = f"history_budget must be a HistoryBudget or None, got {history_budget!r}"
+            raise ValueError(msg)
+        if not isinstance(turn_layout, TurnLayoutPolicy):
+            msg = f"turn_layout must be a TurnLayoutPolicy, got {turn_layout!r}"
             raise ValueError(msg)
         self.assembler = assembler
         self.chat_assembler = chat_assembler or assembler  # the stored turns are its tokens
         self.max_model_len = max_model_len
-        self.max_conversations = max_conversations
         self.history_budget = history_budget
-        if not isinstance(turn_layout, TurnLayoutPolicy):
-            msg = f"turn_layout must be a TurnLayoutPolicy, got {turn_layout!r}"
-            raise ValueError(msg)
         self.turn_layout = turn_layout
         self.spans = ChunkSpanMemo()
-        self.stores: ConversationStores = stores or LocalStores(max_conversations)
+        self.stores = stores
         self._lock = threading.Lock()
         self._close_ids = self.chat_assembler.answer_ids("")
 
@@ -154,7 +165,7 @@ class ConversationPrompts:
         """The assembler of a request of ``conversation_id`` (``None``: a single request)."""
         return self.assembler if conversation_id is None else self.chat_assembler
 
-    # ---- reading the store ---------------------------------------------------------------
+    # ---- reading the store (queries and side prompts; a RAG turn reads its TurnContext) ----
 
     def _history(
         self, conversation_id: str | None, cache_salt: str | None
@@ -181,31 +192,39 @@ class ConversationPrompts:
         history = self._history(conversation_id, cache_salt)
         return history.version if history is not None else 0
 
-    # ---- rendering ---------------------------------------------------------------------------
+    # ---- one turn: measure, layout (both from TurnContext.open), render, forget ------------
+
+    def turn_token_count(
+        self, chunks: Sequence[Chunk], question: str, conversation_id: str | None = None
+    ) -> int:
+        """Tokens of one turn's segment (chunks, question, tail) as :meth:`render` builds it
+        for ``conversation_id``."""
+        with self._lock:
+            a = self.assembler_for(conversation_id)
+            docs = sum(len(a.chunk_ids(c)) for c in chunks) if chunks else len(a.no_documents_ids)
+            return docs + len(a.question_ids(question))
 
     def choose_layout(
         self,
-        conversation_id: str | None,
+        view: TurnContext,
         chunks: Sequence[Chunk],
         question: str,
         *,
         block_size: int,
-        cache_salt: str | None = None,
-        planned: bool = False,
     ) -> LayoutChoice | None:
         """Before planning a turn: append, or restart compacted (:attr:`turn_layout`)? None
-        without a conversation with live turns known here, or with the layout off. Predicts
-        cached tokens from the history (whole ``block_size`` blocks; the previous turn's reply
-        close is new) and dedup from the live turns' keys, as the planner would. ``chunks``:
-        ALL of the turn's chunks (with a caller's plan: its ordered and removed ones;
-        ``planned``: that plan holds the conversation). Reads only. O(history + chunk
-        tokens)."""
-        if not self.turn_layout.enabled or conversation_id is None:
+        without a conversation with live turns all known here, while another turn is in
+        flight (``view.planned``: the one in flight is this turn), or with the layout off.
+        Predicts cached tokens from the history (whole ``block_size`` blocks; the previous
+        turn's reply close is new) and dedup from the live turns' keys, as the planner would.
+        ``chunks``: ALL of the turn's chunks (with a caller's plan: its ordered and removed
+        ones). Reads only ``view``. O(history + chunk tokens)."""
+        history = view.history
+        if not self.turn_layout.enabled or view.conversation_id is None:
             return None
-        history = self._history(conversation_id, cache_salt)
         if history is None or not history.turns or None in history.turns:
             return None
-        if history.in_flight and not planned:  # another turn is being served
+        if history.in_flight and not view.planned:  # another turn is being served
             return None
         with self._lock:
             return predict_layout(
@@ -213,32 +232,19 @@ class ConversationPrompts:
                 block_size=block_size, memo=self.spans,
             )
 
-    def render(
-        self,
-        chunks: Sequence[Chunk],
-        question: str,
-        *,
-        max_tokens: int,
-        conversation_id: str | None = None,
-        fresh: bool = False,
-        cache_salt: str | None = None,
-        held: bool = False,
-        layout: LayoutChoice | None = None,
-    ) -> RenderedTurn:
-        """The prompt for one turn; with a ``conversation_id`` it continues that conversation
-        (``fresh=True`` drops its turns first) and marks the turn in flight until
-        :meth:`complete` or :meth:`cancel`; ``held``: the turn's plan already holds it (an
-        engine's planner: its commit or abort ends the hold). ``layout`` (from
-        :meth:`choose_layout`) with ``restart``: the live turns go in compacted
-        (``compacted_turns``; forgotten by :meth:`settle`) and ``chunks`` should be ALL of
-        the turn's chunks (the store will no longer vouch for earlier ones); a restart that
-        would not fit the context is rendered append-only.
+    def render(self, view: TurnContext, chunks: Sequence[Chunk], question: str) -> RenderedTurn:
+        """The prompt for one turn after ``view``'s live turns (with a conversation its
+        planner holds the turn in flight: its commit or abort ends the hold; a first turn
+        starts the conversation in the store here). ``view.layout`` with ``restart``: the
+        live turns go in compacted (``compacted_turns``) and ``chunks`` should be ALL of the
+        turn's chunks (the store will no longer vouch for earlier ones); a restart that would
+        not fit the context is rendered append-only.
 
-        ``ValueError`` when the turn cannot fit in ``max_model_len`` with ``max_tokens`` even
-        without earlier turns; ``RuntimeError`` when the conversation (of this salt) already
-        has a turn in flight, or a live turn's tokens are not known here (another worker's,
-        not loaded).
+        ``ValueError`` when the turn cannot fit in ``max_model_len`` with ``view.max_tokens``
+        even without earlier turns; ``RuntimeError`` when a live turn's tokens are not known
+        here (another worker's, not loaded).
         """
+        conversation_id, max_tokens = view.conversation_id, view.max_tokens
         with self._lock:
             a = self.assembler_for(conversation_id)
             segment: list[int] = []
@@ -264,23 +270,12 @@ class ConversationPrompts:
             )
             raise ValueError(msg)
 
-        history = self._history(conversation_id, cache_salt)
-        if conversation_id is not None:
-            cid = ConversationId(conversation_id)
-            store = self.stores.conversation_store(cache_salt)
-            if fresh and history is not None:
-                store.forget_oldest_turns(cid, len(history.turns))
-            if not store.hold(cid) and not held:
-                msg = (
-                    f"conversation {conversation_id!r} already has a turn in flight; "
-                    "await it before sending the next turn"
-                )
-                raise RuntimeError(msg)
-            history = store.history(cid)
+        history = view.history
+        if conversation_id is not None and view.planner is not None:
+            # A later turn is held by its plan already (no-op); a first one starts here.
+            view.planner.conversations.hold(ConversationId(conversation_id))
         turns = history.turns if history is not None else ()
         if None in turns:
-            if not held and conversation_id is not None:
-                self.stores.conversation_store(cache_salt).release(ConversationId(conversation_id))
             msg = (
                 f"conversation {conversation_id!r}: a turn served by another worker is not in "
                 "this worker's history (its shared copy was not stored); send the turn to that "
@@ -289,7 +284,7 @@ class ConversationPrompts:
             raise RuntimeError(msg)
         dropped = 0
         room = budget - len(head) - len(segment)
-        lead, layout = restart_history(layout, [t or () for t in turns], self.spans, room)
+        lead, layout = restart_history(view.layout, [t or () for t in turns], self.spans, room)
         compacted = len(turns) if layout is not None and layout.restart and turns else 0
         ids = list(head)
         if compacted:
@@ -320,7 +315,7 @@ class ConversationPrompts:
             kept_turns=len(turns) - dropped - compacted,
             turn_ids=(*lead, *segment),
             earlier_dropped=earlier,
-            cache_salt=cache_salt,
+            cache_salt=view.cache_salt,
             compacted_turns=compacted,
             layout=layout,
             chunk_span=(len(lead), len(lead) + chunk_end),
@@ -347,97 +342,20 @@ class ConversationPrompts:
         self.spans.remember(tokens, rendered.chunk_span)
         return tokens
 
-    def settle(self, rendered: RenderedTurn) -> int:
-        """After the turn was recorded: drop the turns its prompt left out (or holds only
-        compacted, a restart) and, over the history budget, the oldest whole turns down to
-        ``keep_tokens`` (the newest turn is always kept). Returns the turns dropped.
-        O(turns)."""
-        cid = rendered.conversation_id
-        if cid is None:
-            return 0
-        store = self.stores.conversation_store(rendered.cache_salt)
-        history = store.history(ConversationId(cid))
-        if history is None:  # ended while in flight
-            return 0
-        lengths = [len(t or ()) for t in history.turns]
-        n = min(rendered.dropped_turns + rendered.compacted_turns, len(lengths) - 1)
-        left = sum(lengths[n:])
-        budget = self.history_budget
-        if budget is not None and left > budget.max_tokens:
-            while n < len(lengths) - 1 and left > budget.keep_tokens:
-                left -= lengths[n]
-                n += 1
-        if n > 0:
-            self.stores.forget_turns(rendered.cache_salt, cid, n)
-        return n
-
-    def complete(
-        self,
-        rendered: RenderedTurn,
-        reply_ids: Sequence[int],
-        stop_token_ids: frozenset[int] = frozenset(),
-        *,
-        stored_reply: Sequence[int] | None = None,
-    ) -> None:
-        """Record a served turn without a planner (an engine's planner records it in its
-        commit): the turn's keys and :meth:`stored_turn` in one ``record_turn``, then
-        :meth:`settle`. No-op without a conversation or for one ended while in flight."""
-        if rendered.conversation_id is None:
-            return
-        cid = ConversationId(rendered.conversation_id)
-        store = self.stores.conversation_store(rendered.cache_salt)
-        if store.history(cid) is None:
-            return
-        tokens = self.stored_turn(rendered, reply_ids, stop_token_ids, stored_reply=stored_reply)
-        store.record_turn(cid, rendered.prompt.chunk_keys, tokens)
-        self.settle(rendered)
-
-    def cancel(self, rendered: RenderedTurn) -> None:
-        """The turn was not served (engine failure, abort): keep the history as it was."""
-        if rendered.conversation_id is not None:
-            store = self.stores.conversation_store(rendered.cache_salt)
-            store.release(ConversationId(rendered.conversation_id))
-
-    def fit(
-        self,
-        conversation_id: str | None,
-        turn_tokens: int,
-        max_tokens: int,
-        cache_salt: str | None = None,
-        *,
-        planned: bool = False,
-    ) -> frozenset[ChunkKey]:
-        """Drop the oldest whole turns of an idle conversation until a turn of ``turn_tokens``
-        (chunks and question, an upper bound) plus ``max_tokens`` fits after the head and the
-        history in ``max_model_len``; call before planning the turn, so the plan's dedup only
-        counts chunks still in the prompt. Returns the keys no kept turn carries any more
-        (empty when nothing was dropped). Unknown, in-flight (unless ``planned``: the turn in
-        flight is this one, a caller's plan) conversations are left alone (``render``
-        reports those). O(turns)."""
-        history = self._history(conversation_id, cache_salt)
-        if conversation_id is None or history is None or (history.in_flight and not planned):
-            return frozenset()
-        budget = self.max_model_len - max_tokens - len(self.chat_assembler.head_ids) - turn_tokens
-        n, left = 0, history.tokens
-        while n < len(history.turns) and left > budget:
-            left -= len(history.turns[n] or ())
-            n += 1
-        if n == 0:
-            return frozenset()
-        dropped = {k for keys in history.keys[:n] for k in keys}
-        kept = {k for keys in history.keys[n:] for k in keys}
-        self.stores.forget_turns(cache_salt, conversation_id, n)
-        return frozenset(dropped - kept)
-
-    def turn_token_count(
-        self, chunks: Sequence[Chunk], question: str, conversation_id: str | None = None
+    def turns_to_forget(
+        self, view: TurnContext, rendered: RenderedTurn, stored: Sequence[int]
     ) -> int:
-        """Tokens of one turn's segment (chunks, question, tail) as :meth:`render` builds it
-        for ``conversation_id``."""
-        with self._lock:
-            a = self.assembler_for(conversation_id)
-            docs = sum(len(a.chunk_ids(c)) for c in chunks) if chunks else len(a.no_documents_ids)
-            return docs + len(a.question_ids(question))
+        """How many oldest turns to forget once the turn (``stored``, :meth:`stored_turn`) is
+        recorded after ``view``'s live turns: the ones its prompt left out (or holds only
+        compacted, a restart) and, over the history budget, the oldest whole turns down to
+        ``keep_tokens`` (the newest turn is always kept). Reads only ``view``. O(turns)."""
+        if rendered.conversation_id is None:
+            return 0
+        lengths = [*(len(t or ()) for t in view.turns), len(stored)]
+        n = min(rendered.dropped_turns + rendered.compacted_turns, len(lengths) - 1)
+        if self.history_budget is not None:
+            n = self.history_budget.turns_to_drop(lengths, n)
+        return n
 
     def side_prompt(
         self, conversation_id: str | None, text: str, cache_salt: str | None = None

@@ -1,10 +1,11 @@
 """How much of a conversation's history its prompt keeps: :class:`HistoryBudget` (the policy
-:meth:`~craft_rag.engine.conversation_prompts.ConversationPrompts.settle` applies after each
-turn) and its measured default. Pure values, no state.
+:meth:`~craft_rag.engine.conversation_prompts.ConversationPrompts.turns_to_forget` applies
+after each turn) and its measured default. Pure values, no state.
 """
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 __all__ = ["DEFAULT_HISTORY_BUDGET", "HistoryBudget"]
@@ -31,6 +32,19 @@ class HistoryBudget:
                 f"got {self.keep_tokens!r}"
             )
             raise ValueError(msg)
+
+    def turns_to_drop(self, lengths: Sequence[int], first: int = 0) -> int:
+        """How many oldest turns of a history whose turns hold ``lengths`` tokens (oldest
+        first, the newest last) to drop, at least ``first`` (already left out): none while
+        the rest is within ``max_tokens``; else oldest whole turns until at most
+        ``keep_tokens`` remain, the newest always kept. O(turns)."""
+        n = first
+        left = sum(lengths[n:])
+        if left > self.max_tokens:
+            while n < len(lengths) - 1 and left > self.keep_tokens:
+                left -= lengths[n]
+                n += 1
+        return n
 
 
 DEFAULT_HISTORY_BUDGET = HistoryBudget(max_tokens=3072, keep_tokens=2048)

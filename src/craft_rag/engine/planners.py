@@ -36,7 +36,6 @@ from dataclasses import replace
 
 from craft_rag.chunk import Chunk
 from craft_rag.conversation import ConversationStore
-from craft_rag.engine.conversation_prompts import ENGINE_MAX_CONVERSATIONS
 from craft_rag.planner import CraftPlanner, Plan, PlannerConfig
 from craft_rag.stores import DEFAULT_NAMESPACE, StateStore, as_store, namespace_for_salt
 from craft_rag.types import BlockHash, ChunkKey, ConversationId
@@ -47,6 +46,15 @@ from craft_rag.types import CacheSalt as CacheSalt
 from craft_rag.validation import validate_cache_salt as validate_cache_salt
 
 DEFAULT_MAX_SALT_NAMESPACES = 64
+"""Salted planners an engine keeps (least recently used dropped first)."""
+
+ENGINE_MAX_CONVERSATIONS = 1024
+"""Conversations an engine's default planner keeps when ``CraftEngine(max_conversations=)``
+is not given (its ``PlannerConfig.max_conversations``). The one other default of that bound
+is a planner's own, :data:`craft_rag.conversation.DEFAULT_MAX_CONVERSATIONS` (10,000): a
+``CraftPlanner`` made without an engine, and an engine's planners with ``store=`` (the store's
+workers share that config). The engine's is lower because each of its conversations also
+keeps its prompt's token ids (up to the history budget, ~3,000 ints), not only chunk keys."""
 
 
 def planner_factory_like(default: CraftPlanner) -> Callable[[], CraftPlanner]:
@@ -216,10 +224,6 @@ class PlannerNamespaces:
 
     # ---- the conversation stores (ConversationStores): each planner's own ----
 
-    def conversation_store(self, cache_salt: str | None) -> ConversationStore:
-        """The conversation store of ``cache_salt``'s planner (made on first use)."""
-        return self.get(CacheSalt(cache_salt) if cache_salt is not None else None).conversations
-
     def conversation_stores(self) -> list[tuple[str | None, ConversationStore]]:
         """Every held planner's store with its salt (the default planner's first)."""
         with self._lock:
@@ -236,12 +240,6 @@ class PlannerNamespaces:
             return planner.conversations
         with self._lock:
             return self._kept.get(salt) if salt is not None else None
-
-    def forget_turns(self, cache_salt: str | None, conversation_id: str, n: int) -> int:
-        """Drop the conversation's ``n`` oldest turns in its salt's planner (logged with a
-        shared store); 0 when that planner was dropped."""
-        planner = self.peek(CacheSalt(cache_salt) if cache_salt is not None else None)
-        return planner.forget_turns(conversation_id, n) if planner is not None else 0
 
     def _check_invariants(self) -> None:
         with self._lock:

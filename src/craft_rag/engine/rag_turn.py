@@ -1,7 +1,10 @@
-"""One RAG turn: plan -> render -> (serve) -> commit, the code the engine AND replay run.
+"""One RAG turn: fit -> layout -> plan -> render -> (serve) -> commit, the code the engine AND
+replay run.
 
-:class:`RagTurns` owns the turn logic: it validates the request, makes room in the
-conversation's prompt before planning (dedup may only count chunks still in the prompt), plans
+:class:`RagTurns` owns the turn logic: it validates the request, reads the conversation once
+into a :class:`~craft_rag.engine.turn_context.TurnContext` (which makes room in the prompt
+before planning, since dedup may only count chunks still in the prompt, and chooses the
+layout), plans
 (or claims a caller's plan by its lease, :meth:`craft_rag.planner.CraftPlanner.claim`), renders
 the token-exact append-only prompt, hands it to a ``submit`` function (the engine's driver, or
 replay's simulated prefix cache), and on completion commits what the cache actually reused
@@ -15,8 +18,16 @@ turn's keys and tokens in its commit, and holds a conversation while a turn of i
 (never evicted in between); dropped turns (history budget, context length) are forgotten
 through that planner (logged with a shared store). Nothing is reconciled afterwards.
 
-Cost per turn: the plan and commit (O(k) plus the tree policy's match) and the render
-(O(prompt tokens), tokenizing uncached chunks); nothing else.
+The walk of a turn through the modules: :mod:`~craft_rag.engine.planners` (the salt's
+planner) -> :mod:`~craft_rag.engine.turn_context` (read, fit, layout) -> the planner (plan)
+-> :mod:`~craft_rag.engine.conversation_prompts` (render; after serving: the stored turn and
+the turns the history budget forgets) -> the planner (commit, forget) ->
+:mod:`craft_rag.stores.histories` (the shared copy, with ``store=``). No store is scanned and
+the conversation is read once (twice only when it moved while the turn was planned).
+
+Cost per turn: the plan and commit (O(k) plus the tree policy's match), one O(turns) read of
+the conversation and the render (O(prompt tokens), tokenizing uncached chunks); nothing
+else.
 """
 
 from __future__ import annotations
@@ -37,7 +48,7 @@ from craft_rag.engine.planners import (
 )
 from craft_rag.engine.requests import InFlight, OnDelta, OnDone, plain_report, result_of
 from craft_rag.engine.results import GenerationResult, RagRequest, SamplingRequest
-from craft_rag.engine.turn_layout import LayoutChoice
+from craft_rag.engine.turn_context import TurnContext
 from craft_rag.metrics import chunks_inside_cache, chunks_with_cached_blocks
 from craft_rag.planner import CraftPlanner, Plan
 from craft_rag.prompt import AssembledPrompt
@@ -82,13 +93,15 @@ def reused_chunk_count(
 class RagTurn:
     """A RAG turn in flight (the lifecycle's :class:`~craft_rag.engine.requests.TurnHooks`):
     exactly one of :meth:`commit` / :meth:`give_up` ends it. ``caller_plan``: the plan came in
-    through ``plan=`` (claimed from its planner; released, not aborted, if not served)."""
+    through ``plan=`` (claimed from its planner; released, not aborted, if not served).
+    ``view``: the conversation as this turn read it (what the commit's budget applies to)."""
 
     owner: RagTurns
     plan: Plan
     rendered: RenderedTurn
     planner: CraftPlanner
     caller_plan: bool
+    view: TurnContext
 
     def commit(self, flight: InFlight) -> GenerationResult:
         return self.owner.commit(flight, self)
@@ -99,13 +112,12 @@ class RagTurn:
 
 class RagTurns:
     """The RAG-turn half of an engine (see the module docstring). Holds no state of its own:
-    the planners (per salt) own plans and conversations; ``conversations`` renders from
-    them."""
+    the planners (per salt) own plans and conversations; ``renderer`` renders from them."""
 
     def __init__(
         self,
         namespaces: PlannerNamespaces,
-        conversations: ConversationPrompts,
+        renderer: ConversationPrompts,
         submit: Submit,
         cache: CacheFacts,
         *,
@@ -115,7 +127,7 @@ class RagTurns:
         request_ids: Callable[[], str] | None = None,
     ) -> None:
         self.namespaces = namespaces
-        self.conversations = conversations
+        self.renderer = renderer
         self.block_hasher = block_hasher
         self._submit = submit
         self._cache = cache
@@ -147,28 +159,29 @@ class RagTurns:
         if request.plan is not None:
             given = check_plan(request.plan, planner, request.chunks, conversation_id, salt=salt)
         fit_id = conversation_id or (given.conversation_id if given is not None else None)
-        # Shared store: another worker may have served the last turn; render after it.
-        load_history(planner, fit_id)
-        need = self.conversations.turn_token_count(request.chunks, question, fit_id)
-        # Before planning: dedup may only count chunks of turns that stay in the prompt.
-        lost = self.conversations.fit(
-            fit_id, need, sampling.max_tokens, salt, planned=given is not None
-        )
-        # Append, or restart the prompt compacted (turn_layout): decided before planning (a
+        # The one read of the conversation (after another worker's last turn, with a shared
+        # store); fit (before planning: dedup may only count chunks
+        # of turns that stay in the prompt) and layout (append, or restart compacted: a
         # caller's plan already holds the conversation; a restart re-sends what it removed).
-        layout = self.conversations.choose_layout(
+        view = TurnContext.open(
+            self.renderer,
+            planner,
             fit_id,
-            request.chunks if given is None else (*given.ordered, *given.removed_duplicates),
+            salt,
+            request.chunks,
             question,
-            block_size=self._cache.block_size,
-            cache_salt=salt,
+            max_tokens=sampling.max_tokens,
             planned=given is not None,
+            layout_chunks=(
+                request.chunks if given is None else (*given.ordered, *given.removed_duplicates)
+            ),
+            block_size=self._cache.block_size,
         )
         if given is None:
             plan = planner.claim(planner.plan(list(request.chunks), conversation_id))
         else:
             conversation_id = given.conversation_id
-            gone = sorted(lost & {c.key for c in given.removed_duplicates})
+            gone = sorted(view.lost_keys & {c.key for c in given.removed_duplicates})
             if gone:
                 msg = (
                     f"plan {given.plan_id} removed chunks {gone[:3]} as already sent, but the "
@@ -180,6 +193,10 @@ class RagTurns:
         caller_plan = given is not None
         try:
             conv = plan.conversation_id
+            if conv is not None and plan.turn != view.next_turn:
+                # The conversation moved since the view was read (the plan pulled another
+                # worker's turn, or it was ended before planning): read it again.
+                view = view.read_again()
             if conv is not None and plan.turn != planner.committed_turns(conv) + 1:
                 # Ended (end_conversation) after it was planned: its removed duplicates are in
                 # no prompt any more. (An LRU or TTL eviction cannot happen: the planner holds
@@ -189,40 +206,24 @@ class RagTurns:
                     "waited to be served; send the turn again"
                 )
                 raise RuntimeError(msg)
-            rendered = self.render(plan, question, sampling, conversation_id, salt, layout)
+            rendered = self.render(plan, question, view)
             state = RequestState(self._request_ids(), on_delta=on_delta, on_done=on_done)
             self._submit(rendered.prompt.token_ids, sampling, state, salt)
         except BaseException:
             self.give_up_plan(planner, plan, caller_plan)
             raise
-        turn = RagTurn(self, plan, rendered, planner, caller_plan)
+        turn = RagTurn(self, plan, rendered, planner, caller_plan, view)
         return InFlight(state, sampling, rendered.prompt.token_ids, salt, turn)
 
-    def render(
-        self,
-        plan: Plan,
-        question: str,
-        sampling: SamplingRequest,
-        conversation_id: str | None,
-        salt: CacheSalt | None,
-        layout: LayoutChoice | None = None,
-    ) -> RenderedTurn:
-        """Render ``plan``'s turn after the conversation's live turns (its planner holds the
-        turn in flight). A restart (``layout``) renders the plan's chunks and then the ones
-        dedup removed (in the retriever's order): every chunk of the turn is in the prompt, and
+    def render(self, plan: Plan, question: str, view: TurnContext) -> RenderedTurn:
+        """Render ``plan``'s turn after ``view``'s live turns (its planner holds the turn in
+        flight). A restart (``view.layout``) renders the plan's chunks and then the ones dedup
+        removed (in the retriever's order): every chunk of the turn is in the prompt, and
         :meth:`commit` records all of their keys with the turn (``removed_in_prompt``)."""
         chunks = plan.ordered
-        if layout is not None and layout.restart:
+        if view.layout is not None and view.layout.restart:
             chunks = (*plan.ordered, *plan.removed_duplicates)
-        return self.conversations.render(
-            chunks,
-            question,
-            max_tokens=sampling.max_tokens,
-            conversation_id=conversation_id,
-            cache_salt=salt,
-            held=True,
-            layout=layout,
-        )
+        return self.renderer.render(view, chunks, question)
 
     def give_up_plan(self, planner: CraftPlanner, plan: Plan, caller_plan: bool) -> None:
         """A turn that will not be committed: a caller's plan is released (its holder may
@@ -245,7 +246,12 @@ class RagTurns:
         """Commit a finished turn with what the cache reused and record it in the history.
         ``stored_reply``: the reply and close to store instead of the generated ids (replay
         stores the trace's answer)."""
-        state, prompt, plan = flight.state, turn.rendered.prompt, turn.plan
+        state, prompt, plan, rendered = flight.state, turn.rendered.prompt, turn.plan, turn.rendered
+        tokens = self.renderer.stored_turn(
+            rendered, state.token_ids, self._cache.eos_token_ids, stored_reply=stored_reply
+        )
+        # Left-out and over-budget turns, from the view the turn was rendered after.
+        forget = self.renderer.turns_to_forget(turn.view, rendered, tokens)
         cached = state.num_cached_tokens or 0
         reused = reused_chunk_count(prompt, cached)
         # The planner prunes CP-Tree nodes past this: block-granular evidence, not `reused`.
@@ -257,9 +263,6 @@ class RagTurns:
             hashes = self.block_hasher.block_hashes(prompt.token_ids, flight.cache_salt)
             block_hashes = self.block_hasher.per_chunk(hashes, spans)
         resent = len(prompt.chunk_keys) > len(plan.ordered)  # dedup's chunks re-sent
-        tokens = self.conversations.stored_turn(
-            turn.rendered, state.token_ids, self._cache.eos_token_ids, stored_reply=stored_reply
-        )
         # Evictions published up to now reach the CP-Tree before this commit, not after it.
         self._barrier()
         turn.planner.commit(
@@ -275,8 +278,11 @@ class RagTurns:
             # A restart re-sent dedup's chunks: the turn records every key in its prompt.
             removed_in_prompt=resent,
         )
-        self.conversations.settle(turn.rendered)  # left-out and over-budget turns
-        save_history(turn.planner, turn.rendered.conversation_id)
+        cid = rendered.conversation_id
+        # Unless it was ended while in flight (its commit then started it anew).
+        if forget and cid is not None and turn.planner.committed_turns(cid) == plan.turn:
+            turn.planner.forget_turns(cid, forget)
+        save_history(turn.planner, cid)
         report = replace(
             plain_report(flight),
             predicted_tokens=plan.matched_tokens,
@@ -308,10 +314,17 @@ class RagTurns:
         """See :meth:`craft_rag.engine.CraftEngine.fit_turn`; ``where``: ``(conversation_id,
         max_tokens, cache_salt)``."""
         conversation_id, max_tokens, cache_salt = where
-        need = self.conversations.turn_token_count(chunks, question, conversation_id)
         salt = self._check_salt(cache_salt)
-        load_history(self.namespaces.get(salt), conversation_id)
-        return self.conversations.fit(conversation_id, need, max_tokens, salt)
+        view = TurnContext.open(
+            self.renderer,
+            self.namespaces.get(salt),
+            conversation_id,
+            salt,
+            chunks,
+            question,
+            max_tokens=max_tokens,
+        )
+        return view.lost_keys
 
     def side_prompt_ids(
         self, conversation_id: str | None, text: str, *, cache_salt: str | None = None
@@ -319,4 +332,4 @@ class RagTurns:
         """See :meth:`craft_rag.engine.CraftEngine.side_prompt_ids`."""
         salt = self._check_salt(cache_salt)
         load_history(self.namespaces.get(salt), conversation_id)
-        return self.conversations.side_prompt(conversation_id, text, salt)
+        return self.renderer.side_prompt(conversation_id, text, salt)
