@@ -420,3 +420,33 @@ def test_restart_drops_a_header_whose_key_does_not_hash_its_prefix(tier_dir: Pat
     with TieredBlockStore(0, 4 * SIZE, tier_dir) as s2:
         assert s2.stats().corrupt_drops == 1
         assert s2.lookup(chain.keys) == [Tier.DISK]
+
+
+@pytest.mark.parametrize("policy", ["lru", "pgdsf"])
+def test_heap_victims_equal_the_policy_scan(policy: str) -> None:
+    """The lazy leaf heap picks exactly what ``policy.victim`` picks over the evictable leaves."""
+    rng = random.Random(7)
+    trunk = list(range(9000, 9000 + 2 * BLOCK))
+    chains = [
+        Chain(trunk[: rng.randrange(3) * BLOCK] + list(range(300 * c, 300 * c + 16)))
+        for c in range(8)
+    ]
+    with TieredBlockStore(5 * SIZE, 0, None, policy=policy) as s:
+        checked = 0
+        for _ in range(300):
+            chain = rng.choice(chains)
+            i = rng.randrange(len(chain.keys))
+            if rng.random() < 0.4:
+                chain.get(s, i)
+                continue
+            members = set(s._members[Tier.RAM])
+            parent = chain.parent(i)
+            leaves = [k for k in members if k not in s._children[Tier.RAM] and k != parent]
+            must_evict = chain.keys[i] not in s._entries and len(members) == 5
+            expected = s._policies[Tier.RAM].victim(leaves) if must_evict and leaves else None
+            chain.put(s, i)
+            if expected is not None:
+                assert set(s._members[Tier.RAM]) == (members - {expected}) | {chain.keys[i]}
+                checked += 1
+            s._check_invariants()
+        assert checked > 50

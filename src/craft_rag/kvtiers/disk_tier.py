@@ -261,3 +261,22 @@ def remove_block_path(path: Path) -> None:
     """Delete one file of ours by path if present (corrupt or leftover temp files)."""
     with contextlib.suppress(FileNotFoundError):
         os.unlink(path)
+
+
+def load_headers(folder: Path) -> tuple[list[BlockHeader], int]:
+    """Warm restart: the valid headers in ``folder``, oldest file first, and how many corrupt
+    files of ours were deleted (bad header, wrong name or size, empty block). Cost: :func:`scan`.
+    """
+    headers: list[BlockHeader] = []
+    corrupt = 0
+    for found in scan(folder):
+        if isinstance(found, Path):
+            remove_block_path(found)
+            corrupt += 1
+        elif found.payload_len < 1 or not found.token_ids:
+            remove_block(folder, found.key)
+            corrupt += 1
+        else:
+            headers.append(found)
+    headers.sort(key=lambda h: (h.mtime_ns, h.prefix_tokens))
+    return headers, corrupt

@@ -90,14 +90,18 @@ class TierPolicy:
         best: BlockKey | None = None
         best_rank: tuple[float, float, bytes] | None = None
         for key in candidates:
-            rank = self._ranks[key]
-            order = (rank.priority, rank.tick, bytes(key))
+            order = self.order(key)
             if best_rank is None or order < best_rank:
                 best, best_rank = key, order
         if best is None:
             msg = "victim() needs at least one candidate"
             raise ValueError(msg)
         return best
+
+    def order(self, key: BlockKey) -> tuple[float, float, bytes]:
+        """``key``'s sort key: (priority, last-access tick, key bytes); lowest goes first. O(1)."""
+        rank = self._ranks[key]
+        return (rank.priority, rank.tick, bytes(key))
 
     def priority(self, key: BlockKey) -> float:
         """Current priority of ``key`` (lower is evicted first). O(1)."""

@@ -11,8 +11,7 @@ Invariants (all checked by :meth:`TieredBlockStore._check_invariants`):
 - RAM eviction copies a block down to disk once (not if it is already there); disk eviction
   deletes the file; pinned entries are never evicted;
 - a payload is returned only if its tokens equal the caller's and, from disk, its checksums and
-  header match the index: a corrupt, truncated or foreign file is dropped (recompute, never wrong
-  KV).
+  header match the index: a corrupt, truncated or foreign file is dropped (recompute instead).
 
 One lock guards all state (policies included). Disk writes run on one background thread so
 :meth:`put` never waits on disk I/O; disk reads run on the caller's thread outside the lock
@@ -28,11 +27,11 @@ import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, fields
 from pathlib import Path
-from types import TracebackType
 
 from craft_rag.kvtiers import disk_tier
 from craft_rag.kvtiers.cost_model import PrefillCostModel, default_cost_model
 from craft_rag.kvtiers.keys import KEY_BYTES, BlockKey
+from craft_rag.kvtiers.leaf_heap import LeafHeap, Order
 from craft_rag.kvtiers.policies import TierPolicy, get_tier_policy
 from craft_rag.kvtiers.store_checks import check_store
 from craft_rag.kvtiers.tier_types import DiskState, Tier, TierStats
@@ -101,6 +100,7 @@ class TieredBlockStore:
         self._used = {tier: 0 for tier in Tier}
         # children[tier][k]: entries in `tier` whose parent is k (k itself may be absent)
         self._children: dict[Tier, dict[BlockKey, int]] = {tier: {} for tier in Tier}
+        self._heaps = {tier: LeafHeap() for tier in Tier}  # each tier's leaves, by rank
         self._stats = TierStats()
         self._closed = False
         self._queue: queue.Queue[tuple[BlockKey, int] | None] = queue.Queue()
@@ -287,12 +287,7 @@ class TieredBlockStore:
     def __enter__(self) -> TieredBlockStore:
         return self
 
-    def __exit__(
-        self,
-        exc_type: type[BaseException] | None,
-        exc: BaseException | None,
-        tb: TracebackType | None,
-    ) -> None:
+    def __exit__(self, *exc_info: object) -> None:
         self.close()
 
     def _lookup(self, keys: Sequence[BlockKey]) -> list[Tier]:
@@ -309,6 +304,7 @@ class TieredBlockStore:
         for tier in Tier:
             if entry.key in self._members[tier]:
                 self._policies[tier].on_access(entry.key)
+                self._push_if_leaf(entry.key, tier)
 
     def _add(self, entry: _Entry, tier: Tier, frequency: int) -> None:
         self._members[tier].add(entry.key)
@@ -317,6 +313,7 @@ class TieredBlockStore:
             counts = self._children[tier]
             counts[entry.parent] = counts.get(entry.parent, 0) + 1
         self._policies[tier].on_insert(entry.key, entry.size, entry.cost_s, frequency)
+        self._push_if_leaf(entry.key, tier)
 
     def _remove(self, entry: _Entry, tier: Tier, evicted: bool) -> None:
         self._members[tier].discard(entry.key)
@@ -327,6 +324,19 @@ class TieredBlockStore:
             if counts[entry.parent] == 0:
                 del counts[entry.parent]
         self._policies[tier].on_remove(entry.key, evicted=evicted)
+        if entry.parent is not None:
+            self._push_if_leaf(entry.parent, tier)  # it may just have become a leaf
+
+    def _leaf_order(self, key: BlockKey, tier: Tier) -> Order | None:
+        """``key``'s rank if it is a leaf member of ``tier`` (an eviction candidate)."""
+        if key in self._members[tier] and key not in self._children[tier]:
+            return self._policies[tier].order(key)
+        return None
+
+    def _push_if_leaf(self, key: BlockKey, tier: Tier) -> None:
+        order = self._leaf_order(key, tier)
+        if order is not None:
+            self._heaps[tier].push(order, key)
 
     def _forget_if_gone(self, entry: _Entry) -> None:
         if (
@@ -341,18 +351,22 @@ class TieredBlockStore:
 
         ``keep`` is the parent of the block about to enter: never evicted for its own child
         (the child would be unreachable by a lookup that starts at or before the parent).
-        May evict some entries and still fail (the rest pinned or not leaves). O(n) per victim.
+        May evict some entries and still fail (the rest pinned or not leaves). The victim is
+        what ``policy.victim`` would pick among the evictable leaves, found in O(log n)
+        amortised through the tier's :class:`LeafHeap`.
         """
-        children = self._children[tier]
+        heap = self._heaps[tier]
         while self._used[tier] + size > self._cap[tier]:
-            candidates = [
-                k
-                for k in self._members[tier]
-                if self._entries[k].pins == 0 and k not in children and k != keep
-            ]
-            if not candidates:
+            victim = heap.pop_min(
+                lambda k: self._leaf_order(k, tier),
+                lambda k: self._entries[k].pins == 0 and k != keep,
+            )
+            if victim is None:
                 return False
-            self._evict(self._entries[self._policies[tier].victim(candidates)], tier)
+            self._evict(self._entries[victim], tier)
+        members = self._members[tier]
+        leaves = ((o, k) for k in members if (o := self._leaf_order(k, tier)) is not None)
+        heap.maybe_rebuild(leaves, len(members))
         return True
 
     def _evict(self, entry: _Entry, tier: Tier) -> None:
@@ -461,17 +475,8 @@ class TieredBlockStore:
         Corrupt files carrying our magic are deleted and counted in ``corrupt_drops``; other
         files are left alone. Evicts down to ``disk_bytes`` if the directory holds more.
         """
-        headers: list[disk_tier.BlockHeader] = []
-        for found in disk_tier.scan(folder):
-            if isinstance(found, Path):
-                disk_tier.remove_block_path(found)
-                self._stats.corrupt_drops += 1
-            elif found.payload_len < 1 or not found.token_ids:
-                disk_tier.remove_block(folder, found.key)
-                self._stats.corrupt_drops += 1
-            else:
-                headers.append(found)
-        headers.sort(key=lambda h: (h.mtime_ns, h.prefix_tokens))
+        headers, corrupt = disk_tier.load_headers(folder)
+        self._stats.corrupt_drops += corrupt
         with self._lock:
             for header in headers:
                 entry = _Entry(

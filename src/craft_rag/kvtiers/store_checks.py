@@ -34,6 +34,10 @@ def check_store(store: TieredBlockStore, check_files: bool) -> None:
         assert store._used[tier] == sum(store._entries[k].size for k in members)
         assert store._used[tier] <= store._cap[tier]
         assert children[tier] == store._children[tier]
+        heap = store._heaps[tier].items()
+        for key in members:
+            order = store._leaf_order(key, tier)
+            assert order is None or (order, key) in heap, "a leaf is missing from the heap"
     if check_files and store._dir is not None:
         names = {p.name for p in store._dir.glob(f"*{disk_tier.SUFFIX}")}
         expected = {
