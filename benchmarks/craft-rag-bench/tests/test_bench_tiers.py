@@ -6,6 +6,7 @@ real run starts one engine process per system (minutes); it is run by hand
 from __future__ import annotations
 
 import json
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -24,7 +25,7 @@ from craft_rag_bench.bench.tiers import (
     report_lines,
     side_by_side,
     summarise_requests,
-    tier_hit_ratio,
+    tier_tokens,
     verdicts,
 )
 from craft_rag_bench.bench.tiers_worker import (
@@ -32,7 +33,9 @@ from craft_rag_bench.bench.tiers_worker import (
     connector_extra_config,
     connector_stats,
     prompt_digest,
+    record_tier_counts,
 )
+from craft_rag_bench.bench.tiers_worker import tier_tokens as request_tier_tokens
 
 
 def ws_of(request_blocks: int, mean: float, largest: int, block: int = 32) -> WorkingSet:
@@ -59,9 +62,10 @@ def test_engine_max_len_fits_the_pool_and_the_longest_request() -> None:
 
 
 def req(i: int, cached: int, ttft: float, out: tuple[int, ...] = (1, 2), prompt: str = "p",
-        tokens: int = 100) -> dict[str, Any]:
+        tokens: int = 100, ram: int | None = None, disk: int | None = None) -> dict[str, Any]:
     return {"id": f"q{i}", "prompt_tokens": tokens, "cached_tokens": cached, "ttft_ms": ttft,
-            "output_ids": list(out), "prompt_sha256": prompt_digest([i, len(prompt)]) + prompt}
+            "output_ids": list(out), "prompt_sha256": prompt_digest([i, len(prompt)]) + prompt,
+            "ram_tokens": ram, "disk_tokens": disk}
 
 
 def test_summarise_requests() -> None:
@@ -88,13 +92,49 @@ def test_exactness_compares_same_prompts_and_counts_tier_hits() -> None:
                  "tier_hit_identical": 1, "tier_extra_cached_tokens": 128, "mismatched": ["q2"]}
 
 
-def test_tier_hit_ratio_from_the_forms_a_store_may_report() -> None:
-    assert tier_hit_ratio({"hit_ratio": 0.25}) == 0.25
-    assert tier_hit_ratio({"hits": 3, "misses": 1}) == 0.75
-    assert tier_hit_ratio({"hits": 1, "lookups": 4}) == 0.25
-    assert tier_hit_ratio({"hits": 0, "misses": 0}) is None
-    assert tier_hit_ratio({"bytes": 5}) is None
-    assert tier_hit_ratio(None) is None
+def test_exactness_uses_the_connector_counts_when_known() -> None:
+    ref = [req(0, 32, 1.0), req(1, 32, 1.0)]
+    # q0: the tier served 32 tokens the pool no longer had (same total as craft): a tier hit.
+    # q1: more cached than craft but no tier tokens (a pool hit craft's pool had lost): not one.
+    rows = [req(0, 32, 1.0, ram=0, disk=32), req(1, 64, 1.0, ram=0, disk=0)]
+    e = exactness(ref, rows)
+    assert (e["tier_hit_requests"], e["tier_hit_identical"]) == (1, 1)
+    assert e["tier_extra_cached_tokens"] == 0
+
+
+def test_tier_tokens_and_hit_ratio() -> None:
+    rows = [req(0, 64, 1.0, tokens=100, ram=32, disk=0),  # pool 32, tiers 32 of 68 missed
+            req(1, 0, 1.0, tokens=100, ram=0, disk=0),  # 100 missed, none served
+            req(2, 96, 1.0, tokens=100, ram=32, disk=64)]  # pool 0, tiers 96 of 100 missed
+    t = tier_tokens(rows)
+    assert (t["ram_tokens"], t["disk_tokens"], t["tier_tokens"]) == (64, 64, 128)
+    assert t["tier_hit_ratio"] == pytest.approx(128 / (68 + 100 + 100))
+    unknown = tier_tokens([*rows, req(3, 0, 1.0)])
+    assert unknown == {"ram_tokens": None, "disk_tokens": None, "tier_tokens": None,
+                       "tier_hit_ratio": None}
+    assert tier_tokens([req(0, 100, 1.0, ram=0, disk=0)])["tier_hit_ratio"] is None
+
+
+def test_request_finished_counts_are_recorded_by_both_request_ids() -> None:
+    class Request:
+        request_id = "7-abc"
+        external_req_id = "7"
+
+    class Connector:
+        def request_finished(self, request: Any, block_ids: Any) -> tuple[bool, Any]:
+            return False, {"craft_tiers": {"ram_tokens": 32, "disk_tokens": 64}}
+
+    connector = Connector()
+    counts = record_tier_counts(connector)
+    assert connector.request_finished(Request(), [1]) == (
+        False, {"craft_tiers": {"ram_tokens": 32, "disk_tokens": 64}})  # passed through
+    assert counts == {"7-abc": {"ram_tokens": 32, "disk_tokens": 64},
+                      "7": {"ram_tokens": 32, "disk_tokens": 64}}
+    assert request_tier_tokens(counts, "7", tiered=True) == {"ram_tokens": 32, "disk_tokens": 64}
+    assert request_tier_tokens(counts, "8", tiered=True) == {"ram_tokens": None,
+                                                             "disk_tokens": None}
+    assert request_tier_tokens(counts, "7", tiered=False)["ram_tokens"] is None
+    assert record_tier_counts(None) == {}
 
 
 def system(cached: float, ttft: float, hit: float | None = None, hits: int = 0,
@@ -152,9 +192,12 @@ class FakeRunner:
             assert (folder.stat().st_mode & 0o777) == 0o700
             (folder / "block.kv").write_bytes(b"x" * 10)
         gain = {"prefix": 0, "craft": 20, "craft_tier_lru": 50, "craft_tier_pgdsf": 60}
-        rows = [req(i, gain[spec.system] if i else 0, 100.0 - gain[spec.system])
+        tier = gain[spec.system] - 20 if spec.policy else None
+        disk = 0 if spec.policy else None
+        rows = [req(i, gain[spec.system] if i else 0, 100.0 - gain[spec.system],
+                    ram=tier if i else disk, disk=disk)
                 for i in range(3)]
-        stats = {"hits": gain[spec.system], "misses": 100 - gain[spec.system]}
+        stats = {"ram_hits": gain[spec.system]}
         return {"system": spec.system, "engine_start_s": 1.0, "serve_s": 2.0,
                 "connector": stats if spec.policy else None, "requests": rows}
 
@@ -175,7 +218,9 @@ def test_side_by_side_one_worker_per_system_fresh_private_disk(tmp_path: Path) -
     assert all(s.blocks == 98 and s.ram_bytes == 1 << 30 for s in runner.specs)
     assert list(rows) == list(SYSTEMS)
     assert "tier_policy" not in rows["craft"] and rows["craft_tier_lru"]["tier_policy"] == "lru"
-    assert rows["craft_tier_pgdsf"]["tier_hit_ratio"] == 0.6
+    # pgdsf: 2 requests x 40 tier tokens; the pool lacked 100 + 2 x (100 - 60 + 40)
+    assert rows["craft_tier_pgdsf"]["tier_hit_ratio"] == pytest.approx(80 / 260)
+    assert rows["craft_tier_pgdsf"]["tier_stats"] == {"ram_hits": 60}
     assert rows["craft_tier_lru"]["disk_dir_bytes"] == 10
     exact = rows["craft_tier_lru"]["exactness"]
     assert exact["tier_hit_requests"] == 2 and exact["tier_hit_identical"] == 2
@@ -207,8 +252,8 @@ def layout(rows: dict[str, dict[str, Any]]) -> dict[str, Any]:
 
 SYSTEM_FIELDS = {"requests", "prompt_tokens", "cached_tokens", "cached_token_fraction",
                  "mean_ttft_ms", "p50_ttft_ms", "p99_ttft_ms", "engine_start_s", "serve_s"}
-TIER_FIELDS = SYSTEM_FIELDS | {"tier_policy", "tier_stats", "tier_hit_ratio", "exactness",
-                               "disk_dir_bytes"}
+TIER_FIELDS = SYSTEM_FIELDS | {"tier_policy", "ram_tokens", "disk_tokens", "tier_tokens",
+                               "tier_hit_ratio", "tier_stats", "exactness", "disk_dir_bytes"}
 
 
 def test_json_layout_is_stable(tmp_path: Path) -> None:
@@ -230,13 +275,26 @@ def test_json_layout_is_stable(tmp_path: Path) -> None:
 
 
 def test_connector_stats_probe() -> None:
-    class WithStats:
-        def store_stats(self) -> dict[str, int]:
-            return {"hits": 2, "misses": 2}
+    @dataclass
+    class Stats:
+        ram_hits: int = 2
+
+    class Store:
+        def stats(self) -> Stats:
+            return Stats()
+
+    class WithStore:
+        store = Store()
+
+    class WorkerRole:
+        @property
+        def store(self) -> Store:
+            raise RuntimeError("the store lives in the scheduler-role connector")
 
     assert connector_stats(None) is None
     assert connector_stats(object()) is None
-    assert connector_stats(WithStats()) == {"hits": 2, "misses": 2}
+    assert connector_stats(WorkerRole()) is None
+    assert connector_stats(WithStore()) == {"ram_hits": 2}
 
 
 def test_worker_spec_round_trips() -> None:

@@ -18,7 +18,8 @@ The engine's pool is small on purpose: :func:`pool_blocks` holds about ``pool_re
 Measured per system (:func:`summarise_requests`): cached-token fraction (vLLM's
 ``num_cached_tokens``, which counts tier-loaded tokens too), mean/p50/p99 TTFT (wall clock,
 submission to first token: tier load time included), the connector's store statistics and
-tier hit ratio (:func:`tier_hit_ratio`; None where the connector exposes none), and exactness
+tier hit ratio (:func:`tier_tokens`: of the prompt tokens the pool lacked, the fraction a tier
+served, from the connector's per-request counts), and exactness
 (:func:`exactness`): each tier system's greedy outputs against ``craft``'s on the same
 requests. Verdicts (:func:`verdicts`) against the targets in :data:`TARGETS`.
 
@@ -142,8 +143,9 @@ def exactness(
 ) -> dict[str, Any]:
     """A tier system's greedy outputs against the reference's, request by request (same index
     and id). Only requests whose prompts are identical (``prompt_sha256``) are comparable (the
-    planner may order differently once its pool differs). A request is a *tier hit* when it
-    cached more tokens than the reference did on the same prompt (the extra came from a tier).
+    planner may order differently once its pool differs). A request is a *tier hit* when a
+    tier served some of its tokens (``ram_tokens + disk_tokens > 0``; where those are unknown:
+    when it cached more tokens than the reference did on the same prompt).
     ``mismatched`` lists up to 10 ids of comparable requests whose outputs differ."""
     compared = same_prompt = identical = tier_hits = tier_identical = extra = 0
     mismatched: list[str] = []
@@ -157,10 +159,12 @@ def exactness(
         same = list(ref["output_ids"]) == list(row["output_ids"])
         identical += same
         gained = int(row["cached_tokens"]) - int(ref["cached_tokens"])
-        if gained > 0:
+        ram, disk = row.get("ram_tokens"), row.get("disk_tokens")
+        hit = gained > 0 if ram is None or disk is None else int(ram) + int(disk) > 0
+        if hit:
             tier_hits += 1
             tier_identical += same
-            extra += gained
+            extra += max(gained, 0)
         if not same and len(mismatched) < 10:
             mismatched.append(str(row["id"]))
     return {
@@ -174,21 +178,19 @@ def exactness(
     }
 
 
-def tier_hit_ratio(stats: Mapping[str, Any] | None) -> float | None:
-    """The hit ratio in a connector's store statistics: ``hit_ratio`` if given, else
-    ``hits / (hits + misses)`` or ``hits / lookups``; None when absent or nothing was looked
-    up."""
-    if not stats:
-        return None
-    value = stats.get("hit_ratio")
-    if isinstance(value, (int, float)) and not isinstance(value, bool):
-        return float(value)
-    hits = stats.get("hits")
-    if not isinstance(hits, int):
-        return None
-    misses = stats.get("misses")
-    lookups = hits + misses if isinstance(misses, int) else stats.get("lookups")
-    return hits / lookups if isinstance(lookups, int) and lookups > 0 else None
+def tier_tokens(rows: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
+    """Tokens the tiers served over one system's rows and its *tier hit ratio*: of the prompt
+    tokens the engine's pool did not hold (prompt - (cached - tier)), the fraction a tier
+    served. Every field None when any row's tier counts are unknown (``ram_tokens`` None)."""
+    if not rows or any(r.get("ram_tokens") is None or r.get("disk_tokens") is None
+                       for r in rows):
+        return {"ram_tokens": None, "disk_tokens": None, "tier_tokens": None,
+                "tier_hit_ratio": None}
+    ram = sum(int(r["ram_tokens"]) for r in rows)
+    disk = sum(int(r["disk_tokens"]) for r in rows)
+    missed = sum(int(r["prompt_tokens"]) - int(r["cached_tokens"]) for r in rows) + ram + disk
+    return {"ram_tokens": ram, "disk_tokens": disk, "tier_tokens": ram + disk,
+            "tier_hit_ratio": (ram + disk) / missed if missed > 0 else None}
 
 
 def verdicts(
@@ -247,10 +249,9 @@ def system_row(
     out["engine_start_s"] = worker.get("engine_start_s")
     out["serve_s"] = worker.get("serve_s")
     if system.tier_policy is not None:
-        stats = worker.get("connector")
         out["tier_policy"] = system.tier_policy
-        out["tier_stats"] = stats
-        out["tier_hit_ratio"] = tier_hit_ratio(stats)
+        out.update(tier_tokens(rows))
+        out["tier_stats"] = worker.get("connector")
         out["exactness"] = None if reference is None else exactness(reference, rows)
     return out
 

@@ -12,10 +12,13 @@ connector's engine must not leave state behind for the next system. The parent
 (:mod:`craft_rag_bench.bench.tiers`) owns every path in the spec (a private temp folder).
 
 OUT holds, per request in trace order: ``id``, ``prompt_tokens``, ``cached_tokens``,
-``ttft_ms``, ``output_ids`` (the greedy reply's token ids) and ``prompt_sha256`` (of the exact
-prompt ids, so the parent compares prompts across systems without shipping them); plus
-``engine_start_s``, ``serve_s`` and ``connector`` (the connector's store statistics, or None
-when the system has no connector or the connector exposes none).
+``ttft_ms``, ``output_ids`` (the greedy reply's token ids), ``prompt_sha256`` (of the exact
+prompt ids, so the parent compares prompts across systems without shipping them) and
+``ram_tokens``/``disk_tokens`` (tokens the connector loaded from each tier: the counts it hands
+back from ``request_finished`` in ``kv_transfer_params["craft_tiers"]``, recorded by wrapping
+that method on the scheduler-side connector since the engine does not report them; None without
+a connector); plus ``engine_start_s``, ``serve_s`` and ``connector`` (the store's
+``TierStats`` at the end, or None).
 """
 
 from __future__ import annotations
@@ -35,7 +38,11 @@ if TYPE_CHECKING:
 CONNECTOR_NAME = "CraftTierConnector"
 CONNECTOR_MODULE = "craft_rag.kvtiers.connector"
 STATS_METHODS: tuple[str, ...] = ("tier_stats", "store_stats", "stats")
-"""Methods tried, in order, on the scheduler-side connector for its store statistics."""
+"""Methods tried, in order, on the scheduler-side connector, then on its ``store``, for the
+store statistics."""
+TIER_PARAMS_KEY = "craft_tiers"
+"""Where the connector puts a request's ``{"ram_tokens", "disk_tokens"}`` in
+``kv_transfer_params`` (``craft_rag.kvtiers.connector.TIER_PARAMS_KEY``)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -111,8 +118,12 @@ def connector_stats(connector: Any) -> dict[str, Any] | None:
     :data:`STATS_METHODS` it has; a dataclass result is converted), or None."""
     if connector is None:
         return None
-    for name in STATS_METHODS:
-        method = getattr(connector, name, None)
+    try:
+        store = getattr(connector, "store", None)
+    except RuntimeError:  # the worker-role connector has no store
+        store = None
+    for owner, name in [(o, n) for o in (connector, store) for n in STATS_METHODS]:
+        method = getattr(owner, name, None)
         if not callable(method):
             continue
         value = method()
@@ -122,6 +133,45 @@ def connector_stats(connector: Any) -> dict[str, Any] | None:
             plain: dict[str, Any] = json.loads(json.dumps(dict(value), default=str))
             return plain
     return None
+
+
+TierCounts = dict[str, dict[str, int]]
+"""vLLM request id (internal and external) -> the connector's tier counts for it."""
+
+
+def record_tier_counts(connector: Any) -> TierCounts:
+    """Wrap ``connector.request_finished`` (on the instance) so every finished request's tier
+    counts land in the returned dict, under vLLM's internal and external request ids. Empty
+    and untouched when there is no connector."""
+    counts: TierCounts = {}
+    original = getattr(connector, "request_finished", None)
+    if original is None:
+        return counts
+
+    def recording(request: Any, block_ids: Any) -> Any:
+        done = original(request, block_ids)
+        params = done[1] if isinstance(done, tuple) and len(done) == 2 else None
+        found = params.get(TIER_PARAMS_KEY) if isinstance(params, Mapping) else None
+        if isinstance(found, Mapping):
+            row = {k: int(v) for k, v in found.items() if isinstance(v, int)}
+            for rid in (getattr(request, "request_id", None),
+                        getattr(request, "external_req_id", None)):
+                if rid is not None:
+                    counts[str(rid)] = row
+        return done
+
+    connector.request_finished = recording
+    return counts
+
+
+def tier_tokens(counts: TierCounts, request_id: str, tiered: bool) -> dict[str, int | None]:
+    """``ram_tokens``/``disk_tokens`` of one request; None without tiers or when nothing was
+    recorded for it (every request the connector saw is recorded, loads or not, so a missing
+    id means the counts could not be matched: unknown, not zero)."""
+    row = counts.get(request_id)
+    if not tiered or row is None:
+        return {"ram_tokens": None, "disk_tokens": None}
+    return {"ram_tokens": row.get("ram_tokens", 0), "disk_tokens": row.get("disk_tokens", 0)}
 
 
 def run_worker(spec: WorkerSpec) -> dict[str, Any]:
@@ -135,6 +185,8 @@ def run_worker(spec: WorkerSpec) -> dict[str, Any]:
     started = time.perf_counter()
     engine = start_engine(spec)
     engine_start = time.perf_counter() - started
+    tiered = spec.policy is not None
+    counts = record_tier_counts(scheduler_connector(engine)) if tiered else {}
     try:
         started = time.perf_counter()
         results = serve(engine, BenchSystem(spec.system, PlannerConfig(policy=spec.planner)),
@@ -149,11 +201,13 @@ def run_worker(spec: WorkerSpec) -> dict[str, Any]:
         "engine_start_s": round(engine_start, 1),
         "serve_s": round(serve_s, 1),
         "connector": stats,
+        "tier_counts_recorded": len(counts),
         "requests": [
             {"id": request.id, "prompt_tokens": r.report.prompt_tokens,
              "cached_tokens": r.report.cached_tokens, "ttft_ms": r.report.ttft_ms,
              "output_ids": list(r.token_ids),
-             "prompt_sha256": prompt_digest(r.prompt_token_ids)}
+             "prompt_sha256": prompt_digest(r.prompt_token_ids),
+             **tier_tokens(counts, r.report.request_id, tiered)}
             for request, r in zip(trace, results, strict=True)
         ],
     }
