@@ -254,7 +254,7 @@ class TieredBlockStore:
                 self._forget_if_gone(entry)
 
     def stats(self) -> TierStats:
-        """A copy of the counters with current occupancy. O(1)."""
+        """A copy of the counters with current occupancy. O(n) (counts queued writes)."""
         with self._lock:
             snap = TierStats(**{f.name: getattr(self._stats, f.name) for f in fields(TierStats)})
             snap.ram_entries = len(self._members[Tier.RAM])
