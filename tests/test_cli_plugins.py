@@ -9,7 +9,7 @@ from importlib.metadata import EntryPoint, entry_points
 
 import pytest
 
-from craft_rag import cli
+from craft_rag.cli import entry as cli
 
 
 def no_plugins(group: str) -> list[EntryPoint]:

@@ -17,7 +17,7 @@ Factory = Callable[[float], object]
 
 
 def _server(field: str) -> Factory:
-    from craft_rag.engine.server_settings import ServerSettings
+    from craft_rag.engine.backends.server.settings import ServerSettings
 
     return lambda v: ServerSettings("http://127.0.0.1:8000", **{field: v})
 
@@ -72,7 +72,7 @@ def _planner(field: str) -> Factory:
 
 
 def _engine(field: str) -> Factory:
-    from craft_rag.engine.vllm_backend import EngineSettings
+    from craft_rag.engine.backends.vllm.backend import EngineSettings
 
     return lambda v: EngineSettings(**{field: v})
 

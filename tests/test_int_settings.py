@@ -16,7 +16,7 @@ NOT_INTS: list[object] = [True, False, "5", 3.0, -0.0, 2**70]
 
 
 def _server(**kw: Any) -> object:
-    from craft_rag.engine.server_settings import ServerSettings
+    from craft_rag.engine.backends.server.settings import ServerSettings
 
     return ServerSettings("http://127.0.0.1:8000", **kw)
 
@@ -34,13 +34,13 @@ def _sampling_override(**kw: Any) -> object:
 
 
 def _engine(**kw: Any) -> object:
-    from craft_rag.engine.vllm_backend import EngineSettings
+    from craft_rag.engine.backends.vllm.backend import EngineSettings
 
     return EngineSettings(**kw)
 
 
 def _serve(**kw: Any) -> object:
-    from craft_rag.engine.serve import ServeConfig
+    from craft_rag.engine.backends.server.serve import ServeConfig
 
     return ServeConfig(model="/tmp", **kw)
 

@@ -8,8 +8,8 @@ from pathlib import Path
 import pytest
 
 from craft_rag.engine import EngineSettings
+from craft_rag.engine.backends.server.serve import ServeConfig, server_command
 from craft_rag.engine.cpu_dtype import choose_dtype, cpu_flags, default_dtype
-from craft_rag.engine.serve import ServeConfig, server_command
 
 AVX2 = frozenset({"fpu", "sse2", "avx", "avx2", "fma", "f16c"})
 AVX512 = AVX2 | {"avx512f", "avx512bw", "avx512vl", "avx512dq"}

@@ -1,5 +1,6 @@
 """A first engine start is quiet and says what it does (issue 25 item 7): ``EngineSettings.
-log_level`` decides vLLM's level, start-up warnings and progress bars (craft_rag.engine.logs).
+log_level`` decides vLLM's level, start-up warnings and progress bars
+(craft_rag.engine.backends.vllm.logs).
 
 The unit tests need no engine; the two ``engine`` tests start one in a fresh interpreter each
 (a child ``python``, not the pytest process: only a first import shows import-time output, and
@@ -18,7 +19,8 @@ from pathlib import Path
 import pytest
 
 from craft_rag.engine import EngineSettings
-from craft_rag.engine.logs import (
+from craft_rag.engine.backends.server.serve import LOG_LEVELS as SERVE_LOG_LEVELS
+from craft_rag.engine.backends.vllm.logs import (
     LOG_LEVELS,
     check_log_level,
     is_quiet,
@@ -27,7 +29,6 @@ from craft_rag.engine.logs import (
     vllm_configures_logging,
     vllm_log_level,
 )
-from craft_rag.engine.serve import LOG_LEVELS as SERVE_LOG_LEVELS
 
 
 @pytest.fixture
@@ -144,7 +145,7 @@ def test_progress_goes_to_the_logger_when_the_app_configured_info(
 
 def test_settings_reach_vllms_engine_args(clean_logging: pytest.MonkeyPatch) -> None:
     pytest.importorskip("vllm")
-    from craft_rag.engine.vllm_backend import VLLMBackend
+    from craft_rag.engine.backends.vllm.backend import VLLMBackend
 
     quiet = VLLMBackend(EngineSettings(kv_events=False), "/m").engine_kwargs
     assert quiet["log_level"] == "ERROR" and quiet["use_tqdm_on_load"] is False

@@ -6,8 +6,8 @@ import importlib
 
 import pytest
 
-from craft_rag.engine import vllm_backend
-from craft_rag.engine.vllm_backend import EngineSettings, import_vllm
+from craft_rag.engine.backends.vllm import backend as vllm_backend
+from craft_rag.engine.backends.vllm.backend import EngineSettings, import_vllm
 
 
 def test_missing_vllm_names_the_extras(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -308,7 +308,7 @@ def test_plain_chat_messages_reuse_earlier_messages(fresh: CraftEngine) -> None:
 
 
 def test_settings_map_onto_vllm_engine_args_and_engine_kwargs_win(tmp_path: Any) -> None:
-    from craft_rag.engine.vllm_backend import VLLMBackend
+    from craft_rag.engine.backends.vllm.backend import VLLMBackend
 
     backend = VLLMBackend(
         EngineSettings(
@@ -333,7 +333,7 @@ def test_settings_map_onto_vllm_engine_args_and_engine_kwargs_win(tmp_path: Any)
 
 
 def test_start_failure_is_one_clear_error(tmp_path: Any) -> None:
-    from craft_rag.engine.vllm_backend import EngineStartError, VLLMBackend
+    from craft_rag.engine.backends.vllm.backend import EngineStartError, VLLMBackend
 
     broken = tmp_path / "broken-model"
     broken.mkdir()

@@ -16,7 +16,12 @@ from typing import Any
 
 import pytest
 
-from craft_rag.engine.serve import ServeConfig, start_server, stop_server, wait_ready
+from craft_rag.engine.backends.server.serve import (
+    ServeConfig,
+    start_server,
+    stop_server,
+    wait_ready,
+)
 
 
 def _skip_or_fail(reason: str) -> None:

@@ -8,7 +8,7 @@ import json
 import pytest
 
 from craft_rag.cli import main
-from craft_rag.engine.serve import ServeConfig, server_command, server_env
+from craft_rag.engine.backends.server.serve import ServeConfig, server_command, server_env
 
 
 def test_command_has_the_flags_craft_needs_and_the_events_port_rule() -> None:

@@ -16,15 +16,15 @@ import pytest
 from fake_server import FakeServer, running
 
 from craft_rag.chunk import Chunk, make_chunk
-from craft_rag.engine.chat_format import jinja_renderer
-from craft_rag.engine.engine import CraftEngine, EngineSettings
-from craft_rag.engine.server_backend import (
+from craft_rag.engine.backends.server.backend import (
     ServerError,
     ServerRejected,
     ServerSettings,
     ServerUnavailable,
     parse_cache_config,
 )
+from craft_rag.engine.chat_format import jinja_renderer
+from craft_rag.engine.engine import CraftEngine, EngineSettings
 from craft_rag.planner import CraftPlanner, PlannerConfig
 from craft_rag.prompt import PromptFormat
 from craft_rag.tokenizer import HashingTokenizer

@@ -17,15 +17,15 @@ import pytest
 from fake_server import FakeServer, event, flood, running, sse
 from test_server_backend import chunks, free_port, make_engine
 
-from craft_rag.engine.engine import CraftEngine
-from craft_rag.engine.results import SamplingRequest
-from craft_rag.engine.server_backend import (
+from craft_rag.engine.backends.server.backend import (
     ServerBackend,
     ServerError,
     ServerRejected,
     ServerSettings,
     ServerUnavailable,
 )
+from craft_rag.engine.engine import CraftEngine
+from craft_rag.engine.results import SamplingRequest
 from craft_rag.tokenizer import HashingTokenizer
 
 

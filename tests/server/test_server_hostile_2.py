@@ -16,8 +16,8 @@ import pytest
 from fake_server import FakeServer, event, running, sse
 from test_server_backend import chunks, make_engine
 
+from craft_rag.engine.backends.server.backend import ServerError, ServerUnavailable
 from craft_rag.engine.engine import CraftEngine
-from craft_rag.engine.server_backend import ServerError, ServerUnavailable
 
 
 @pytest.fixture

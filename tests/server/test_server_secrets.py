@@ -15,13 +15,13 @@ from typing import Any
 import pytest
 from fake_server import FakeServer, running
 
-from craft_rag.engine.chat_format import jinja_renderer
-from craft_rag.engine.engine import CraftEngine, EngineSettings
-from craft_rag.engine.server_backend import (
+from craft_rag.engine.backends.server.backend import (
     ServerError,
     ServerSettings,
     ServerUnavailable,
 )
+from craft_rag.engine.chat_format import jinja_renderer
+from craft_rag.engine.engine import CraftEngine, EngineSettings
 from craft_rag.planner import CraftPlanner, PlannerConfig
 from craft_rag.prompt import PromptFormat
 from craft_rag.testing import make_chunks

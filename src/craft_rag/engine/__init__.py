@@ -5,6 +5,13 @@ Importing this package is cheap: vLLM, torch and transformers load only when an 
 or the embedded model is converted. See docs/engine.md.
 """
 
+from craft_rag.engine.backends.server.backend import (
+    ServerError,
+    ServerRejected,
+    ServerSettings,
+    ServerUnavailable,
+)
+from craft_rag.engine.backends.vllm.backend import EngineSettings, EngineStartError
 from craft_rag.engine.chat_format import derive_chat_format
 from craft_rag.engine.condense import (
     CONDENSE_INSTRUCTION,
@@ -42,12 +49,6 @@ from craft_rag.engine.results import (
     StreamChunk,
     TokensRequest,
 )
-from craft_rag.engine.server_backend import (
-    ServerError,
-    ServerRejected,
-    ServerSettings,
-    ServerUnavailable,
-)
 from craft_rag.engine.turn_layout import (
     APPEND_ONLY,
     DEFAULT_TURN_LAYOUT,
@@ -55,7 +56,6 @@ from craft_rag.engine.turn_layout import (
     TurnCostModel,
     TurnLayoutPolicy,
 )
-from craft_rag.engine.vllm_backend import EngineSettings, EngineStartError
 from craft_rag.validation import validate_cache_salt
 
 __all__ = [

@@ -26,7 +26,7 @@ E = TypeVar("E")
 
 
 class EngineBackend(Protocol):
-    """The engine operations the driver needs; :class:`craft_rag.engine.vllm_backend.
+    """The engine operations the driver needs; :class:`craft_rag.engine.backends.vllm.backend.
     VLLMBackend` implements them over vLLM. None of these is called concurrently.
 
     ``add_request`` is called with ``cache_salt=`` only for salted requests, so a backend

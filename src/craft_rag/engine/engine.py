@@ -32,6 +32,8 @@ import threading
 from collections.abc import Callable, Sequence
 
 from craft_rag.chunk import Chunk
+from craft_rag.engine.backends.server.backend import ServerSettings
+from craft_rag.engine.backends.vllm.backend import EngineSettings, EngineStartError
 from craft_rag.engine.chat_format import RenderFn, model_renderer
 from craft_rag.engine.conversation_prompts import (
     DEFAULT_HISTORY_BUDGET,
@@ -73,9 +75,7 @@ from craft_rag.engine.results import (
     SamplingRequest,
     TokensRequest,
 )
-from craft_rag.engine.server_backend import ServerSettings
 from craft_rag.engine.turn_layout import DEFAULT_TURN_LAYOUT, TurnLayoutPolicy
-from craft_rag.engine.vllm_backend import EngineSettings, EngineStartError
 from craft_rag.engine.wiring import (
     ChatRendering,
     ManagedBackend,
@@ -159,7 +159,8 @@ class CraftEngine(RequestForms):
         ``server``: a vLLM OpenAI-compatible server's URL (or :class:`ServerSettings`) to serve
         through instead of an in-process engine; ``settings.model`` then names the local folder
         of the served model's tokenizer and chat template (see
-        :mod:`craft_rag.engine.server_backend`; ``ServerUnavailable``/``ValueError`` name the fix).
+        :mod:`craft_rag.engine.backends.server.backend`; ``ServerUnavailable``/``ValueError``
+        name the fix).
 
         ``store``: planner state shared with other workers (``memory://``,
         ``sqlite:///path/state.db``, ``redis://host:6379/0``; see :mod:`craft_rag.stores`): the

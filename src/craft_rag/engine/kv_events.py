@@ -47,7 +47,7 @@ the HTTP answer and the ZMQ batch race) and wipe what it committed. An expected 
 in :attr:`KVEventStats.own_clears` and not forwarded; a gap or restart forgets expectations (a
 lost batch may have held the event; clearing again is the safe side).
 
-Over a vLLM server (:mod:`craft_rag.engine.server_backend`) the endpoint is ``tcp://HOST:PORT``
+Over a vLLM server (:mod:`craft_rag.engine.backends.server.backend`) the endpoint is ``tcp://HOST:PORT``
 (the server's publisher binds ``tcp://*:PORT``; ZMQ reconnects by itself after a restart) and
 hashes are 64-bit ints; with :meth:`KVEventSync.set_hasher` the sync also checks that the first
 block of each unsalted stored chain hashes as expected (:attr:`KVEventStats.hash_mismatches`

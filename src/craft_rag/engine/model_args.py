@@ -31,9 +31,9 @@ from collections.abc import Mapping
 from dataclasses import asdict, fields, replace
 from typing import Any
 
+from craft_rag.engine.backends.server.settings import ServerSettings, as_server_settings
+from craft_rag.engine.backends.vllm.backend import EngineSettings
 from craft_rag.engine.results import SAMPLING_KEYWORDS
-from craft_rag.engine.server_settings import ServerSettings, as_server_settings
-from craft_rag.engine.vllm_backend import EngineSettings
 from craft_rag.redact import redact_url
 
 __all__ = [

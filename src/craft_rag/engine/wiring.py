@@ -6,7 +6,7 @@ argument fails before vLLM takes seconds and RAM); :func:`wire_backend`
 picks the backend (a vLLM server, the in-process vLLM engine, or a caller's backend such as a
 test fake), subscribes to its KV events and makes the block hasher; :meth:`Wiring.driver` makes
 the driver that steps it (:class:`~craft_rag.engine.driver.EngineDriver`) or streams to it
-(:class:`~craft_rag.engine.server_driver.ServerDriver`).
+(:class:`~craft_rag.engine.backends.server.driver.ServerDriver`).
 """
 
 from __future__ import annotations
@@ -17,14 +17,14 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Literal, Protocol
 
+from craft_rag.engine.backends.server.backend import ServerBackend, ServerSettings, connect_server
+from craft_rag.engine.backends.server.driver import ServerDriver
+from craft_rag.engine.backends.vllm.backend import EngineSettings, VLLMBackend
+from craft_rag.engine.backends.vllm.logs import LOGGER, start_progress
 from craft_rag.engine.chat_format import derive_chat_format
 from craft_rag.engine.driver import EngineBackend, EngineDriver
 from craft_rag.engine.kv_events import BlockHasher, KVEventSync
-from craft_rag.engine.logs import LOGGER, start_progress
 from craft_rag.engine.planners import PlannerNamespaces
-from craft_rag.engine.server_backend import ServerBackend, ServerSettings, connect_server
-from craft_rag.engine.server_driver import ServerDriver
-from craft_rag.engine.vllm_backend import EngineSettings, VLLMBackend
 from craft_rag.prompt import PromptFormat
 from craft_rag.tokenizer import HFTokenizer, Tokenizer
 

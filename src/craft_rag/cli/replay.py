@@ -12,7 +12,7 @@ from craft_rag.ordering import DEFAULT_POLICY, ORDERING_POLICIES
 from craft_rag.paths import default_model_dir
 from craft_rag.planner import PlannerConfig
 from craft_rag.prompt import PromptFormat
-from craft_rag.replay import DEFAULT_BLOCK_SIZE, DEFAULT_CACHE_TOKENS, ReplayResult, replay
+from craft_rag.replay.run import DEFAULT_BLOCK_SIZE, DEFAULT_CACHE_TOKENS, ReplayResult, replay
 from craft_rag.tokenizer import HashingTokenizer, HFTokenizer, Tokenizer, load_tokenizer
 from craft_rag.trace import read_trace
 

