@@ -43,9 +43,8 @@ def test_two_engines_share_planner_state_per_salt(kind: str, tmp_path: Path) -> 
         tenant.sync()
         assert tenant.access_table.count(chunks[3].key) == 1
         assert tenant.store is not None
-        assert tenant._shared is not None and tenant._shared.namespace == namespace_for_salt(
-            "tenant-1"
-        )
+        position = tenant.shared_position()
+        assert position is not None and position.namespace == namespace_for_salt("tenant-1")
         # The default namespace saw only the unsalted request; another tenant saw nothing.
         default = b.planner
         assert isinstance(default, CraftPlanner)
