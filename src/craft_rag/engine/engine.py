@@ -29,29 +29,34 @@ from __future__ import annotations
 import functools
 import itertools
 import threading
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
+from typing import Unpack
 
 from craft_rag.chunk import Chunk
 from craft_rag.engine.backends.server.backend import ServerSettings
 from craft_rag.engine.backends.vllm.backend import EngineSettings, EngineStartError
-from craft_rag.engine.chat_format import RenderFn, model_renderer
+from craft_rag.engine.chat_format import model_renderer
 from craft_rag.engine.conversation_prompts import (
-    DEFAULT_HISTORY_BUDGET,
     ENGINE_MAX_CONVERSATIONS,
     ConversationPrompts,
-    HistoryBudget,
 )
 from craft_rag.engine.driver import (
     EngineFailure,
     RequestCancelled,
     RequestState,
 )
+from craft_rag.engine.engine_settings import (
+    BackendParts,
+    ConversationSettings,
+    FlatKeywords,
+    PlannerSettings,
+    RenderingSettings,
+    group_keywords,
+)
 from craft_rag.engine.forms import RequestForms
-from craft_rag.engine.kv_events import BlockHasher
 from craft_rag.engine.messages import ChatTurn, MessageRenderer
 from craft_rag.engine.model import local_model_folder
 from craft_rag.engine.planners import (
-    DEFAULT_MAX_SALT_NAMESPACES,
     CacheSalt,
     PlannerNamespaces,
     bound_conversations,
@@ -75,17 +80,14 @@ from craft_rag.engine.results import (
     SamplingRequest,
     TokensRequest,
 )
-from craft_rag.engine.turn_layout import DEFAULT_TURN_LAYOUT, TurnLayoutPolicy
 from craft_rag.engine.wiring import (
     ChatRendering,
-    ManagedBackend,
     conversation_format,
     prompt_pieces,
     wire_backend,
 )
 from craft_rag.planner import CraftPlanner
-from craft_rag.prompt import DEFAULT_INSTRUCTIONS, PromptAssembler, PromptFormat
-from craft_rag.stores.base import StateStore
+from craft_rag.prompt import PromptAssembler, PromptFormat
 from craft_rag.tokenizer import Tokenizer
 from craft_rag.types import ChunkKey
 
@@ -119,23 +121,17 @@ class CraftEngine(RequestForms):
         settings: EngineSettings | None = None,
         planner: CraftPlanner | None = None,
         *,
-        prompt_format: PromptFormat | None = None,
-        system_prompt: str | None = None,
-        instructions: str = DEFAULT_INSTRUCTIONS,
-        max_conversations: int | None = None,
-        salt_planner_factory: Callable[[], CraftPlanner] | None = None,
-        max_salt_namespaces: int = DEFAULT_MAX_SALT_NAMESPACES,
-        backend: ManagedBackend | None = None,
-        tokenizer: Tokenizer | None = None,
-        block_hasher: BlockHasher | None = None,
-        chat_renderer: RenderFn | None = None,
-        history_budget: HistoryBudget | None = DEFAULT_HISTORY_BUDGET,
         server: str | ServerSettings | None = None,
-        store: StateStore | str | None = None,
-        turn_layout: TurnLayoutPolicy = DEFAULT_TURN_LAYOUT,
-        chat_prompt_format: PromptFormat | None = None,
+        planners: PlannerSettings | None = None,
+        rendering: RenderingSettings | None = None,
+        conversation: ConversationSettings | None = None,
+        parts: BackendParts | None = None,
+        **flat: Unpack[FlatKeywords],
     ) -> None:
-        """Start the engine. ``backend``/``tokenizer``/``block_hasher``/``chat_renderer``
+        """Start the engine. The options come in groups (:mod:`craft_rag.engine.engine_settings`:
+        ``planners``, ``rendering``, ``conversation``, ``parts``); each group's fields are also
+        accepted as flat keywords (``store=``, ``turn_layout=``...), not both for one group.
+        ``backend``/``tokenizer``/``block_hasher``/``chat_renderer`` (:class:`BackendParts`)
         replace the vLLM and model pieces (tests use fakes); by default the model is resolved
         (``settings.model``, or the embedded default prepared on first use), vLLM is started
         and KV events subscribed.
@@ -178,11 +174,16 @@ class CraftEngine(RequestForms):
 
         ``ImportError`` (vLLM or converter missing) and :class:`EngineStartError` name the fix.
         """
+        groups = group_keywords(planners, rendering, conversation, parts, flat)
         self.settings = settings or EngineSettings()
+        rendering, parts = groups.rendering, groups.parts
+        prompt_format, system_prompt = rendering.prompt_format, rendering.system_prompt
+        instructions, backend, tokenizer = rendering.instructions, parts.backend, parts.tokenizer
+        store, salt_planner_factory = groups.planners.store, groups.planners.salt_planner_factory
         self.system_prompt = system_prompt  # fixed at the head of every prompt (read-only)
         self.instructions = instructions  # before each request's first document
         salted_factory = None
-        bound = max_conversations
+        bound = groups.planners.max_conversations
         if store is not None:
             planner, salted_factory = store_planners(store, planner, salt_planner_factory, bound)
         elif planner is None:
@@ -192,7 +193,7 @@ class CraftEngine(RequestForms):
         self._namespaces = PlannerNamespaces(
             planner,
             salt_planner_factory,
-            max_salted=max_salt_namespaces,
+            max_salted=groups.planners.max_salt_namespaces,
             salted_factory=salted_factory,
         )
         self._ids = itertools.count(1)
@@ -201,7 +202,7 @@ class CraftEngine(RequestForms):
         # chat template, so the engine needs the files, as vLLM does.
         model_path = local_model_folder(self.settings.model) if backend is None else None
         self._model_path = model_path
-        self._chat_renderer = chat_renderer
+        self._chat_renderer = parts.chat_renderer
         self._message_renderer: MessageRenderer | None = None
 
         # Prompt pieces first: they are cheap and fail fast, before vLLM takes seconds and RAM.
@@ -217,7 +218,7 @@ class CraftEngine(RequestForms):
             model_path,
             self.prompt_format,
             prompt_format=prompt_format,
-            chat_prompt_format=chat_prompt_format,
+            chat_prompt_format=rendering.chat_prompt_format,
             system_prompt=system_prompt,
             instructions=instructions,
         )
@@ -234,7 +235,7 @@ class CraftEngine(RequestForms):
             self._namespaces,
             server=server,
             backend=backend,
-            block_hasher=block_hasher,
+            block_hasher=parts.block_hasher,
         )
         self._backend = wiring.backend
         self._backend_takes_salt = wiring.takes_salt
@@ -244,9 +245,9 @@ class CraftEngine(RequestForms):
         self.conversations = ConversationPrompts(
             self.assembler,
             max_model_len=self._backend.max_model_len,
-            history_budget=history_budget,
-            stores=self._namespaces,
-            turn_layout=turn_layout,  # each salt's planner's one conversation store
+            history_budget=groups.conversation.history_budget,
+            stores=self._namespaces,  # each salt's planner's one conversation store
+            turn_layout=groups.conversation.turn_layout,
             chat_assembler=chat_assembler,
         )
         self._driver = wiring.driver(on_server_lost=self._namespaces.on_all_blocks_cleared)
