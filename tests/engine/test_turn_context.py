@@ -61,7 +61,7 @@ def test_a_turn_reads_its_conversation_once_and_scans_no_store(
     reads["armed"] = 0
     assert result.report.turn == 4
     assert (budget is not None) == (result.report.dropped_turns > 0 or
-                                    engine.conversations.turn_count("c", salt) < 4)
+                                    engine.prompt_renderer.turn_count("c", salt) < 4)
     assert reads["history"] == 1  # the TurnContext (was 5: fit, layout, render x2, settle)
     assert reads["lookups"] == 1  # the salt's planner (was 11)
 
@@ -97,9 +97,9 @@ def test_a_conversation_ended_while_its_turn_was_planned_is_read_again(
         result = engine.generate(chunks[2:3], "q2?", conversation_id="c", max_tokens=4)
     assert len(opened) == 1 and opened[0].next_turn == 1
     assert result.report.turn == 1 and result.report.dropped_turns == 0
-    head = len(engine.conversations.chat_assembler.head_ids)
+    head = len(engine.prompt_renderer.chat_assembler.head_ids)
     assert result.report.prefix_tokens == head
-    assert engine.conversations.turn_count("c") == 1
+    assert engine.prompt_renderer.turn_count("c") == 1
 
 
 def test_fit_derives_the_view_after_its_drop_without_reading_again(
@@ -110,7 +110,7 @@ def test_fit_derives_the_view_after_its_drop_without_reading_again(
     engine.generate([a], "Q1?", conversation_id="s", max_tokens=4)
     engine.generate([b], "Q2?", conversation_id="s", max_tokens=4)
     view = TurnContext.open(
-        engine.conversations, engine.planner, "s", None, [a, b, c], "Q3?", max_tokens=4
+        engine.prompt_renderer, engine.planner, "s", None, [a, b, c], "Q3?", max_tokens=4
     )
     stored = engine.planner.conversations.history(ConversationId("s"))
     assert isinstance(stored, ConversationHistory) and view.history is not None
@@ -127,3 +127,17 @@ def test_history_budget_turns_to_drop_is_exact() -> None:
     assert budget.turns_to_drop([10, 200]) == 1  # the newest is kept even over keep
     assert budget.turns_to_drop([10, 20, 30], first=1) == 1  # at least what was left out
     assert budget.turns_to_drop([90, 90, 90], first=2) == 2
+
+
+def test_the_engine_names_its_renderer_and_keeps_the_former_name(
+    make_fake_engine: Factory,
+) -> None:
+    """``engine.prompt_renderer`` renders prompts; the planner's ``conversations`` is the state.
+    ``engine.conversations`` (the former name) is the same renderer."""
+    engine, _ = make_fake_engine()
+    assert engine.conversations is engine.prompt_renderer
+    assert engine.prompt_renderer.stores is not engine.planner.conversations
+    engine.generate(make_chunks(1), "q?", conversation_id="c", max_tokens=2)
+    assert engine.prompt_renderer.turn_count("c") == len(engine.planner.conversations.turns(
+        ConversationId("c")
+    )) == 1

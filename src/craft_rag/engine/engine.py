@@ -242,7 +242,7 @@ class CraftEngine(RequestForms):
         self.kv_events = wiring.kv_events
         block_hasher = wiring.block_hasher
         self.block_hasher = block_hasher
-        self.conversations = ConversationPrompts(
+        self.prompt_renderer = ConversationPrompts(
             self.assembler,
             max_model_len=self._backend.max_model_len,
             history_budget=groups.conversation.history_budget,
@@ -253,7 +253,7 @@ class CraftEngine(RequestForms):
         self._driver = wiring.driver(on_server_lost=self._namespaces.on_all_blocks_cleared)
         self._rag = RagTurns(
             self._namespaces,
-            self.conversations,
+            self.prompt_renderer,
             lambda ids, sampling, state, salt: self._driver.submit(
                 ids, sampling, state, cache_salt=salt
             ),
@@ -286,10 +286,16 @@ class CraftEngine(RequestForms):
         self._namespaces.reset(planner)
 
     @property
+    def conversations(self) -> ConversationPrompts:
+        """The former name of :attr:`prompt_renderer` (a renderer, not conversation state:
+        that is each salt's planner's ``conversations`` store)."""
+        return self.prompt_renderer
+
+    @property
     def chat_prompt_format(self) -> PromptFormat:
         """The format of conversation turns (:attr:`prompt_format` renders single requests;
         see :attr:`chat_rendering`). Read-only."""
-        return self.conversations.chat_assembler.format
+        return self.prompt_renderer.chat_assembler.format
 
     @property
     def chat_rendering(self) -> ChatRendering:
@@ -315,7 +321,7 @@ class CraftEngine(RequestForms):
     def turn_count(self, conversation_id: str, *, cache_salt: str | None = None) -> int:
         """Turns the engine holds for ``cache_salt``'s ``conversation_id`` (0: unknown under
         that salt, ended or forgotten)."""
-        return self.conversations.turn_count(conversation_id, validate_cache_salt(cache_salt))
+        return self.prompt_renderer.turn_count(conversation_id, validate_cache_salt(cache_salt))
 
     def reset_prefix_cache(self) -> bool:
         """Drop vLLM's whole prefix cache (every salt) and empty every CP-Tree. False (nothing
