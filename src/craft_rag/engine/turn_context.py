@@ -1,8 +1,10 @@
 """One RAG turn's view of its conversation, read once: :class:`TurnContext`.
 
 A turn used to look its conversation up at every step (fit, layout, the ended check, render,
-settle: six reads of the salt's store, each an O(turns) copy). Now the turn reads it ONCE,
-before planning, and every later step works on this value: fit drops whole oldest turns
+settle: six reads of the salt's store, five of them O(turns) copies of its history). Now the
+turn reads the history ONCE, before planning, and every later step works on this value (what
+stays is the planner's own O(1) turn count after planning, which catches an
+``end_conversation`` between plan and render): fit drops whole oldest turns
 (through the planner, which logs them with a shared store) and derives the view that follows
 instead of reading it again; layout, render and the post-commit history budget all see the
 same turns.
