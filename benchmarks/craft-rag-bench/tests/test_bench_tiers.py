@@ -117,8 +117,7 @@ def test_tier_tokens_and_hit_ratio() -> None:
 
 def test_request_finished_counts_are_recorded_by_both_request_ids() -> None:
     class Request:
-        request_id = "7-abc"
-        external_req_id = "7"
+        request_id = "craft-7-1a2b3c4d"  # vLLM's internal id: the submitted one + 8 characters
 
     class Connector:
         def request_finished(self, request: Any, block_ids: Any) -> tuple[bool, Any]:
@@ -128,12 +127,13 @@ def test_request_finished_counts_are_recorded_by_both_request_ids() -> None:
     counts = record_tier_counts(connector)
     assert connector.request_finished(Request(), [1]) == (
         False, {"craft_tiers": {"ram_tokens": 32, "disk_tokens": 64}})  # passed through
-    assert counts == {"7-abc": {"ram_tokens": 32, "disk_tokens": 64},
-                      "7": {"ram_tokens": 32, "disk_tokens": 64}}
-    assert request_tier_tokens(counts, "7", tiered=True) == {"ram_tokens": 32, "disk_tokens": 64}
-    assert request_tier_tokens(counts, "8", tiered=True) == {"ram_tokens": None,
-                                                             "disk_tokens": None}
-    assert request_tier_tokens(counts, "7", tiered=False)["ram_tokens"] is None
+    assert counts == {"craft-7-1a2b3c4d": {"ram_tokens": 32, "disk_tokens": 64},
+                      "craft-7": {"ram_tokens": 32, "disk_tokens": 64}}
+    assert request_tier_tokens(counts, "craft-7", tiered=True) == {"ram_tokens": 32,
+                                                                   "disk_tokens": 64}
+    assert request_tier_tokens(counts, "craft-8", tiered=True) == {"ram_tokens": None,
+                                                                   "disk_tokens": None}
+    assert request_tier_tokens(counts, "craft-7", tiered=False)["ram_tokens"] is None
     assert record_tier_counts(None) == {}
 
 

@@ -141,8 +141,10 @@ TierCounts = dict[str, dict[str, int]]
 
 def record_tier_counts(connector: Any) -> TierCounts:
     """Wrap ``connector.request_finished`` (on the instance) so every finished request's tier
-    counts land in the returned dict, under vLLM's internal and external request ids. Empty
-    and untouched when there is no connector."""
+    counts land in the returned dict, under vLLM's internal request id and the id it was
+    submitted with (the scheduler's ``Request`` only has the internal one, which vLLM makes
+    from the submitted one plus ``-`` and 8 random characters). Empty and untouched when
+    there is no connector."""
     counts: TierCounts = {}
     original = getattr(connector, "request_finished", None)
     if original is None:
@@ -154,10 +156,10 @@ def record_tier_counts(connector: Any) -> TierCounts:
         found = params.get(TIER_PARAMS_KEY) if isinstance(params, Mapping) else None
         if isinstance(found, Mapping):
             row = {k: int(v) for k, v in found.items() if isinstance(v, int)}
-            for rid in (getattr(request, "request_id", None),
-                        getattr(request, "external_req_id", None)):
-                if rid is not None:
-                    counts[str(rid)] = row
+            rid = str(getattr(request, "request_id", ""))
+            for key in (rid, rid.rsplit("-", 1)[0], getattr(request, "external_req_id", None)):
+                if key:
+                    counts[str(key)] = row
         return done
 
     connector.request_finished = recording
