@@ -270,7 +270,9 @@ def test_json_layout_is_stable(tmp_path: Path) -> None:
     text = json.dumps(finite_json(layout(rows)), allow_nan=False)  # strict JSON
     assert json.loads(text)["workloads"]["trace"]["systems"]["craft"]["requests"] == 3
     lines = report_lines(layout(rows))
-    assert any(line.startswith("| craft_tier_pgdsf | ") for line in lines)
+    pgdsf = next(line for line in lines if line.startswith("| craft_tier_pgdsf | "))
+    assert "| 80 / 0 |" in pgdsf and "| 2/2 |" in pgdsf
+    assert next(line for line in lines if line.startswith("| craft | ")).endswith("| - | - | - |")
     assert any("PGDSF vs LRU" in line for line in lines)
 
 

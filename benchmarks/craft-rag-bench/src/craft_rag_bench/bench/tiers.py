@@ -382,7 +382,7 @@ def run(ctx: BenchContext) -> dict[str, Any]:
 
 def report_lines(result: Mapping[str, Any]) -> list[str]:
     """Markdown for the generated report: a table per workload (cached fraction, mean/p50/p99
-    TTFT, tier hit ratio, exact tier hits), then the verdicts."""
+    TTFT, tokens loaded from each tier, tier hit ratio, exact tier hits), then the verdicts."""
     if result.get("skipped"):
         return [f"Skipped: {result['skipped']}."]
     out: list[str] = []
@@ -391,16 +391,18 @@ def report_lines(result: Mapping[str, Any]) -> list[str]:
                 f"({w['pool_tokens']:,} tokens, ~{result['pool_requests']} prompts); tiers "
                 f"{result['tier_ram_bytes'] / 2**30:g} GiB RAM, "
                 f"{result['tier_disk_bytes'] / 2**30:g} GiB disk.", "",
-                "| system | cached | mean TTFT ms | p50 | p99 | tier hit ratio | "
-                "exact tier hits |", "|---|---|---|---|---|---|---|"]
+                "| system | cached | mean TTFT ms | p50 | p99 | tier tokens RAM / disk | "
+                "tier hit ratio | exact tier hits |", "|---|---|---|---|---|---|---|---|"]
         for name, s in w["systems"].items():
             if "error" in s:
-                out.append(f"| {name} | failed: {s['error'][:80]!r} | | | | | |")
+                out.append(f"| {name} | failed: {s['error'][:80]!r} | | | | | | |")
                 continue
             exact = s.get("exactness")
             out.append(
                 f"| {name} | {100 * s['cached_token_fraction']:.1f}% | {s['mean_ttft_ms']:.0f} | "
                 f"{s['p50_ttft_ms']:.0f} | {s['p99_ttft_ms']:.0f} | "
+                + ("-" if s.get("ram_tokens") is None else
+                   f"{s['ram_tokens']:,} / {s['disk_tokens']:,}") + " | "
                 f"{_fmt(s.get('tier_hit_ratio'), '.3f')} | "
                 + ("-" if not exact else
                    f"{exact['tier_hit_identical']}/{exact['tier_hit_requests']}") + " |")
