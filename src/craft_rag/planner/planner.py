@@ -345,7 +345,9 @@ class CraftPlanner(LeaseDesk, KVFeedback, StateRecorder, PlannerFiles):
                     keys, removed_keys, plan.turn, plan.conversation_id, reused_chunks,
                     location, tokens, removed_in_prompt, spans, hashes,
                 )
-                applied = self._record(served, pending.match(self.prefix_tree))
+                tree = self.prefix_tree  # the plan's match while the tree is unchanged:
+                nodes = pending.nodes if pending.version == tree.version else None
+                applied = self._record(served, nodes if pending.tree is tree else None)
             reused, inserted, stale = applied
 
             s = self.stats

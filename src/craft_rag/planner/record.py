@@ -114,8 +114,7 @@ class StateRecorder:
         stale)``. ``nodes``: the tree's match of ``served.keys`` when the caller knows it is
         current (the plan's, tree unchanged since: :meth:`craft_rag.planner.leases.PlanLease.
         match`). Caller holds the lock."""
-        keys, removed = served.keys, served.removed
-        checked = served.checked
+        keys, removed, checked = served.keys, served.removed, served.checked
         if checked:
             self.access_table._add(keys + removed if removed else keys)
         else:

@@ -1,7 +1,7 @@
-"""The CP-Tree's lookups below a root: the longest cached prefix of a key sequence
-(:func:`match_path`) and the longest cached path drawn from a key set (:func:`subset_path`).
-Read-only; :class:`craft_rag.tree.ChunkPrefixTree` wraps them as ``match_nodes`` / ``match`` and
-``subset_path`` / ``match_subset``."""
+"""The CP-Tree's lookups: the longest cached prefix of a key sequence (:func:`match_nodes`) and
+the longest cached path drawn from a key set (:func:`subset_path`). Read-only; they are the
+methods of the same names of :class:`craft_rag.tree.ChunkPrefixTree` (bound as they are: no
+wrapper call on the per-request path), behind its ``match`` and ``match_subset``."""
 
 from __future__ import annotations
 
@@ -9,14 +9,15 @@ from collections.abc import Sequence
 from typing import Any
 
 from craft_rag.tree.nodes import NO_CHILDREN, OneChild, PrefixNode
+from craft_rag.tree.state import TreeState
 from craft_rag.types import ChunkKey
 
 
-def match_path(root: PrefixNode, keys: Sequence[ChunkKey]) -> list[PrefixNode]:
+def match_nodes(tree: TreeState, keys: Sequence[ChunkKey]) -> list[PrefixNode]:
     """:meth:`ChunkPrefixTree.match` for keys the caller already checked (the planner's plan
     and commit): the matched nodes as a list, no :class:`PrefixMatch`. O(len of match)."""
     nodes: list[PrefixNode] = []
-    node = root
+    node = tree.root
     for key in keys:
         children = node.children
         if type(children) is OneChild:
@@ -34,7 +35,7 @@ def match_path(root: PrefixNode, keys: Sequence[ChunkKey]) -> list[PrefixNode]:
 
 
 def subset_path(
-    root: PrefixNode, wanted: set[ChunkKey] | frozenset[ChunkKey] | dict[ChunkKey, Any]
+    tree: TreeState, wanted: set[ChunkKey] | frozenset[ChunkKey] | dict[ChunkKey, Any]
 ) -> list[PrefixNode]:
     """:meth:`ChunkPrefixTree.match_subset` for a set (or a dict keyed by chunk key): the
     path's nodes, root side first ([] for none). Breadth first, one level per chunk of the path: the
@@ -42,6 +43,7 @@ def subset_path(
     has a node, so only that level is compared. Same nodes visited as depth first."""
     # A path never repeats a key (``insert`` refuses that), so no visited-set is needed.
     k = len(wanted)
+    root = tree.root
     level: list[PrefixNode] = [root]
     while True:
         below: list[PrefixNode] = []

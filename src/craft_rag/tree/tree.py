@@ -15,7 +15,8 @@ from typing import Any
 from craft_rag.tree.checks import check_spans_contiguous, check_tree, walk
 from craft_rag.tree.insert import extend
 from craft_rag.tree.io import tree_from_json, tree_to_json
-from craft_rag.tree.match import match_path, subset_path
+from craft_rag.tree.match import match_nodes as _match_nodes
+from craft_rag.tree.match import subset_path as _subset_path
 from craft_rag.tree.nodes import KVLocation, NodeMetadata, PrefixMatch, PrefixNode
 from craft_rag.tree.removal import PrefixRemoval
 from craft_rag.tree.state import DEFAULT_MAX_NODES
@@ -77,20 +78,15 @@ class ChunkPrefixTree(PrefixRemoval):
         except TypeError:
             msg = "keys: must be an iterable of chunk keys (strings)"
             raise ValueError(msg) from None
-        return PrefixMatch(tuple(subset_path(self.root, wanted)))
+        return PrefixMatch(tuple(_subset_path(self, wanted)))
 
-    def subset_path(
-        self, wanted: set[ChunkKey] | frozenset[ChunkKey] | dict[ChunkKey, Any]
-    ) -> list[PrefixNode]:
-        """:meth:`match_subset` for a set (or a dict keyed by chunk key) the caller built: the
-        path's nodes, root side first ([] for none); see :func:`craft_rag.tree.match.subset_path`.
-        """
-        return subset_path(self.root, wanted)
+    subset_path = _subset_path
+    """``subset_path(wanted)``: :meth:`match_subset` for a set (or a dict keyed by chunk key)
+    the caller built: the path's nodes, root side first ([] for none)."""
 
-    def match_nodes(self, keys: Sequence[ChunkKey]) -> list[PrefixNode]:
-        """:meth:`match` for keys the caller already checked (the planner's plan and commit):
-        the matched nodes as a list, no :class:`PrefixMatch`. O(len of match)."""
-        return match_path(self.root, keys)
+    match_nodes = _match_nodes
+    """``match_nodes(keys)``: :meth:`match` for keys the caller already checked (the planner's
+    plan and commit): the matched nodes as a list, no :class:`PrefixMatch`. O(len of match)."""
 
     # ---- mutation (the only methods that change the tree) -------------------------------------
 
@@ -152,7 +148,7 @@ class ChunkPrefixTree(PrefixRemoval):
             spans = [meta.token_span for meta in metadata]
             hashes = [meta.block_hashes for meta in metadata]
         extend(self, keys, spans, hashes, location)
-        return PrefixMatch(tuple(match_path(self.root, keys)))
+        return PrefixMatch(tuple(_match_nodes(self, keys)))
 
     insert_trusted = extend
     """:meth:`insert` for arguments the caller checked, as
