@@ -316,3 +316,26 @@ def test_tiers_is_a_suite_that_all_skips_and_a_lent_engine_skips_it() -> None:
     out = tiers.run(ctx)
     assert "skipped" in out and out["workloads"] == {}
     assert report_lines(out)[0].startswith("Skipped")
+
+
+def test_cli_options_reach_the_suite_sizes(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from craft_rag.cli import build_parser
+    from craft_rag_bench.bench import cli
+
+    seen: list[BenchContext] = []
+    monkeypatch.setattr(cli, "run_suites",
+                        lambda ctx, names, out, plots=True: seen.append(ctx) or {})
+    args = build_parser().parse_args(
+        ["bench", "tiers", "--pool-requests", "3", "--tier-ram-mib", "256",
+         "--tier-disk-mib", "1024", "--out", str(tmp_path / "out")])
+    assert cli.run_bench(args) == 0
+    sizes = seen[0].sizes
+    assert (sizes.tiers_pool_requests, sizes.tiers_ram_bytes, sizes.tiers_disk_bytes) == (
+        3, 256 << 20, 1 << 30)
+    defaults = BenchContext().sizes
+    assert (defaults.tiers_ram_bytes, defaults.tiers_disk_bytes, defaults.tiers_requests) == (
+        1 << 30, 4 << 30, 300)
+    with pytest.raises(SystemExit):
+        build_parser().parse_args(["bench", "tiers", "--pool-requests", "0"])
