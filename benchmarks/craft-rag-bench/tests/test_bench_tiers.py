@@ -325,8 +325,13 @@ def test_cli_options_reach_the_suite_sizes(
     from craft_rag_bench.bench import cli
 
     seen: list[BenchContext] = []
-    monkeypatch.setattr(cli, "run_suites",
-                        lambda ctx, names, out, plots=True: seen.append(ctx) or {})
+
+    def run_suites(ctx: BenchContext, names: list[str], out: Path,
+                   plots: bool = True) -> dict[str, Any]:
+        seen.append(ctx)
+        return {}
+
+    monkeypatch.setattr(cli, "run_suites", run_suites)
     args = build_parser().parse_args(
         ["bench", "tiers", "--pool-requests", "3", "--tier-ram-mib", "256",
          "--tier-disk-mib", "1024", "--out", str(tmp_path / "out")])
