@@ -34,7 +34,6 @@ from __future__ import annotations
 import hashlib
 import itertools
 import logging
-from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -51,6 +50,7 @@ from craft_rag.kvtiers import Tier
 from craft_rag.kvtiers.keys import BlockKey, chain_keys
 from craft_rag.kvtiers.layout_cpu import CpuBlockLayout, extract_block, inject_block, layout_of
 from craft_rag.kvtiers.store import TieredBlockStore
+from craft_rag.kvtiers.tier_settings import KVTierSettings
 
 if TYPE_CHECKING:
     import torch
@@ -63,7 +63,7 @@ if TYPE_CHECKING:
     from vllm.v1.outputs import KVConnectorOutput
     from vllm.v1.request import Request
 
-__all__ = ["TIER_PARAMS_KEY", "CraftTierConnector", "TierConnectorSettings"]
+__all__ = ["TIER_PARAMS_KEY", "CraftTierConnector", "engine_namespace", "open_store"]
 
 logger = logging.getLogger(__name__)
 
@@ -71,55 +71,15 @@ TIER_PARAMS_KEY = "craft_tiers"
 """Key of the per-request tier counts in ``kv_transfer_params``:
 ``{"ram_tokens": int, "disk_tokens": int}``."""
 
-DEFAULT_RAM_BYTES = 1 << 30
-DEFAULT_POLICY = "pgdsf"
 
-
-@dataclass(frozen=True, slots=True)
-class TierConnectorSettings:
-    """The connector's ``kv_connector_extra_config``. ``disk_bytes=0`` (and no ``disk_dir``)
-    means RAM only; ``policy`` names a :data:`craft_rag.kvtiers.policies.TIER_POLICIES` entry."""
-
-    ram_bytes: int = DEFAULT_RAM_BYTES
-    disk_bytes: int = 0
-    disk_dir: str | None = None
-    policy: str = DEFAULT_POLICY
-
-    @classmethod
-    def from_extra(cls, extra: Mapping[str, Any] | None) -> TierConnectorSettings:
-        """Parse ``kv_connector_extra_config``; ``ValueError`` naming the valid keys for an
-        unknown one, and for sizes that are not non-negative integers."""
-        extra = dict(extra or {})
-        valid = {"ram_bytes", "disk_bytes", "disk_dir", "policy"}
-        unknown = sorted(set(extra) - valid)
-        if unknown:
-            msg = f"unknown kv_connector_extra_config key(s) {unknown}; valid: {sorted(valid)}"
-            raise ValueError(msg)
-        for name in ("ram_bytes", "disk_bytes"):
-            value = extra.get(name)
-            bad = isinstance(value, bool) or not isinstance(value, int) or value < 0
-            if value is not None and bad:
-                msg = f"{name} must be a non-negative integer (bytes), got {value!r}"
-                raise ValueError(msg)
-        disk_dir = extra.get("disk_dir")
-        if disk_dir is not None and not isinstance(disk_dir, str | Path):
-            msg = f"disk_dir must be a path string, got {disk_dir!r}"
-            raise ValueError(msg)
-        return cls(
-            ram_bytes=int(extra.get("ram_bytes", DEFAULT_RAM_BYTES)),
-            disk_bytes=int(extra.get("disk_bytes", 0)),
-            disk_dir=str(disk_dir) if disk_dir is not None else None,
-            policy=str(extra.get("policy", DEFAULT_POLICY)),
-        )
-
-    def open_store(self) -> TieredBlockStore:
-        """The store these settings describe (opens and indexes ``disk_dir``)."""
-        return TieredBlockStore(
-            ram_bytes=self.ram_bytes,
-            disk_bytes=self.disk_bytes,
-            disk_dir=Path(self.disk_dir) if self.disk_dir is not None else None,
-            policy=self.policy,
-        )
+def open_store(settings: KVTierSettings) -> TieredBlockStore:
+    """The store ``settings`` describe (validates, creates and indexes ``disk_dir``)."""
+    return TieredBlockStore(
+        ram_bytes=settings.ram_bytes,
+        disk_bytes=settings.disk_bytes,
+        disk_dir=Path(settings.disk_dir) if settings.disk_dir is not None else None,
+        policy=settings.policy,
+    )
 
 
 def engine_namespace(vllm_config: VllmConfig) -> str:
@@ -211,7 +171,7 @@ class CraftTierConnector(KVConnectorBase_V1):
             raise ValueError(msg)
         self._block_size = int(vllm_config.cache_config.block_size)
         extra = self._kv_transfer_config.kv_connector_extra_config
-        self._settings = TierConnectorSettings.from_extra(extra)
+        self._settings = KVTierSettings.from_extra(extra)
         self._namespace = engine_namespace(vllm_config)
         # scheduler role
         self._store: TieredBlockStore | None = None
@@ -226,7 +186,7 @@ class CraftTierConnector(KVConnectorBase_V1):
         self._extracted: dict[int, bytes] = {}
         self._load_errors: set[int] = set()
         if role == KVConnectorRole.SCHEDULER:
-            self._store = self._settings.open_store()
+            self._store = open_store(self._settings)
 
     @property
     def store(self) -> TieredBlockStore:

