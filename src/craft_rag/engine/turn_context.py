@@ -28,17 +28,34 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass, replace
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Protocol
 
 from craft_rag.chunk import Chunk
 from craft_rag.conversation import ConversationHistory
 from craft_rag.engine.turn_layout import LayoutChoice
+from craft_rag.prompt import PromptAssembler
 from craft_rag.stores.histories import load_history
 from craft_rag.types import CacheSalt, ChunkKey, ConversationId
 
 if TYPE_CHECKING:
-    from craft_rag.engine.conversation_prompts import ConversationPrompts
     from craft_rag.planner import CraftPlanner
+
+
+class TurnRenderer(Protocol):
+    """What :meth:`TurnContext.open` needs of the renderer
+    (:class:`~craft_rag.engine.conversation_prompts.ConversationPrompts`): a protocol, so
+    this module sits below the renderer that imports it (no import cycle)."""
+
+    max_model_len: int
+    chat_assembler: PromptAssembler
+
+    def turn_token_count(
+        self, chunks: Sequence[Chunk], question: str, conversation_id: str | None = None
+    ) -> int: ...
+
+    def choose_layout(
+        self, view: TurnContext, chunks: Sequence[Chunk], question: str, *, block_size: int
+    ) -> LayoutChoice | None: ...
 
 __all__ = ["TurnContext"]
 
@@ -75,7 +92,7 @@ class TurnContext:
     @classmethod
     def open(
         cls,
-        renderer: ConversationPrompts,
+        renderer: TurnRenderer,
         planner: CraftPlanner,
         conversation_id: str | None,
         cache_salt: CacheSalt | None,

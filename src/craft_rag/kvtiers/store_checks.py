@@ -3,18 +3,17 @@ after every step of seeded stress runs). Kept apart so the store module stays on
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import Any
 
 from craft_rag.kvtiers import disk_tier
 from craft_rag.kvtiers.keys import BlockKey
 from craft_rag.kvtiers.tier_types import DiskState, Tier
 
-if TYPE_CHECKING:
-    from craft_rag.kvtiers.store import TieredBlockStore
 
-
-def check_store(store: TieredBlockStore, check_files: bool) -> None:
-    """Assert the store's invariants; the caller holds the store's lock. O(n)."""
+def check_store(store: Any, check_files: bool) -> None:
+    """Assert the invariants of ``store`` (a :class:`~craft_rag.kvtiers.store.TieredBlockStore`,
+    typed ``Any`` so this module need not import the store that imports it); the caller holds
+    the store's lock. O(n)."""
     children: dict[Tier, dict[BlockKey, int]] = {tier: {} for tier in Tier}
     for key, entry in store._entries.items():
         assert entry.key == key and entry.pins >= 0
