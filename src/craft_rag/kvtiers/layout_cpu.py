@@ -124,15 +124,17 @@ def extract_block(
     Raises ``IndexError`` for a block id outside the pool. Cost: one copy of ``block_bytes``.
     """
     layout = layout or layout_of(kv_caches)
-    n = layout.layer_block_bytes
-    out = torch.empty(layout.block_bytes, dtype=torch.uint8)
+    first = kv_caches[layout.layer_names[0]]
+    if not 0 <= block_id < first.shape[0]:
+        msg = f"block id {block_id} outside the pool of {first.shape[0]} blocks"
+        raise IndexError(msg)
+    # Copies run in the cache's own dtype: torch's uint8 copy of a reinterpreted float block
+    # measured ~800x slower (976 ms vs 1.2 ms for 30 layers of 48 KiB on this CPU).
+    n = first[block_id].numel()
+    out = torch.empty(len(layout.layer_names) * n, dtype=first.dtype)
     for i, name in enumerate(layout.layer_names):
-        kv = kv_caches[name]
-        if not 0 <= block_id < kv.shape[0]:
-            msg = f"block id {block_id} outside the pool of {kv.shape[0]} blocks"
-            raise IndexError(msg)
-        out[i * n : (i + 1) * n].copy_(kv[block_id].reshape(-1).view(torch.uint8))
-    return out.numpy().tobytes()
+        out[i * n : (i + 1) * n].copy_(kv_caches[name][block_id].reshape(-1))
+    return out.view(torch.uint8).numpy().tobytes()
 
 
 def inject_block(
@@ -160,7 +162,7 @@ def inject_block(
     with warnings.catch_warnings():
         # torch warns that ``bytes`` is read-only; the view is only ever copied from.
         warnings.simplefilter("ignore", UserWarning)
-        src = torch.frombuffer(payload, dtype=torch.uint8)
+        src = torch.frombuffer(payload, dtype=first.dtype)  # own dtype: see extract_block
+    n //= first.element_size()
     for i, name in enumerate(layout.layer_names):
-        dst = kv_caches[name][block_id].reshape(-1).view(torch.uint8)
-        dst.copy_(src[i * n : (i + 1) * n])
+        kv_caches[name][block_id].reshape(-1).copy_(src[i * n : (i + 1) * n])
