@@ -1,36 +1,31 @@
-"""What ``ChatCraftVLLM`` and ``CraftVLLM`` share: engine settings, the lazily started engine,
-request building, and the engine's results turned into LangChain metadata.
+"""What ``ChatCraftVLLM`` and ``CraftVLLM`` share: their settings (:class:`CraftEngineParams`),
+the engine they run on (given, or started lazily and owned), and one request's path through it.
 
 Both models go through one path per request: :meth:`CraftEngineParams._engine_request` builds
 the engine's request (a ``RagRequest`` for chunks, a ``MessagesRequest`` for a plain chat, with
 the call's sampling from ``SamplingRequest.with_overrides``), :meth:`CraftEngineParams.
 _engine_stream` (or ``_engine_astream``) submits it (``engine.submit``) and iterates the handle,
 turning each piece into the model's chunk type and firing ``on_llm_new_token``;
-:func:`final_metadata` turns the finished result into usage and the reuse report. Sync and
-async differ only in iteration.
+:func:`~langchain_craft._results.final_metadata` turns the finished result into usage and the
+reuse report. Sync and async differ only in iteration.
 
-The prompt before generation: each model's ``invoke``/``stream`` (and async forms) builds and
-submits the request *before* LangChain's run starts (:meth:`CraftEngineParams._start_call`), so
-the run's metadata, ``on_chat_model_start``/``on_llm_start`` and tracers carry the exact prompt
-(``metadata["craft_prompt"]``); the same model's ``_stream`` of that call then serves that very
-request (:meth:`CraftEngineParams._take_started`), and a request LangChain never asked for (an
-LLM-cache hit, a failing callback) is aborted, committing nothing.
+The request may already be running: :meth:`CraftEngineParams._start_call` submits it before
+LangChain's run starts, so the run's metadata carries the exact prompt, and ``_stream`` then
+serves that very request (:mod:`langchain_craft._started`). The constructor's familiar
+argument names are sorted in :mod:`langchain_craft._arguments`.
 """
 
 from __future__ import annotations
 
 import threading
-from collections.abc import AsyncIterator, Awaitable, Callable, Iterator, Mapping, Sequence
+from collections.abc import AsyncIterator, Callable, Iterator, Mapping, Sequence
 from contextlib import aclosing
-from contextvars import ContextVar
-from dataclasses import asdict, dataclass
+from dataclasses import asdict
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, TypeVar
 
 from langchain_core.callbacks import AsyncCallbackManagerForLLMRun, CallbackManagerForLLMRun
-from langchain_core.messages.ai import InputTokenDetails, UsageMetadata
 from langchain_core.runnables import RunnableConfig, ensure_config
-from langchain_core.utils.utils import _build_model_kwargs
 from pydantic import (
     BaseModel,
     ConfigDict,
@@ -49,17 +44,21 @@ from craft_rag.engine import (
     ServerSettings,
 )
 from craft_rag.engine.model_args import (
-    MAX_TOKENS_ALIASES,
-    SERVER_ALIASES,
     call_sampling,
     check_prompt_text,
     check_sampling_extra,
-    engine_settings_with,
-    server_with,
-    settings_dict,
 )
 from craft_rag.redact import MASK, redact_url
+from langchain_craft._arguments import ENGINE_ARGS, SERVER_ONLY, normalise_arguments
 from langchain_craft._documents import validate_conversation_id
+from langchain_craft._results import (
+    PROMPT_KEY,
+    final_metadata,
+    report_dict,
+    reuse_dict,
+    usage_metadata,
+)
+from langchain_craft._started import Call, StartedRequest, take_started
 
 if TYPE_CHECKING:
     from craft_rag import Plan
@@ -67,14 +66,25 @@ if TYPE_CHECKING:
         CraftEngine,
         GenerationResult,
         RequestHandle,
-        ReuseReport,
         StreamChunk,
     )
 
-__all__ = ["EngineRequest", "StartedRequest"]  # named here for the two models
+# The names that moved to _arguments, _results and _started stay importable from here.
+__all__ = [
+    "ENGINE_ARGS",
+    "PROMPT_KEY",
+    "SERVER_ONLY",
+    "Call",
+    "CraftEngineParams",
+    "EngineRequest",
+    "StartedRequest",
+    "final_metadata",
+    "report_dict",
+    "reuse_dict",
+    "usage_metadata",
+]
 
 ChunkT = TypeVar("ChunkT")
-T = TypeVar("T")
 
 ENGINE_INSTALL_HINT = (
     "ChatCraftVLLM/CraftVLLM need craft-rag's in-process engine: "
@@ -82,160 +92,6 @@ ENGINE_INSTALL_HINT = (
 )
 DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
 
-
-def report_dict(result: GenerationResult) -> dict[str, Any]:
-    """The engine's ``ReuseReport`` as JSON-ready data, plus ``cached_fraction``."""
-    return reuse_dict(result.report)
-
-
-def reuse_dict(report: ReuseReport) -> dict[str, Any]:
-    """A ``ReuseReport`` as JSON-ready data, plus ``cached_fraction``."""
-    data = asdict(report)
-    for key, value in data.items():
-        if isinstance(value, tuple):
-            data[key] = list(value)
-    data["cached_fraction"] = report.cached_fraction
-    return data
-
-
-def usage_metadata(result: GenerationResult) -> UsageMetadata:
-    """Token usage; ``input_token_details.cache_read`` is vLLM's ``num_cached_tokens``."""
-    report = result.report
-    return UsageMetadata(
-        input_tokens=report.prompt_tokens,
-        output_tokens=report.output_tokens,
-        total_tokens=report.prompt_tokens + report.output_tokens,
-        input_token_details=InputTokenDetails(cache_read=report.cached_tokens),
-    )
-
-
-def final_metadata(
-    result: GenerationResult, model_name: str, prompt: dict[str, Any] | None = None
-) -> dict[str, Any]:
-    """``response_metadata`` / ``generation_info`` of a finished request: the reuse report
-    under ``craft`` and, given, the prompt sent under ``craft_prompt``."""
-    metadata = {
-        "model_name": model_name,
-        "finish_reason": result.finish_reason,
-        "craft": report_dict(result),
-    }
-    if prompt is not None:
-        metadata[PROMPT_KEY] = prompt
-    return metadata
-
-
-PROMPT_KEY = "craft_prompt"
-"""``response_metadata``/``generation_info`` key of the exact prompt sent: ``{"text": ...,
-"token_ids": [...]}`` (``text``: the ids decoded with control tokens spelled out; ``None``
-when the engine's tokenizer cannot decode)."""
-
-Call = tuple[Any, ...]
-"""What one LangChain call hands ``_stream``: ``(input, stop, kwargs)``, input being the chat
-model's messages or the LLM's prompt string."""
-
-
-@dataclass(slots=True)
-class StartedRequest:
-    """A request submitted by one ``invoke``/``stream`` call before LangChain's run starts, so
-    the run's start callbacks carry its prompt; or the error submitting it raised, which the
-    run raises (never submitted twice). Owner: that call, which aborts the request once
-    LangChain returns (a no-op once it finished). ``taken`` is set once, by the first
-    ``_stream`` of the same model for the same ``call`` (:meth:`CraftEngineParams.
-    _take_started`), which then serves it or raises its error."""
-
-    model: object  # compared by identity: only this model's _stream takes the request
-    call: Call
-    handle: RequestHandle | None  # None: submitting raised ``error``
-    error: Exception | None = None
-    taken: bool = False
-
-    def abort(self) -> None:
-        """Stop the request unless it ended (nothing committed); idempotent."""
-        if self.handle is not None:
-            self.handle.abort()
-
-
-_STARTED: ContextVar[StartedRequest | None] = ContextVar("langchain_craft_started", default=None)
-"""The request of the innermost pre-starting call in this context. Why a context variable:
-LangChain hands ``_stream`` only the input and the call's kwargs (which also reach its cache
-key and invocation params), so nothing per call can ride along; a context variable is per
-thread and per task, set and reset around LangChain's call within one step (never across a
-yield), so a nested call, of this model or another, sees its own request and the outer one
-sees its own again afterwards."""
-
-_NOTHING: Any = object()
-"""End-of-stream marker for the first ``next``."""
-
-SERVER_ONLY = ("api_key", "timeout", "max_retries")
-"""ChatOpenAI's connection settings: they act on the server (``base_url``) only."""
-
-ENGINE_ARGS = (
-    "context_window", "max_model_len", "vllm_kwargs", "dtype", "gpu_memory_utilization",
-    "tensor_parallel_size", "trust_remote_code", "download_dir", "quantization",
-)
-"""LangChain ``VLLM`` / LlamaIndex ``Vllm`` engine arguments: they shape the started engine."""
-
-
-def _normalise_arguments(cls: type[BaseModel], values: dict[str, Any]) -> dict[str, Any]:
-    """The familiar names (``craft_rag.engine.model_args``) moved onto this model's fields:
-    the server URL aliases onto ``server`` (with ``api_key``/``timeout``/``max_retries``),
-    engine arguments and ``model`` into ``engine_settings``, ``max_new_tokens`` onto
-    ``max_tokens``; any other unknown name goes to ``model_kwargs`` with a warning, as
-    ``ChatOpenAI`` does, where it must be a vLLM sampling parameter (``ValueError``
-    otherwise)."""
-    values = dict(values)
-    urls = {k: values.pop(k) for k in SERVER_ALIASES if values.get(k) is not None}
-    if len(set(urls.values())) > 1:
-        shown = {k: redact_url(str(v)) for k, v in urls.items()}
-        msg = f"give the server URL once, got {shown}"
-        raise ValueError(msg)
-    connection = {k: values.pop(k, None) for k in SERVER_ONLY}
-    server = server_with(
-        values.get("server"), next(iter(urls.values()), None), **connection
-    )
-    values["server"] = server
-    for alias in MAX_TOKENS_ALIASES:
-        if alias in values:
-            value = values.pop(alias)
-            if values.get("max_tokens", value) != value:
-                msg = f"max_tokens and {alias} differ; give one"
-                raise ValueError(msg)
-            values["max_tokens"] = value
-    engine_args = {k: values.pop(k) for k in ENGINE_ARGS if k in values}
-    model = values.get("model")
-    shaped = bool(engine_args) or model is not None or values.get("engine_settings")
-    if values.get("engine") is not None and (shaped or server is not None):
-        msg = (
-            "engine= is a running engine: its model, window and server are set; pass "
-            "model=/base_url=/engine_settings= without engine= to start one"
-        )
-        raise ValueError(msg)
-    if shaped:
-        context_window = engine_args.pop("context_window", None)
-        if "max_model_len" in engine_args:
-            window = engine_args.pop("max_model_len")
-            if context_window is not None and window != context_window:
-                msg = "context_window and max_model_len differ; give one"
-                raise ValueError(msg)
-            context_window = window
-        settings = engine_settings_with(
-            values.get("engine_settings"),
-            model=model,
-            context_window=context_window,
-            vllm_kwargs=engine_args.pop("vllm_kwargs", None),
-            engine_args=engine_args,
-        )
-        values["engine_settings"] = settings_dict(settings)
-    return _build_model_kwargs(values, _field_names(cls))
-
-
-def _field_names(cls: type[BaseModel]) -> set[str]:
-    names = set()
-    for name, field in cls.model_fields.items():
-        names.add(name)
-        if field.alias:
-            names.add(field.alias)
-    return names
 
 
 class CraftEngineParams(BaseModel):
@@ -331,10 +187,11 @@ class CraftEngineParams(BaseModel):
     @model_validator(mode="before")
     @classmethod
     def _familiar_arguments(cls, values: Any) -> Any:
-        """Map the familiar constructor names (see :func:`_normalise_arguments`)."""
+        """Map the familiar constructor names
+        (:func:`~langchain_craft._arguments.normalise_arguments`)."""
         if not isinstance(values, dict):
             return values
-        return _normalise_arguments(cls, values)
+        return normalise_arguments(cls, values)
 
     @field_serializer("server")
     def _server_without_secrets(self, server: ServerSettings | str | None) -> Any:
@@ -502,102 +359,6 @@ class CraftEngineParams(BaseModel):
         metadata = {**(config.get("metadata") or {}), PROMPT_KEY: prompt}
         return StartedRequest(self, call, handle), {**config, "metadata": metadata}
 
-    def _take_started(self, call: Call) -> RequestHandle | None:
-        """The request this model's ``invoke``/``stream`` started for ``call``, once (raising
-        the error submitting it raised); ``None`` for another model, another call, or a
-        request already taken (the caller submits its own). O(size of the call)."""
-        started = _STARTED.get()
-        if started is None or started.model is not self or started.taken:
-            return None
-        if started.call != call:
-            return None
-        started.taken = True
-        if started.error is not None:
-            raise started.error
-        return started.handle
-
-    @staticmethod
-    def _run_started(started: StartedRequest | None, run: Callable[[], T]) -> T:
-        """``run()`` (LangChain's ``invoke``) with ``started`` visible to ``_stream``; then the
-        request is aborted unless it finished (untaken: an LLM-cache hit, a callback's error),
-        so nothing is committed for it."""
-        if started is None:
-            return run()
-        token = _STARTED.set(started)
-        try:
-            return run()
-        finally:
-            _STARTED.reset(token)
-            started.abort()
-
-    @staticmethod
-    async def _arun_started(
-        started: StartedRequest | None, run: Callable[[], Awaitable[T]]
-    ) -> T:
-        """Async :meth:`_run_started`."""
-        if started is None:
-            return await run()
-        token = _STARTED.set(started)
-        try:
-            return await run()
-        finally:
-            _STARTED.reset(token)
-            started.abort()
-
-    @staticmethod
-    def _stream_started(started: StartedRequest | None, chunks: Iterator[T]) -> Iterator[T]:
-        """LangChain's ``stream`` (``chunks``) with ``started`` visible until its first chunk,
-        by which LangChain has called ``_stream``: set and reset within one step of this
-        generator, never across a yield. Closing early closes ``chunks`` (LangChain reports
-        the run's end) and aborts the request."""
-        if started is None:
-            yield from chunks
-            return
-        try:
-            token = _STARTED.set(started)
-            try:
-                first = next(chunks, _NOTHING)
-            finally:
-                _STARTED.reset(token)
-            if not started.taken:  # LangChain served nothing (or another request): stop it now
-                started.abort()
-            if first is not _NOTHING:
-                yield first
-                yield from chunks
-        finally:
-            close = getattr(chunks, "close", None)
-            if callable(close):
-                close()
-            started.abort()
-
-    @staticmethod
-    async def _astream_started(
-        started: StartedRequest | None, chunks: AsyncIterator[T]
-    ) -> AsyncIterator[T]:
-        """Async :meth:`_stream_started` (set and reset within one ``__anext__`` of this
-        generator, so within one task's context)."""
-        if started is None:
-            async for chunk in chunks:
-                yield chunk
-            return
-        try:
-            token = _STARTED.set(started)
-            try:
-                first = await anext(chunks, _NOTHING)
-            finally:
-                _STARTED.reset(token)
-            if not started.taken:
-                started.abort()
-            if first is not _NOTHING:
-                yield first
-                async for chunk in chunks:
-                    yield chunk
-        finally:
-            aclose = getattr(chunks, "aclose", None)
-            if callable(aclose):
-                await aclose()
-            started.abort()
-
     def _craft_ls_params(self, params: Any, kwargs: Mapping[str, Any]) -> Any:
         """LangSmith params of either model: provider and served model name."""
         params["ls_provider"] = "craft_vllm"
@@ -656,7 +417,7 @@ class CraftEngineParams(BaseModel):
     def _handle(self, call: Call, build: Callable[[], EngineRequest]) -> RequestHandle:
         """The request of ``call``: the one its ``invoke``/``stream`` started, else
         ``build()`` submitted now."""
-        handle = self._take_started(call)
+        handle = take_started(self, call)
         return handle if handle is not None else self.get_engine().submit(build())
 
     def _engine_stream(

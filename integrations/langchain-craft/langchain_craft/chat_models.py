@@ -51,13 +51,15 @@ from langchain_core.runnables import RunnableConfig
 
 from craft_rag import CraftPlanner
 from langchain_craft._documents import validate_conversation_id
-from langchain_craft._engine import (
+from langchain_craft._engine import CraftEngineParams, EngineRequest
+from langchain_craft._results import final_metadata, usage_metadata
+from langchain_craft._started import (
     Call,
-    CraftEngineParams,
-    EngineRequest,
     StartedRequest,
-    final_metadata,
-    usage_metadata,
+    arun_started,
+    astream_started,
+    run_started,
+    stream_started,
 )
 from langchain_craft.prompt import CraftContext, build_context, craft_context
 from langchain_craft.reorder import CraftReorder
@@ -174,7 +176,7 @@ class ChatCraftVLLM(CraftEngineParams, BaseChatModel):
         run's metadata carry its prompt under ``craft_prompt`` (module docstring)."""
         started, config = self._start(input, config, stop, kwargs)
         run = partial(super().invoke, input, config, stop=stop, **kwargs)
-        return self._run_started(started, run)
+        return run_started(started, run)
 
     async def ainvoke(
         self,
@@ -187,7 +189,7 @@ class ChatCraftVLLM(CraftEngineParams, BaseChatModel):
         """Async :meth:`invoke`."""
         started, config = self._start(input, config, stop, kwargs)
         run = partial(super().ainvoke, input, config, stop=stop, **kwargs)
-        return await self._arun_started(started, run)
+        return await arun_started(started, run)
 
     def stream(
         self,
@@ -199,7 +201,7 @@ class ChatCraftVLLM(CraftEngineParams, BaseChatModel):
     ) -> Iterator[AIMessageChunk]:
         """LangChain's ``stream``, the request submitted first (see :meth:`invoke`)."""
         started, config = self._start(input, config, stop, kwargs, stream_api="sync")
-        yield from self._stream_started(
+        yield from stream_started(
             started, super().stream(input, config, stop=stop, **kwargs)
         )
 
@@ -214,7 +216,7 @@ class ChatCraftVLLM(CraftEngineParams, BaseChatModel):
         """Async :meth:`stream`."""
         started, config = self._start(input, config, stop, kwargs, stream_api="async")
         chunks = super().astream(input, config, stop=stop, **kwargs)
-        async for chunk in self._astream_started(started, chunks):
+        async for chunk in astream_started(started, chunks):
             yield chunk
 
     def _start(

@@ -54,7 +54,7 @@ from craft_rag.engine import (
     condense_off_reason,
 )
 from langchain_craft._documents import DEFAULT_CONVERSATION_KEYS, conversation_id_from_config
-from langchain_craft._engine import reuse_dict
+from langchain_craft._results import reuse_dict
 from langchain_craft.chat_models import ChatCraftVLLM
 from langchain_craft.prompt import CRAFT_CONTEXT_KEY, build_context
 

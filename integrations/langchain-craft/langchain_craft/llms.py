@@ -30,12 +30,14 @@ from langchain_core.runnables import RunnableConfig
 
 from craft_rag import check_text
 from langchain_craft._documents import validate_conversation_id
-from langchain_craft._engine import (
+from langchain_craft._engine import CraftEngineParams, EngineRequest
+from langchain_craft._results import final_metadata, usage_metadata
+from langchain_craft._started import (
     Call,
-    CraftEngineParams,
-    EngineRequest,
-    final_metadata,
-    usage_metadata,
+    arun_started,
+    astream_started,
+    run_started,
+    stream_started,
 )
 from langchain_craft.prompt import build_context
 
@@ -74,7 +76,7 @@ class CraftVLLM(CraftEngineParams, BaseLLM):
         metadata carry its prompt under ``craft_prompt`` (module docstring)."""
         started, config = self._start_call(partial(self._prepared, input, stop, kwargs), config)
         run = partial(super().invoke, input, config, stop=stop, **kwargs)
-        return self._run_started(started, run)
+        return run_started(started, run)
 
     async def ainvoke(
         self,
@@ -87,7 +89,7 @@ class CraftVLLM(CraftEngineParams, BaseLLM):
         """Async :meth:`invoke`."""
         started, config = self._start_call(partial(self._prepared, input, stop, kwargs), config)
         run = partial(super().ainvoke, input, config, stop=stop, **kwargs)
-        return await self._arun_started(started, run)
+        return await arun_started(started, run)
 
     def stream(
         self,
@@ -99,7 +101,7 @@ class CraftVLLM(CraftEngineParams, BaseLLM):
     ) -> Iterator[str]:
         """LangChain's ``stream``, the request submitted first (see :meth:`invoke`)."""
         started, config = self._start_call(partial(self._prepared, input, stop, kwargs), config)
-        yield from self._stream_started(
+        yield from stream_started(
             started, super().stream(input, config, stop=stop, **kwargs)
         )
 
@@ -113,7 +115,7 @@ class CraftVLLM(CraftEngineParams, BaseLLM):
     ) -> AsyncIterator[str]:
         """Async :meth:`stream`."""
         started, config = self._start_call(partial(self._prepared, input, stop, kwargs), config)
-        async for chunk in self._astream_started(
+        async for chunk in astream_started(
             started, super().astream(input, config, stop=stop, **kwargs)
         ):
             yield chunk
