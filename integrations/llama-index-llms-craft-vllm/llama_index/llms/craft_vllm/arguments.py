@@ -1,15 +1,17 @@
 """``CraftVLLM``'s constructor arguments: LlamaIndex's familiar names (``Vllm``,
-``OpenAILike``) mapped onto the engine to start, the server, and sampling, or refused.
+``OpenAILike``) mapped onto the engine to start, the server, and sampling, or refused; and,
+next to a running ``engine=``, checked against what that engine serves.
 
 The table itself is shared with the LangChain integration
 (:mod:`craft_rag.engine.model_args`); this module only sorts ``CraftVLLM(...)``'s keyword
-arguments into its three destinations. Runs once per ``CraftVLLM`` (construction).
+arguments into its three destinations (:func:`sort_arguments`) and refuses the ones a given
+engine would ignore (:func:`check_given_engine`). Runs once per ``CraftVLLM`` (construction).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from craft_rag.engine import EngineSettings, ServerSettings
 from craft_rag.engine.model_args import (
@@ -22,6 +24,17 @@ from craft_rag.engine.model_args import (
     server_with,
 )
 from craft_rag.redact import redact_url
+
+if TYPE_CHECKING:
+    from craft_rag.engine import CraftEngine
+
+EMBEDDED_MODEL_NAME = "SmolLM2-135M-Instruct (embedded)"
+"""``CraftVLLM.model`` (``LLMMetadata.model_name``) when the engine serves the embedded model."""
+_EMBEDDED_NAMES = frozenset({
+    EMBEDDED_MODEL_NAME, "SmolLM2-135M-Instruct", "HuggingFaceTB/SmolLM2-135M-Instruct",
+})
+"""What ``model=`` may say next to an engine serving the embedded model (whose settings name
+no model)."""
 
 SERVER_ONLY = ("api_key", "timeout", "max_retries")
 """``OpenAILike``'s connection settings: they act on the server (``api_base``) only."""
@@ -129,3 +142,35 @@ def engine_model_matches(engine_model: object, model: str) -> bool:
     return model.rstrip("/") in (text, text.rsplit("/", 1)[-1])
 
 
+def check_given_engine(
+    engine: CraftEngine,
+    model: object,
+    system_prompt: str | None,
+    context_prompt: str | None,
+) -> None:
+    """A running engine has its model and prompt head: ``model``, ``system_prompt`` and
+    ``context_prompt`` given next to it must name them (``ValueError`` otherwise: they would
+    not act). O(1)."""
+    served = engine.settings.model
+    if model is not None and not (
+        engine_model_matches(served, str(model))
+        or (served is None and model in _EMBEDDED_NAMES)
+    ):
+        msg = (
+            f"model={model!r} is not the model this engine serves "
+            f"({served or EMBEDDED_MODEL_NAME!r}); leave model= out with engine=, or pass "
+            "model= without engine= to start an engine for it"
+        )
+        raise ValueError(msg)
+    for name, value, attribute in (
+        ("system_prompt", system_prompt, "system_prompt"),
+        ("context_prompt", context_prompt, "instructions"),
+    ):
+        has = getattr(engine, attribute, None)
+        if value is not None and value != has:
+            msg = (
+                f"{name}={value!r} differs from the engine's {attribute} ({has!r}): the "
+                f"engine renders every prompt's head; start it with CraftEngine("
+                f"{attribute}=...), or pass {name}= without engine= to start one"
+            )
+            raise ValueError(msg)

@@ -30,7 +30,7 @@ response (empty delta) carries the report. All twelve entry points go through
 from __future__ import annotations
 
 import functools
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 from llama_index.core.base.llms.types import (
@@ -50,7 +50,11 @@ from llama_index.core.llms.llm import LLM
 from llama_index.core.llms.llm import (
     default_completion_to_prompt as _identity_completion_to_prompt,
 )
-from llama_index.llms.craft_vllm.arguments import engine_model_matches, sort_arguments
+from llama_index.llms.craft_vllm.arguments import (
+    EMBEDDED_MODEL_NAME,
+    check_given_engine,
+    sort_arguments,
+)
 from llama_index.llms.craft_vllm.calls import (
     REUSE_KEY,
     EngineCall,
@@ -61,7 +65,7 @@ from llama_index.llms.craft_vllm.calls import (
     respond,
     respond_stream,
 )
-from llama_index.llms.craft_vllm.prompts import chat_turns, completion_ids
+from llama_index.llms.craft_vllm.prompts import chat_turns, chunk_list, completion_ids
 from llama_index.llms.craft_vllm.reorderer import EngineReorderer
 from llama_index.llms.craft_vllm.reuse import install_reuse_metadata
 from llama_index.postprocessor.craft import CraftReorderPostprocessor
@@ -87,11 +91,6 @@ from craft_rag.engine import (
 from craft_rag.engine.model_args import call_sampling, check_prompt_text
 
 __all__ = ["EMBEDDED_MODEL_NAME", "REUSE_KEY", "CraftVLLM"]
-
-EMBEDDED_MODEL_NAME = "SmolLM2-135M-Instruct (embedded)"
-_EMBEDDED_NAMES = frozenset({
-    EMBEDDED_MODEL_NAME, "SmolLM2-135M-Instruct", "HuggingFaceTB/SmolLM2-135M-Instruct",
-})
 
 _CONTEXT_KWARGS = frozenset({"cache_salt", "formatted"})
 """Per-call keyword arguments that are not sampling (the rest go to ``with_overrides``)."""
@@ -211,7 +210,7 @@ class CraftVLLM(LLM):
                 instructions=instructions,
             )
         else:
-            self._check_engine(engine, given_model)
+            check_given_engine(engine, given_model, self.system_prompt, self.context_prompt)
         if given_model is None and engine.settings.model is not None:
             self.model = str(engine.settings.model)
         self._engine = engine
@@ -219,34 +218,6 @@ class CraftVLLM(LLM):
         self.planner_for(self.cache_salt)  # fail now if the engine plans with something else
         # Reports reach Response.metadata["craft_reuse"] on any synthesizer (see reuse.py).
         install_reuse_metadata()
-
-    def _check_engine(self, engine: CraftEngine, model: object) -> None:
-        """A running engine has its model and prompt head: ``model``, ``system_prompt`` and
-        ``context_prompt`` given here must name them (``ValueError`` otherwise: they would
-        not act)."""
-        served = engine.settings.model
-        if model is not None and not (
-            engine_model_matches(served, str(model))
-            or (served is None and model in _EMBEDDED_NAMES)
-        ):
-            msg = (
-                f"model={model!r} is not the model this engine serves "
-                f"({served or EMBEDDED_MODEL_NAME!r}); leave model= out with engine=, or pass "
-                "model= without engine= to start an engine for it"
-            )
-            raise ValueError(msg)
-        for name, value, attribute in (
-            ("system_prompt", self.system_prompt, "system_prompt"),
-            ("context_prompt", self.context_prompt, "instructions"),
-        ):
-            has = getattr(engine, attribute, None)
-            if value is not None and value != has:
-                msg = (
-                    f"{name}={value!r} differs from the engine's {attribute} ({has!r}): the "
-                    f"engine renders every prompt's head; start it with CraftEngine("
-                    f"{attribute}=...), or pass {name}= without engine= to start one"
-                )
-                raise ValueError(msg)
 
     @field_validator("cache_salt")
     @classmethod
@@ -387,7 +358,7 @@ class CraftVLLM(LLM):
             msg = "question must be a non-empty string"
             raise ValueError(msg)
         check_text(question, "question")
-        chunks = _chunk_list(chunks)  # read once (a generator works), checked before planning
+        chunks = chunk_list(chunks)  # read once (a generator works), checked before planning
         conversation_id = validate_conversation_id(conversation_id)
         sampling, salt = self._options(kwargs)
         if plan is not None:  # the caller's: it aborts the plan if the request fails
@@ -489,17 +460,3 @@ class CraftVLLM(LLM):
     ) -> CompletionResponseAsyncGen:
         """Async streaming :meth:`complete_chunks` (same arguments)."""
         return arespond_stream(self._chunks_call(chunks, question, kwargs), completion_response)
-
-
-def _chunk_list(chunks: object) -> list[Chunk]:
-    """``chunks`` read once into a list; ``ValueError`` for a string, a non-iterable or an
-    item that is not a ``craft_rag.Chunk`` (naming its index), before any state changes."""
-    if isinstance(chunks, str | bytes | Chunk) or not isinstance(chunks, Iterable):
-        msg = f"chunks must be a sequence of craft_rag.Chunk, got {type(chunks).__name__}"
-        raise ValueError(msg)
-    out = list(chunks)
-    for i, chunk in enumerate(out):
-        if not isinstance(chunk, Chunk):
-            msg = f"chunks[{i}] is a {type(chunk).__name__}, not a craft_rag.Chunk (make_chunk)"
-            raise ValueError(msg)
-    return out

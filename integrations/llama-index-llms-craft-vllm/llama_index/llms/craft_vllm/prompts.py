@@ -1,4 +1,5 @@
-"""LlamaIndex chat messages as the engine's plain chat turns.
+"""A call's input as the engine takes it: LlamaIndex chat messages as plain chat turns, a
+completion prompt as token ids, and RAG chunks read and checked once.
 
 ``CraftVLLM.chat`` sends a message list through ``CraftEngine.generate_messages``: the engine
 renders it with the model's chat template and tokenizes each message on its own, so a chat
@@ -8,11 +9,11 @@ their KV. Nothing is planned or committed for such prompts.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 
 from llama_index.core.base.llms.types import ChatMessage, MessageRole, TextBlock
 
-from craft_rag import Tokenizer, check_text, encode_pieces
+from craft_rag import Chunk, Tokenizer, check_text, encode_pieces
 from craft_rag.engine import ChatTurn
 
 _PROMPT_SENTINEL = "CRAFTPROMPTSENTINEL"
@@ -64,3 +65,18 @@ def completion_ids(
     if found and _PROMPT_SENTINEL not in after and text == before + prompt + after:
         return encode_pieces(tokenizer, [(before, True), (prompt, False), (after, True)])
     return encode_pieces(tokenizer, [(check_text(text, "completion_to_prompt(prompt)"), False)])
+
+
+def chunk_list(chunks: object) -> list[Chunk]:
+    """``chunks`` read once into a list; ``ValueError`` for a string, a non-iterable or an
+    item that is not a ``craft_rag.Chunk`` (naming its index), before any state changes.
+    O(len(chunks))."""
+    if isinstance(chunks, str | bytes | Chunk) or not isinstance(chunks, Iterable):
+        msg = f"chunks must be a sequence of craft_rag.Chunk, got {type(chunks).__name__}"
+        raise ValueError(msg)
+    out = list(chunks)
+    for i, chunk in enumerate(out):
+        if not isinstance(chunk, Chunk):
+            msg = f"chunks[{i}] is a {type(chunk).__name__}, not a craft_rag.Chunk (make_chunk)"
+            raise ValueError(msg)
+    return out
