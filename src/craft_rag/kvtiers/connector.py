@@ -179,6 +179,7 @@ class CraftTierConnector(KVConnectorBase_V1):
         self._loads: list[tuple[int, bytes]] = []
         self._pending_saves: dict[int, _Save] = {}
         self._saving: set[BlockKey] = set()
+        self._unallocated: str | None = None  # the one request with a promise but no blocks
         self._save_ids = itertools.count()
         # worker role
         self._kv_caches: dict[str, torch.Tensor] = {}
@@ -290,9 +291,10 @@ class CraftTierConnector(KVConnectorBase_V1):
         cap = min(len(state.keys), (len(state.token_ids) - 1) // bs)
         if state.staged is not None and state.staged_start == start:
             return len(state.staged) * bs, False
-        for other in self._requests.values():
-            if other is not state and other.staged is not None:
-                self._release(other)  # the scheduler moved on: that request got no allocation
+        other = self._requests.get(self._unallocated or "")
+        if other is not None and other is not state:
+            self._release(other)  # the scheduler moved on: that request got no allocation
+        self._unallocated = None
         self._release(state)
         if getattr(request, "skip_reading_prefix_cache", False) or cap <= start:
             return 0, False
@@ -312,6 +314,7 @@ class CraftTierConnector(KVConnectorBase_V1):
             self._release(state)
             return 0, False
         state.staged, state.staged_start = staged, start
+        self._unallocated = request.request_id
         return len(staged) * bs, False
 
     def update_state_after_alloc(
@@ -321,6 +324,8 @@ class CraftTierConnector(KVConnectorBase_V1):
         if state is None:
             return
         staged, state.staged = state.staged, None
+        if self._unallocated == request.request_id:
+            self._unallocated = None
         if num_external_tokens <= 0 or staged is None:
             return
         bs = self._block_size
