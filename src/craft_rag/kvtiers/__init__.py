@@ -15,14 +15,17 @@ from craft_rag.kvtiers.policies import (
     get_tier_policy,
 )
 from craft_rag.kvtiers.store import TieredBlockStore
+from craft_rag.kvtiers.tier_settings import KVTierSettings
 from craft_rag.kvtiers.tier_types import Tier, TierStats
 
-# The vLLM connector's public names (connector.py, layout_cpu.py) are added here by their author.
+# The connector (connector.py) and the layout adapter (layout_cpu.py) import vLLM and torch:
+# vLLM loads the connector by its module path, so they are not imported here.
 
 __all__ = [
     "DEFAULT_CPU_PROFILE",
     "TIER_POLICIES",
     "BlockKey",
+    "KVTierSettings",
     "LRUPolicy",
     "PGDSFPolicy",
     "PrefillCostModel",
