@@ -93,7 +93,6 @@ ENGINE_INSTALL_HINT = (
 DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
 
 
-
 class CraftEngineParams(BaseModel):
     """Settings shared by the chat model and the LLM. The engine is a runtime handle: pass one
     to share it (and its planner and prefix cache) between models and chains; without one, the
