@@ -1,5 +1,12 @@
-"""Moved to craft_rag.planner.leases; alias kept for one release."""
+"""Moved to :mod:`craft_rag.planner.leases`; alias kept for one release.
 
-from craft_rag.planner.leases import LeaseDesk, PlanLease, PlanLeases, fingerprint
+The old module name is the new module itself (``sys.modules`` entry), so attribute reads and
+``monkeypatch.setattr`` through either name see the same objects.
+"""
 
-__all__ = ["LeaseDesk", "PlanLease", "PlanLeases", "fingerprint"]
+import sys
+
+import craft_rag.planner.leases as _moved
+from craft_rag.planner.leases import *  # noqa: F403
+
+sys.modules[__name__] = _moved

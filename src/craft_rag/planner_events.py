@@ -1,5 +1,12 @@
-"""Moved to craft_rag.planner.feedback; alias kept for one release."""
+"""Moved to :mod:`craft_rag.planner.feedback`; alias kept for one release.
 
-from craft_rag.planner.feedback import KVFeedback
+The old module name is the new module itself (``sys.modules`` entry), so attribute reads and
+``monkeypatch.setattr`` through either name see the same objects.
+"""
 
-__all__ = ["KVFeedback"]
+import sys
+
+import craft_rag.planner.feedback as _moved
+from craft_rag.planner.feedback import *  # noqa: F403
+
+sys.modules[__name__] = _moved

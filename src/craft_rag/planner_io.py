@@ -1,11 +1,12 @@
-"""Moved to craft_rag.planner.io; alias kept for one release."""
+"""Moved to :mod:`craft_rag.planner.io`; alias kept for one release.
 
-from craft_rag.planner.io import (
-    FORMAT,
-    PlannerFiles,
-    PlannerState,
-    read_state_file,
-    state_from_json,
-)
+The old module name is the new module itself (``sys.modules`` entry), so attribute reads and
+``monkeypatch.setattr`` through either name see the same objects.
+"""
 
-__all__ = ["FORMAT", "PlannerFiles", "PlannerState", "read_state_file", "state_from_json"]
+import sys
+
+import craft_rag.planner.io as _moved
+from craft_rag.planner.io import *  # noqa: F403
+
+sys.modules[__name__] = _moved

@@ -1,5 +1,12 @@
-"""Moved to craft_rag.planner.record (one record(ServedTurn) path); alias kept for one release."""
+"""Moved to :mod:`craft_rag.planner.record` (one record path); alias kept for one release.
 
-from craft_rag.planner.record import Applied, ServedTurn, StateRecorder, commit_turn
+The old module name is the new module itself (``sys.modules`` entry), so attribute reads and
+``monkeypatch.setattr`` through either name see the same objects.
+"""
 
-__all__ = ["Applied", "ServedTurn", "StateRecorder", "commit_turn"]
+import sys
+
+import craft_rag.planner.record as _moved
+from craft_rag.planner.record import *  # noqa: F403
+
+sys.modules[__name__] = _moved

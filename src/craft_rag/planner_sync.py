@@ -1,5 +1,12 @@
-"""Moved to craft_rag.planner.sync (now a component); alias kept for one release."""
+"""Moved to :mod:`craft_rag.planner.sync` (now a component); alias kept for one release.
 
-from craft_rag.planner.sync import PlannerHost, SharedSync
+The old module name is the new module itself (``sys.modules`` entry), so attribute reads and
+``monkeypatch.setattr`` through either name see the same objects.
+"""
 
-__all__ = ["PlannerHost", "SharedSync"]
+import sys
+
+import craft_rag.planner.sync as _moved
+from craft_rag.planner.sync import *  # noqa: F403
+
+sys.modules[__name__] = _moved

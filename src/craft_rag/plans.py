@@ -1,39 +1,12 @@
-"""Moved to craft_rag.planner.plans; alias kept for one release."""
+"""Moved to :mod:`craft_rag.planner.plans`; alias kept for one release.
 
-from craft_rag.planner.plans import (
-    CommitResult,
-    Hashes,
-    Plan,
-    PlannerConfig,
-    PlannerStats,
-    Spans,
-    check_tokens,
-    commit_metadata,
-    commit_spans,
-    config_from_json,
-    made_plan,
-    made_result,
-    node_metadata,
-    parse_plan_ref,
-    span_pairs,
-    split_repeats,
-)
+The old module name is the new module itself (``sys.modules`` entry), so attribute reads and
+``monkeypatch.setattr`` through either name see the same objects.
+"""
 
-__all__ = [
-    "CommitResult",
-    "Hashes",
-    "Plan",
-    "PlannerConfig",
-    "PlannerStats",
-    "Spans",
-    "check_tokens",
-    "commit_metadata",
-    "commit_spans",
-    "config_from_json",
-    "made_plan",
-    "made_result",
-    "node_metadata",
-    "parse_plan_ref",
-    "span_pairs",
-    "split_repeats",
-]
+import sys
+
+import craft_rag.planner.plans as _moved
+from craft_rag.planner.plans import *  # noqa: F403
+
+sys.modules[__name__] = _moved

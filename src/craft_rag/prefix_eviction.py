@@ -1,5 +1,12 @@
-"""Moved to craft_rag.tree.eviction (now the LeafQueue object); alias kept for one release."""
+"""Moved to :mod:`craft_rag.tree.eviction` (now the LeafQueue object); alias kept for one release.
 
-from craft_rag.tree.eviction import Entry, LeafQueue, pop_entry, push_entry
+The old module name is the new module itself (``sys.modules`` entry), so attribute reads and
+``monkeypatch.setattr`` through either name see the same objects.
+"""
 
-__all__ = ["Entry", "LeafQueue", "pop_entry", "push_entry"]
+import sys
+
+import craft_rag.tree.eviction as _moved
+from craft_rag.tree.eviction import *  # noqa: F403
+
+sys.modules[__name__] = _moved

@@ -1,27 +1,12 @@
-"""Moved to craft_rag.tree.nodes; alias kept for one release."""
+"""Moved to :mod:`craft_rag.tree.nodes`; alias kept for one release.
 
-from craft_rag.tree.nodes import (
-    NO_CHILDREN,
-    KVLocation,
-    NodeMetadata,
-    OneChild,
-    PrefixMatch,
-    PrefixNode,
-    add_child,
-    block_hash_tuple,
-    drop_child,
-    new_leaf,
-)
+The old module name is the new module itself (``sys.modules`` entry), so attribute reads and
+``monkeypatch.setattr`` through either name see the same objects.
+"""
 
-__all__ = [
-    "NO_CHILDREN",
-    "KVLocation",
-    "NodeMetadata",
-    "OneChild",
-    "PrefixMatch",
-    "PrefixNode",
-    "add_child",
-    "block_hash_tuple",
-    "drop_child",
-    "new_leaf",
-]
+import sys
+
+import craft_rag.tree.nodes as _moved
+from craft_rag.tree.nodes import *  # noqa: F403
+
+sys.modules[__name__] = _moved

@@ -1,19 +1,12 @@
-"""Moved to craft_rag.tree (craft_rag.tree.tree); alias kept for one release."""
+"""Moved to :mod:`craft_rag.tree` (the class: craft_rag.tree.tree); alias kept for one release.
 
-from craft_rag.tree import (
-    DEFAULT_MAX_NODES,
-    ChunkPrefixTree,
-    KVLocation,
-    NodeMetadata,
-    PrefixMatch,
-    PrefixNode,
-)
+The old module name is the new module itself (``sys.modules`` entry), so attribute reads and
+``monkeypatch.setattr`` through either name see the same objects.
+"""
 
-__all__ = [
-    "DEFAULT_MAX_NODES",
-    "ChunkPrefixTree",
-    "KVLocation",
-    "NodeMetadata",
-    "PrefixMatch",
-    "PrefixNode",
-]
+import sys
+
+import craft_rag.tree as _moved
+from craft_rag.tree import *  # noqa: F403
+
+sys.modules[__name__] = _moved

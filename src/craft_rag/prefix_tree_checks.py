@@ -1,5 +1,12 @@
-"""Moved to craft_rag.tree.checks; alias kept for one release."""
+"""Moved to :mod:`craft_rag.tree.checks`; alias kept for one release.
 
-from craft_rag.tree.checks import check_spans_contiguous, check_tree, walk
+The old module name is the new module itself (``sys.modules`` entry), so attribute reads and
+``monkeypatch.setattr`` through either name see the same objects.
+"""
 
-__all__ = ["check_spans_contiguous", "check_tree", "walk"]
+import sys
+
+import craft_rag.tree.checks as _moved
+from craft_rag.tree.checks import *  # noqa: F403
+
+sys.modules[__name__] = _moved

@@ -19,19 +19,12 @@ from craft_rag.tree.match import match_nodes as _match_nodes
 from craft_rag.tree.match import subset_path as _subset_path
 from craft_rag.tree.nodes import KVLocation, NodeMetadata, PrefixMatch, PrefixNode
 from craft_rag.tree.removal import PrefixRemoval
-from craft_rag.tree.state import DEFAULT_MAX_NODES
 from craft_rag.types import BlockHash, ChunkKey
 from craft_rag.validation import materialise
 
-__all__ = [
-    "DEFAULT_MAX_NODES",
-    "ChunkPrefixTree",
-    "KVLocation",
-    "NodeMetadata",
-    "PrefixMatch",
-    "PrefixNode",
-]
-
+# The value types (nodes, match, metadata) and DEFAULT_MAX_NODES are public from the package
+# (craft_rag.tree), which re-exports this module's one class.
+__all__ = ["ChunkPrefixTree"]
 
 
 class ChunkPrefixTree(PrefixRemoval):
