@@ -7,6 +7,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
+from craft_rag.tree.match import match_nodes
 from craft_rag.tree.nodes import NO_CHILDREN, KVLocation, OneChild, PrefixNode, add_child, new_leaf
 from craft_rag.tree.state import TreeState
 from craft_rag.types import BlockHash, ChunkKey
@@ -54,18 +55,12 @@ def extend(
                     leaves.push(child, tree._size)
         elif touch:  # ``matched`` is the whole cached part: the rest is new
             break
-        else:
-            key = keys[i]
-            children = node.children
-            if type(children) is OneChild:
-                child = children.child
-                if child.key != key:
-                    break
-            else:
-                found = children.get(key)
-                if found is None:
-                    break
-                child = found
+        else:  # look up the rest of the cached part below ``node`` (nothing changes it first)
+            matched = [*matched[:i], *match_nodes(tree, keys, node, i)]
+            known = len(matched)
+            if known == i:
+                break
+            continue
         child.last_access = now
         if location is not None:
             child.location = location

@@ -6,6 +6,7 @@ wrapper call on the per-request path), behind its ``match`` and ``match_subset``
 from __future__ import annotations
 
 from collections.abc import Sequence
+from itertools import islice
 from typing import Any
 
 from craft_rag.tree.nodes import NO_CHILDREN, OneChild, PrefixNode
@@ -13,12 +14,16 @@ from craft_rag.tree.state import TreeState
 from craft_rag.types import ChunkKey
 
 
-def match_nodes(tree: TreeState, keys: Sequence[ChunkKey]) -> list[PrefixNode]:
+def match_nodes(
+    tree: TreeState, keys: Sequence[ChunkKey], below: PrefixNode | None = None, start: int = 0
+) -> list[PrefixNode]:
     """:meth:`ChunkPrefixTree.match` for keys the caller already checked (the planner's plan
-    and commit): the matched nodes as a list, no :class:`PrefixMatch`. O(len of match)."""
+    and commit): the matched nodes as a list, no :class:`PrefixMatch`. O(len of match).
+    ``below``/``start``: walk ``keys[start:]`` from node ``below`` instead of the root (the
+    tree's insert, going on down a path it has walked to ``below``)."""
     nodes: list[PrefixNode] = []
-    node = tree.root
-    for key in keys:
+    node = tree.root if below is None else below
+    for key in islice(keys, start, None) if start else keys:
         children = node.children
         if type(children) is OneChild:
             child = children.child
