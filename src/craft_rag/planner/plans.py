@@ -312,22 +312,6 @@ def span_pairs(spans: Spans) -> list[tuple[int, int]]:
     return list(pairwise(accumulate(counts, initial=first)))
 
 
-def commit_metadata(
-    plan: Plan,
-    prefix_tokens: int | None,
-    chunk_token_counts: Sequence[int] | None,
-    reused_chunks: int | None,
-    block_hashes: Sequence[Sequence[BlockHash | int]] | None,
-    location: KVLocation | None,
-) -> list[NodeMetadata] | None:
-    """:func:`commit_spans` as one :class:`NodeMetadata` per chunk (None when neither spans
-    nor hashes are known): what a shared-store commit entry carries. O(k)."""
-    spans, hashes = commit_spans(
-        plan, prefix_tokens, chunk_token_counts, reused_chunks, block_hashes, location
-    )
-    return node_metadata(spans, hashes, len(plan.ordered))
-
-
 def node_metadata(spans: Spans | None, hashes: Hashes | None, k: int) -> list[NodeMetadata] | None:
     """Each chunk's :class:`NodeMetadata` from values :func:`commit_spans` checked (no
     re-check). O(k)."""
