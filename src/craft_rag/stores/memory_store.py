@@ -13,21 +13,9 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from craft_rag.redact import redact_url
-from craft_rag.stores.base import (
-    DEFAULT_SNAPSHOT_EVERY,
-    SNAPSHOT_EVERY_OPTION,
-    TOKEN_VOID_TTL_S,
-    AppendRequest,
-    HistoryRecord,
-    LogEntry,
-    Snapshot,
-    StateStore,
-    check_namespace,
-    parse_options,
-    snapshot_every_option,
-)
+from craft_rag.stores import base
 
-_OPTIONS = SNAPSHOT_EVERY_OPTION
+_OPTIONS = base.SNAPSHOT_EVERY_OPTION
 
 
 @dataclass(slots=True)
@@ -35,11 +23,11 @@ class _Namespace:
     """One namespace's state. Owner: :class:`MemoryStore` (under its lock)."""
 
     head: int = 0
-    log: list[LogEntry] = field(default_factory=list)  # contiguous, ends at head
+    log: list[base.LogEntry] = field(default_factory=list)  # contiguous, ends at head
     conversations: dict[str, tuple[int, float | None]] = field(default_factory=dict)
     histories: dict[str, tuple[int, str, float | None]] = field(default_factory=dict)
     """conversation -> (version, history JSON, expiry time or None)."""
-    snapshot: Snapshot | None = None
+    snapshot: base.Snapshot | None = None
     fingerprint: str | None = None
     tokens: dict[str, int] = field(default_factory=dict)
     """append token -> its entry's seq (trimmed with the log)."""
@@ -47,14 +35,14 @@ class _Namespace:
     """append token settled as never written -> when the void expires."""
 
 
-def _after(log: list[LogEntry], since: int) -> list[LogEntry]:
+def _after(log: list[base.LogEntry], since: int) -> list[base.LogEntry]:
     """Entries with ``seq > since`` of a contiguous log. O(entries returned)."""
     if not log:
         return []
     return log[max(0, since - log[0].seq + 1) :]
 
 
-class MemoryStore(StateStore):
+class MemoryStore(base.StateStore):
     """In-process store. Invariants: each log is contiguous and ends at ``head``; a
     conversation record is ``(last seq, expiry time or None)``. ``clock`` (wall seconds) times
     the conversation TTL. Every call is O(entries returned) under one lock."""
@@ -62,7 +50,7 @@ class MemoryStore(StateStore):
     def __init__(
         self,
         *,
-        snapshot_every: int = DEFAULT_SNAPSHOT_EVERY,
+        snapshot_every: int = base.DEFAULT_SNAPSHOT_EVERY,
         clock: Callable[[], float] = time.time,
         url: str = "memory://",
     ) -> None:
@@ -82,13 +70,15 @@ class MemoryStore(StateStore):
                 "per process)"
             )
             raise ValueError(msg)
-        options = parse_options(url, query, _OPTIONS)
-        return cls(snapshot_every=snapshot_every_option(url, options), url=url.split("?", 1)[0])
+        options = base.parse_options(url, query, _OPTIONS)
+        return cls(
+            snapshot_every=base.snapshot_every_option(url, options), url=url.split("?", 1)[0]
+        )
 
     def _space(self, namespace: str) -> _Namespace:
         space = self._spaces.get(namespace)
         if space is None:
-            space = self._spaces[check_namespace(namespace)] = _Namespace()
+            space = self._spaces[base.check_namespace(namespace)] = _Namespace()
         return space
 
     def attach(self, namespace: str, fingerprint: str) -> None:
@@ -99,12 +89,14 @@ class MemoryStore(StateStore):
             elif space.fingerprint != fingerprint:
                 raise self._fingerprint_mismatch(namespace, space.fingerprint)
 
-    def _range(self, namespace: str, since: int) -> tuple[int, list[LogEntry]]:
+    def _range(self, namespace: str, since: int) -> tuple[int, list[base.LogEntry]]:
         with self._lock:
             space = self._space(namespace)
             return space.head, _after(space.log, since)
 
-    def _append(self, namespace: str, request: AppendRequest) -> tuple[int, list[LogEntry]]:
+    def _append(
+        self, namespace: str, request: base.AppendRequest
+    ) -> tuple[int, list[base.LogEntry]]:
         conversation, token = request.conversation, request.token
         with self._lock:
             space = self._space(namespace)
@@ -117,7 +109,7 @@ class MemoryStore(StateStore):
                     last = 0
                 request.check_last(last)
             space.head += 1
-            space.log.append(LogEntry(space.head, request.data))
+            space.log.append(base.LogEntry(space.head, request.data))
             if token is not None:
                 space.tokens[token] = space.head
             if conversation is not None:
@@ -139,7 +131,7 @@ class MemoryStore(StateStore):
                 return seq
             now = self._clock()
             space.voids = {t: e for t, e in space.voids.items() if e > now}
-            space.voids[token] = now + TOKEN_VOID_TTL_S
+            space.voids[token] = now + base.TOKEN_VOID_TTL_S
             return 0
 
     def put_history(
@@ -156,7 +148,7 @@ class MemoryStore(StateStore):
             space.histories[conversation] = (version, data, expiry)
             return True
 
-    def get_history(self, namespace: str, conversation: str) -> HistoryRecord:
+    def get_history(self, namespace: str, conversation: str) -> base.HistoryRecord:
         with self._lock:
             space = self._space(namespace)
             now = self._clock()
@@ -165,14 +157,14 @@ class MemoryStore(StateStore):
                 last = 0
             stored = space.histories.get(conversation)
             if stored is None or (stored[2] is not None and stored[2] <= now):
-                return HistoryRecord(last)
-            return HistoryRecord(last, stored[0], stored[1])
+                return base.HistoryRecord(last)
+            return base.HistoryRecord(last, stored[0], stored[1])
 
-    def _snapshot(self, namespace: str) -> Snapshot | None:
+    def _snapshot(self, namespace: str) -> base.Snapshot | None:
         with self._lock:
             return self._space(namespace).snapshot
 
-    def put_snapshot(self, namespace: str, snapshot: Snapshot, keep_from: int) -> None:
+    def put_snapshot(self, namespace: str, snapshot: base.Snapshot, keep_from: int) -> None:
         with self._lock:
             space = self._space(namespace)
             if space.snapshot is None or space.snapshot.seq < snapshot.seq:
@@ -183,4 +175,4 @@ class MemoryStore(StateStore):
 
     def clear(self, namespace: str) -> None:
         with self._lock:
-            self._spaces.pop(check_namespace(namespace), None)
+            self._spaces.pop(base.check_namespace(namespace), None)

@@ -20,29 +20,12 @@ from typing import Any
 from urllib.parse import unquote, urlsplit
 
 from craft_rag.redact import MASK, redact_url
-from craft_rag.stores.base import (
-    DEFAULT_SNAPSHOT_EVERY,
-    SNAPSHOT_EVERY_OPTION,
-    STORE_FORMAT,
-    TOKEN_VOID_TTL_S,
-    AppendRequest,
-    HistoryRecord,
-    LogEntry,
-    Snapshot,
-    StateStore,
-    StoreCorrupted,
-    StoreUnavailable,
-    check_namespace,
-    fallback_option,
-    parse_options,
-    positive_int_option,
-    snapshot_every_option,
-)
+from craft_rag.stores import base
 from craft_rag.stores.json_codec import MAX_STORED_INT, preview
 from craft_rag.validation import check_number
 
 _OPTIONS = {
-    **SNAPSHOT_EVERY_OPTION,
+    **base.SNAPSHOT_EVERY_OPTION,
     "fallback": "memory: go on with local state (logged) when Redis is unreachable",
     "timeout_ms": "connect and read timeout per call (default 2000)",
 }
@@ -163,7 +146,7 @@ def _check_url(url: str) -> list[str]:
     return list(dict.fromkeys(found))
 
 
-class RedisStore(StateStore):
+class RedisStore(base.StateStore):
     """Store in Redis (see the module docstring). Thread-safe (redis-py's connection pool);
     every call is one round trip."""
 
@@ -171,7 +154,7 @@ class RedisStore(StateStore):
         self,
         client_url: str,
         *,
-        snapshot_every: int = DEFAULT_SNAPSHOT_EVERY,
+        snapshot_every: int = base.DEFAULT_SNAPSHOT_EVERY,
         fallback: str | None = None,
         timeout_s: float = 2.0,
         url: str | None = None,
@@ -204,19 +187,19 @@ class RedisStore(StateStore):
 
     @classmethod
     def from_url(cls, url: str) -> RedisStore:
-        base, _, query = url.partition("?")
-        options = parse_options(url, query, _OPTIONS)
+        address, _, query = url.partition("?")
+        options = base.parse_options(url, query, _OPTIONS)
         return cls(
-            base,
-            snapshot_every=snapshot_every_option(url, options),
-            fallback=fallback_option(url, options),
-            timeout_s=positive_int_option(url, options, "timeout_ms", 2000) / 1000,
-            url=base,
+            address,
+            snapshot_every=base.snapshot_every_option(url, options),
+            fallback=base.fallback_option(url, options),
+            timeout_s=base.positive_int_option(url, options, "timeout_ms", 2000) / 1000,
+            url=address,
         )
 
     @staticmethod
     def _key(namespace: str, name: str) -> str:
-        return f"craft-rag:{{{check_namespace(namespace)}}}:{name}"
+        return f"craft-rag:{{{base.check_namespace(namespace)}}}:{name}"
 
     def _scrub(self, error: BaseException) -> str:
         """``error``'s text with this store's secrets masked (client errors may quote the
@@ -238,13 +221,13 @@ class RedisStore(StateStore):
                 "--bind 127.0.0.1 --port 6379, see docs/deployment.md), fix the URL, or add "
                 "?fallback=memory to go on with local (unshared) state"
             )
-            raise StoreUnavailable(msg) from e
+            raise base.StoreUnavailable(msg) from e
         except errors.ResponseError as e:
             msg = (
                 f"store {self.url} holds keys craft-rag cannot use ({self._scrub(e)}); delete the "
                 "craft-rag:* keys of this namespace or use another Redis database"
             )
-            raise StoreCorrupted(msg) from e
+            raise base.StoreCorrupted(msg) from e
 
     def _int(self, raw: object, namespace: str | None, what: str) -> int:
         """A stored count or seq: ASCII digits (Lua's ``tonumber`` would also take ``2.5``,
@@ -263,7 +246,7 @@ class RedisStore(StateStore):
         except (UnicodeDecodeError, AttributeError):
             raise self._corrupted(namespace, what, f"not UTF-8 text: {preview(raw)}") from None
 
-    def _entries(self, raw: list[bytes], namespace: str, since: int) -> list[LogEntry]:
+    def _entries(self, raw: list[bytes], namespace: str, since: int) -> list[base.LogEntry]:
         """The log members ``seq|data`` (``since``: the seq before the first, for messages).
         O(total size): one split and one decode per member."""
         out = []
@@ -272,30 +255,34 @@ class RedisStore(StateStore):
             if not sep or not seq.isdigit() or seq.startswith(b"0") or len(seq) > 19:
                 what = f"log entry {position} (member {preview(member)})"
                 raise self._corrupted(namespace, what, "not 'seq|entry'")
-            out.append(LogEntry(int(seq), self._text(data, namespace, f"log entry {int(seq)}")))
+            out.append(
+                base.LogEntry(int(seq), self._text(data, namespace, f"log entry {int(seq)}"))
+            )
         return out
 
     def attach(self, namespace: str, fingerprint: str) -> None:
         keys = ["craft-rag:format", self._key(namespace, "fingerprint")]
-        stored = self._call(self._attach_script, keys=keys, args=[STORE_FORMAT, fingerprint])
+        stored = self._call(self._attach_script, keys=keys, args=[base.STORE_FORMAT, fingerprint])
         found_format = self._text(stored[0], None, "the format key craft-rag:format")
         found_fingerprint = self._text(stored[1], namespace, "the config fingerprint")
-        if found_format != STORE_FORMAT:
+        if found_format != base.STORE_FORMAT:
             msg = (
                 f"store {self.url} has format {found_format!r}, this craft-rag reads "
-                f"{STORE_FORMAT!r}; use another Redis database (/N in the URL) or delete its "
+                f"{base.STORE_FORMAT!r}; use another Redis database (/N in the URL) or delete its "
                 "craft-rag:* keys"
             )
-            raise StoreCorrupted(msg)
+            raise base.StoreCorrupted(msg)
         if found_fingerprint != fingerprint:
             raise self._fingerprint_mismatch(namespace, found_fingerprint)
 
-    def _range(self, namespace: str, since: int) -> tuple[int, list[LogEntry]]:
+    def _range(self, namespace: str, since: int) -> tuple[int, list[base.LogEntry]]:
         keys = [self._key(namespace, "head"), self._key(namespace, "log")]
         head, raw = self._call(self._range_script, keys=keys, args=[since])
         return self._int(head, namespace, "the log head"), self._entries(raw, namespace, since)
 
-    def _append(self, namespace: str, request: AppendRequest) -> tuple[int, list[LogEntry]]:
+    def _append(
+        self, namespace: str, request: base.AppendRequest
+    ) -> tuple[int, list[base.LogEntry]]:
         conversation, token = request.conversation, request.token
         head_key = self._key(namespace, "head")
         conv_key = head_key
@@ -327,7 +314,7 @@ class RedisStore(StateStore):
 
     def settle(self, namespace: str, token: str) -> int:
         keys = [self._key(namespace, "tokens"), self._token_key(namespace, token)]
-        ttl = str(round(TOKEN_VOID_TTL_S * 1000))
+        ttl = str(round(base.TOKEN_VOID_TTL_S * 1000))
         return int(self._call(self._settle_script, keys=keys, args=[token, ttl]))
 
     def _conv_key(self, namespace: str, kind: str, conversation: str) -> str:
@@ -341,7 +328,7 @@ class RedisStore(StateStore):
         args = [version, data, _ttl_ms(ttl_s)]
         return bool(self._call(self._put_history_script, keys=[key], args=args))
 
-    def get_history(self, namespace: str, conversation: str) -> HistoryRecord:
+    def get_history(self, namespace: str, conversation: str) -> base.HistoryRecord:
         keys = [
             self._conv_key(namespace, "conv", conversation),
             self._conv_key(namespace, "hist", conversation),
@@ -350,22 +337,22 @@ class RedisStore(StateStore):
         what = f"the record of conversation {preview(conversation)}"
         last_seq = 0 if last is None else self._int(last, namespace, what)
         if version is None or data is None:
-            return HistoryRecord(last_seq)
+            return base.HistoryRecord(last_seq)
         what = f"the prompt history of conversation {preview(conversation)}"
-        return HistoryRecord(
+        return base.HistoryRecord(
             last_seq, self._int(version, namespace, what), self._text(data, namespace, what)
         )
 
-    def _snapshot(self, namespace: str) -> Snapshot | None:
+    def _snapshot(self, namespace: str) -> base.Snapshot | None:
         seq, state = self._call(
             self._client.hmget, self._key(namespace, "snapshot"), ["seq", "state"]
         )
         if seq is None or state is None:
             return None
         at = self._int(seq, namespace, "the snapshot's seq")
-        return Snapshot(at, self._text(state, namespace, f"the snapshot at seq {at}"))
+        return base.Snapshot(at, self._text(state, namespace, f"the snapshot at seq {at}"))
 
-    def put_snapshot(self, namespace: str, snapshot: Snapshot, keep_from: int) -> None:
+    def put_snapshot(self, namespace: str, snapshot: base.Snapshot, keep_from: int) -> None:
         keys = [
             self._key(namespace, "snapshot"), self._key(namespace, "log"),
             self._key(namespace, "tokens"),

@@ -23,23 +23,7 @@ from contextlib import contextmanager
 from pathlib import Path
 
 from craft_rag.redact import redact_url
-from craft_rag.stores.base import (
-    DEFAULT_SNAPSHOT_EVERY,
-    SNAPSHOT_EVERY_OPTION,
-    STORE_FORMAT,
-    TOKEN_VOID_TTL_S,
-    AppendRequest,
-    HistoryRecord,
-    LogEntry,
-    Snapshot,
-    StateStore,
-    StoreCorrupted,
-    StoreUnavailable,
-    check_namespace,
-    parse_options,
-    positive_int_option,
-    snapshot_every_option,
-)
+from craft_rag.stores import base
 from craft_rag.stores.json_codec import MAX_STORED_INT, preview
 from craft_rag.stores.sqlite_files import (
     damaged,
@@ -51,7 +35,7 @@ from craft_rag.stores.sqlite_files import (
 )
 
 _OPTIONS = {
-    **SNAPSHOT_EVERY_OPTION,
+    **base.SNAPSHOT_EVERY_OPTION,
     "synchronous": "normal (default) or full (fsync every commit)",
     "busy_timeout_ms": "how long to wait for another process's transaction (default 5000)",
 }
@@ -77,7 +61,7 @@ _SCHEMA = (
 )
 
 
-class SQLiteStore(StateStore):
+class SQLiteStore(base.StateStore):
     """Store in one SQLite file (WAL). Thread-safe (one connection per instance, under a
     lock); safe across processes (SQLite's file locks). Each call is one transaction."""
 
@@ -85,7 +69,7 @@ class SQLiteStore(StateStore):
         self,
         path: str | os.PathLike[str],
         *,
-        snapshot_every: int = DEFAULT_SNAPSHOT_EVERY,
+        snapshot_every: int = base.DEFAULT_SNAPSHOT_EVERY,
         synchronous: str = "normal",
         busy_timeout_ms: int = 5000,
         clock: Callable[[], float] = time.time,
@@ -114,7 +98,7 @@ class SQLiteStore(StateStore):
                     f"store {self.url} is another program's SQLite database (tables "
                     f"{preview(foreign[:5], 120)}); craft-rag adds nothing to it: name a new file"
                 )
-                raise StoreCorrupted(msg)
+                raise base.StoreCorrupted(msg)
             _enable_wal(self._conn, busy_timeout_ms / 1000)
             self._conn.execute(f"PRAGMA synchronous={synchronous.upper()}")
             with self._transaction() as cur:
@@ -126,14 +110,14 @@ class SQLiteStore(StateStore):
                 )
                 if row is None:
                     cur.execute(
-                        "INSERT INTO craft_meta VALUES ('', 'format', ?)", (STORE_FORMAT,)
+                        "INSERT INTO craft_meta VALUES ('', 'format', ?)", (base.STORE_FORMAT,)
                     )
-                elif row[0] != STORE_FORMAT:
+                elif row[0] != base.STORE_FORMAT:
                     msg = (
                         f"store {self.url} has format {row[0]!r}, this craft-rag reads "
-                        f"{STORE_FORMAT!r}; use a new file (or move this one away)"
+                        f"{base.STORE_FORMAT!r}; use a new file (or move this one away)"
                     )
-                    raise StoreCorrupted(msg)
+                    raise base.StoreCorrupted(msg)
         except sqlite3.DatabaseError as e:
             self._conn.close()
             raise open_error(self.path, self.url, e, busy_timeout_ms) from e
@@ -148,12 +132,12 @@ class SQLiteStore(StateStore):
         if not path:
             msg = f"store URL {redact_url(url)!r} names no file; use sqlite:///absolute/path/state.db"
             raise ValueError(msg)
-        options = parse_options(url, query, _OPTIONS)
+        options = base.parse_options(url, query, _OPTIONS)
         return cls(
             path,
-            snapshot_every=snapshot_every_option(url, options),
+            snapshot_every=base.snapshot_every_option(url, options),
             synchronous=options.get("synchronous", "normal"),
-            busy_timeout_ms=positive_int_option(url, options, "busy_timeout_ms", 5000),
+            busy_timeout_ms=base.positive_int_option(url, options, "busy_timeout_ms", 5000),
             url=url.split("?", 1)[0],
         )
 
@@ -177,7 +161,7 @@ class SQLiteStore(StateStore):
                         f"store {self.url} stayed locked by another process ({e}); raise "
                         "?busy_timeout_ms= or check for a hung worker"
                     )
-                    raise StoreUnavailable(msg) from e
+                    raise base.StoreUnavailable(msg) from e
                 raise (write_error(self.url, e) or damaged(self.url, e)) from e
             except sqlite3.DatabaseError as e:
                 raise damaged(self.url, e) from e
@@ -185,7 +169,7 @@ class SQLiteStore(StateStore):
                 cur.close()
 
     def attach(self, namespace: str, fingerprint: str) -> None:
-        check_namespace(namespace)
+        base.check_namespace(namespace)
         with self._transaction() as cur:
             what = "the config fingerprint"
             row = self._text_row(
@@ -204,7 +188,7 @@ class SQLiteStore(StateStore):
 
     def _head_and_after(
         self, cur: sqlite3.Cursor, namespace: str, since: int
-    ) -> tuple[int, list[LogEntry]]:
+    ) -> tuple[int, list[base.LogEntry]]:
         """The head and the entries after ``since``, each checked to be what craft-rag
         writes (an INTEGER seq, TEXT entry in UTF-8): two type checks per row."""
         row = cur.execute("SELECT seq FROM craft_head WHERE ns = ?", (namespace,)).fetchone()
@@ -225,10 +209,10 @@ class SQLiteStore(StateStore):
                 raise self._corrupted(namespace, what, "its seq is not an integer")
             if type(entry) is not str:
                 raise self._corrupted(namespace, f"log entry {seq}", f"found {preview(entry)}")
-            out.append(LogEntry(seq, entry))
+            out.append(base.LogEntry(seq, entry))
         return head, out
 
-    def _bad_text(self, cur: sqlite3.Cursor, namespace: str, since: int) -> StoreCorrupted:
+    def _bad_text(self, cur: sqlite3.Cursor, namespace: str, since: int) -> base.StoreCorrupted:
         """The error for a log entry that is not UTF-8 (found on the error path only)."""
         rows = cur.execute(
             "SELECT seq, CAST(entry AS BLOB) FROM craft_log WHERE ns = ? AND seq > ? "
@@ -269,7 +253,7 @@ class SQLiteStore(StateStore):
             raise self._corrupted(namespace, what, "not UTF-8 text") from None
         return None if row is None else tuple(row)
 
-    def _range(self, namespace: str, since: int) -> tuple[int, list[LogEntry]]:
+    def _range(self, namespace: str, since: int) -> tuple[int, list[base.LogEntry]]:
         # A read transaction (deferred would do; IMMEDIATE keeps one code path and is cheap
         # in WAL mode, where it never blocks readers).
         with self._lock:
@@ -286,10 +270,12 @@ class SQLiteStore(StateStore):
             except sqlite3.DatabaseError as e:
                 if isinstance(e, sqlite3.OperationalError) and is_locked(e):
                     msg = f"store {self.url} stayed locked by another process ({e})"
-                    raise StoreUnavailable(msg) from e
+                    raise base.StoreUnavailable(msg) from e
                 raise damaged(self.url, e) from e
 
-    def _append(self, namespace: str, request: AppendRequest) -> tuple[int, list[LogEntry]]:
+    def _append(
+        self, namespace: str, request: base.AppendRequest
+    ) -> tuple[int, list[base.LogEntry]]:
         conversation, token = request.conversation, request.token
         now = self._clock()
         with self._transaction() as cur:
@@ -355,7 +341,7 @@ class SQLiteStore(StateStore):
             )
             cur.execute(
                 "INSERT OR REPLACE INTO craft_token VALUES (?, ?, 0, ?)",
-                (namespace, token, now + TOKEN_VOID_TTL_S),
+                (namespace, token, now + base.TOKEN_VOID_TTL_S),
             )
             return 0
 
@@ -377,7 +363,7 @@ class SQLiteStore(StateStore):
             )
             return True
 
-    def get_history(self, namespace: str, conversation: str) -> HistoryRecord:
+    def get_history(self, namespace: str, conversation: str) -> base.HistoryRecord:
         now = self._clock()
         record = f"the record of conversation {preview(conversation)}"
         history = f"the prompt history of conversation {preview(conversation)}"
@@ -394,12 +380,12 @@ class SQLiteStore(StateStore):
         if conv is not None and self._live(conv[1], now, namespace, record):
             last = self._int(conv[0], namespace, record)
         if hist is None or not self._live(hist[2], now, namespace, history):
-            return HistoryRecord(last)
+            return base.HistoryRecord(last)
         if type(hist[1]) is not str:
             raise self._corrupted(namespace, history, f"found {preview(hist[1])}")
-        return HistoryRecord(last, self._int(hist[0], namespace, history), hist[1])
+        return base.HistoryRecord(last, self._int(hist[0], namespace, history), hist[1])
 
-    def _snapshot(self, namespace: str) -> Snapshot | None:
+    def _snapshot(self, namespace: str) -> base.Snapshot | None:
         with self._transaction() as cur:  # read as bytes: rare, and names a bad one's seq
             row = cur.execute(
                 "SELECT seq, typeof(state), CAST(state AS BLOB) FROM craft_snapshot WHERE ns = ?",
@@ -412,11 +398,11 @@ class SQLiteStore(StateStore):
         if row[1] != "text":
             raise self._corrupted(namespace, what, f"a value of type {preview(row[1])}")
         try:
-            return Snapshot(seq, bytes(row[2]).decode("utf-8"))
+            return base.Snapshot(seq, bytes(row[2]).decode("utf-8"))
         except UnicodeDecodeError:
             raise self._corrupted(namespace, what, "not UTF-8 text") from None
 
-    def put_snapshot(self, namespace: str, snapshot: Snapshot, keep_from: int) -> None:
+    def put_snapshot(self, namespace: str, snapshot: base.Snapshot, keep_from: int) -> None:
         with self._transaction() as cur:
             cur.execute(
                 "INSERT INTO craft_snapshot VALUES (?, ?, ?) ON CONFLICT(ns) DO UPDATE SET "
@@ -430,7 +416,7 @@ class SQLiteStore(StateStore):
             )
 
     def clear(self, namespace: str) -> None:
-        check_namespace(namespace)
+        base.check_namespace(namespace)
         with self._transaction() as cur:
             for table in (
                 "craft_meta", "craft_head", "craft_log", "craft_conv", "craft_history",
