@@ -49,6 +49,7 @@ from dataclasses import dataclass, fields
 from pathlib import Path
 from typing import Any
 
+from craft_rag.engine.backends.server import settings as _settings
 from craft_rag.engine.backends.server.answers import (
     MAX_JSON_BODY_BYTES,
     bad_field,
@@ -61,9 +62,8 @@ from craft_rag.engine.backends.server.answers import (
     sse_lines,
     tokenize_ids,
 )
+from craft_rag.engine.backends.server.settings import *  # noqa: F403  # re-exported (see __all__)
 from craft_rag.engine.backends.server.settings import (
-    KV_EVENTS_PORT_OFFSET,
-    ServerBusy,
     ServerError,
     ServerRejected,
     ServerSettings,
@@ -76,19 +76,9 @@ from craft_rag.engine.kv_events import BlockHasher, EvictionListener, KVEventSyn
 from craft_rag.engine.results import SamplingRequest, StepOutput
 from craft_rag.tokenizer import Tokenizer
 
-__all__ = [
-    "KV_EVENTS_PORT_OFFSET",
-    "ServerBackend",
-    "ServerBusy",
-    "ServerError",
-    "ServerRejected",
-    "ServerSettings",
-    "ServerUnavailable",
-    "as_server_settings",
-    "connect_server",
-    "parse_cache_config",
-    "step_output",
-]
+# The client's names and, for callers that import them from here, every name of settings.
+__all__ = ["ServerBackend", "connect_server", "step_output"]
+__all__ += _settings.__all__
 
 _PROBE_TEXT = "craft-rag tokenizer probe: The quick brown fox jumps over 13 lazy dogs."
 

@@ -20,7 +20,8 @@ import time
 from collections.abc import Callable
 from typing import TypeVar
 
-from craft_rag.engine.backends.server.backend import ServerBackend, ServerUnavailable, step_output
+from craft_rag.engine.backends.server.backend import ServerBackend, step_output
+from craft_rag.engine.backends.server.settings import ServerUnavailable
 from craft_rag.engine.driver import (
     EngineFailure,
     RequestCancelled,

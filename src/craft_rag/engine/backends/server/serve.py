@@ -31,7 +31,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from craft_rag.engine.backends.server.backend import KV_EVENTS_PORT_OFFSET
+from craft_rag.engine.backends.server.settings import KV_EVENTS_PORT_OFFSET
 from craft_rag.engine.cpu_dtype import default_dtype
 from craft_rag.validation import check_int
 
