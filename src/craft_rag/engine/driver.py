@@ -72,6 +72,8 @@ class RequestState:
     text_parts: list[str] = field(default_factory=list)
     finish_reason: str | None = None
     num_cached_tokens: int | None = None
+    tier_ram_tokens: int = 0
+    tier_disk_tokens: int = 0
     error: BaseException | None = None
 
     @property
@@ -88,6 +90,9 @@ class RequestState:
         if out.finished:
             self.finish_reason = out.finish_reason
             self.finished_at = now
+            # The connector reports tier counts once, when the request finishes.
+            self.tier_ram_tokens = out.tier_ram_tokens
+            self.tier_disk_tokens = out.tier_disk_tokens
         if self.on_delta is not None:
             self.on_delta(out, now)
         if out.finished:

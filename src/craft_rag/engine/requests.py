@@ -287,10 +287,15 @@ def plain_report(flight: InFlight) -> ReuseReport:
     state = flight.state
     first = state.first_token_at if state.first_token_at is not None else state.finished_at
     end = state.finished_at if state.finished_at is not None else state.submitted_at
+    cached = state.num_cached_tokens or 0
+    ram, disk = state.tier_ram_tokens, state.tier_disk_tokens
+    # Tier tokens are part of the cached ones: counts that disagree say nothing.
+    if ram + disk > cached:
+        ram = disk = 0
     return ReuseReport(
         request_id=state.request_id,
         prompt_tokens=len(flight.token_ids),
-        cached_tokens=state.num_cached_tokens or 0,
+        cached_tokens=cached,
         predicted_tokens=None,
         predicted_chunks=0,
         reused_chunks=0,
@@ -306,6 +311,8 @@ def plain_report(flight: InFlight) -> ReuseReport:
         turn=1,
         read_prefix_cache=flight.sampling.read_prefix_cache,
         salted=flight.cache_salt is not None,
+        tier_ram_tokens=ram,
+        tier_disk_tokens=disk,
     )
 
 

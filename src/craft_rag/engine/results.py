@@ -189,6 +189,11 @@ class StepOutput:
     finished: bool
     finish_reason: str | None
     num_cached_tokens: int | None
+    tier_ram_tokens: int = 0
+    """Of ``num_cached_tokens``, those the KV tier connector loaded from its RAM tier (set on
+    the finishing delta; 0 without tiers)."""
+    tier_disk_tokens: int = 0
+    """Of ``num_cached_tokens``, those loaded from the disk tier (as ``tier_ram_tokens``)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -204,6 +209,12 @@ class ReuseReport:
     without chunks: :meth:`CraftEngine.generate_messages`/``generate_tokens``, which plan and
     commit nothing); ``salted`` says the request ran under a ``cache_salt`` (the salt itself is
     not reported: reports end up in logs and traces).
+
+    With KV tiers on (``EngineSettings.kv_tiers``, ``craft-rag serve --kv-tier-*``),
+    ``cached_tokens`` splits by source: ``tier_ram_tokens`` and ``tier_disk_tokens`` were loaded
+    from the tiers, :attr:`pool_tokens` (the rest) were already in vLLM's KV pool. The tier
+    counts are 0 without tiers, and under a vLLM server (``CraftEngine(server=...)``), whose
+    streaming replies do not carry the connector's ``kv_transfer_params``.
     """
 
     request_id: str
@@ -230,6 +241,10 @@ class ReuseReport:
     layout: LayoutChoice | None = None
     """A conversation turn's layout decision (append or compacted restart, with the predicted
     costs: :mod:`craft_rag.engine.turn_layout`); ``None`` when none was made."""
+    tier_ram_tokens: int = 0
+    """Of ``cached_tokens``, those loaded from the KV tiers' RAM tier (0 without tiers)."""
+    tier_disk_tokens: int = 0
+    """Of ``cached_tokens``, those loaded from the KV tiers' disk tier (0 without tiers)."""
 
     @property
     def cached_fraction(self) -> float:
@@ -239,6 +254,12 @@ class ReuseReport:
     @property
     def uncached_tokens(self) -> int:
         return self.prompt_tokens - self.cached_tokens
+
+    @property
+    def pool_tokens(self) -> int:
+        """Cached tokens found in vLLM's own KV pool: ``cached_tokens`` less the tier tokens
+        (never negative: a server's counts are not trusted to add up)."""
+        return max(0, self.cached_tokens - self.tier_ram_tokens - self.tier_disk_tokens)
 
 
 @dataclass(frozen=True, slots=True)

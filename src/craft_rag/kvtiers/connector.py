@@ -51,6 +51,7 @@ from craft_rag.kvtiers.keys import BlockKey, chain_keys
 from craft_rag.kvtiers.layout_cpu import CpuBlockLayout, extract_block, inject_block, layout_of
 from craft_rag.kvtiers.store import TieredBlockStore
 from craft_rag.kvtiers.tier_settings import KVTierSettings
+from craft_rag.kvtiers.tier_tokens import TIER_PARAMS_KEY  # its key; re-exported
 
 if TYPE_CHECKING:
     import torch
@@ -66,10 +67,6 @@ if TYPE_CHECKING:
 __all__ = ["TIER_PARAMS_KEY", "CraftTierConnector", "engine_namespace", "open_store"]
 
 logger = logging.getLogger(__name__)
-
-TIER_PARAMS_KEY = "craft_tiers"
-"""Key of the per-request tier counts in ``kv_transfer_params``:
-``{"ram_tokens": int, "disk_tokens": int}``."""
 
 
 def open_store(settings: KVTierSettings) -> TieredBlockStore:

