@@ -33,6 +33,8 @@ from typing import Any
 
 from craft_rag.engine.backends.server.settings import KV_EVENTS_PORT_OFFSET
 from craft_rag.engine.cpu_dtype import default_dtype
+from craft_rag.kvtiers.policies import TIER_POLICIES
+from craft_rag.kvtiers.tier_settings import KVTierSettings
 from craft_rag.validation import check_int
 
 DEFAULT_PORT = 8000
@@ -51,7 +53,9 @@ class ServeConfig:
     name (``/root/.cache/craft-rag/models/SmolLM2-135M-Instruct`` -> ``SmolLM2-135M-Instruct``).
     ``log_level``: vLLM's and uvicorn's level (one of :data:`LOG_LEVELS`). ``dtype``: the compute
     dtype (default :func:`~craft_rag.engine.cpu_dtype.default_dtype`: float32 on x86 CPUs without
-    AVX-512, bfloat16 elsewhere)."""
+    AVX-512, bfloat16 elsewhere). ``kv_tiers``: load craft-rag's KV tier connector (RAM + disk
+    block store, :mod:`craft_rag.kvtiers.connector`) with these settings through
+    ``--kv-transfer-config``; ``None`` (the default): no tiers."""
 
     model: str
     host: str = "127.0.0.1"
@@ -65,8 +69,15 @@ class ServeConfig:
     served_model_name: str | None = None
     log_level: str = DEFAULT_LOG_LEVEL
     dtype: str = field(default_factory=default_dtype)
+    kv_tiers: KVTierSettings | None = None
 
     def __post_init__(self) -> None:
+        if self.kv_tiers is not None and not isinstance(self.kv_tiers, KVTierSettings):
+            msg = f"kv_tiers must be a KVTierSettings or None, got {self.kv_tiers!r}"
+            raise ValueError(msg)
+        if self.kv_tiers is not None and "--kv-transfer-config" in self.extra_args:
+            msg = "give kv_tiers or --kv-transfer-config in extra_args, not both"
+            raise ValueError(msg)
         if self.dtype not in DTYPES:
             msg = f"dtype must be one of {', '.join(DTYPES)}, got {self.dtype!r}"
             raise ValueError(msg)
@@ -126,6 +137,10 @@ def server_command(config: ServeConfig, python: str = sys.executable) -> list[st
         "endpoint": f"tcp://*:{config.events_port}",
         "topic": "kv",
     }
+    tiers = config.kv_tiers
+    tier_args = (
+        () if tiers is None else ("--kv-transfer-config", json.dumps(tiers.transfer_config()))
+    )
     return [
         python,
         "-m",
@@ -154,6 +169,7 @@ def server_command(config: ServeConfig, python: str = sys.executable) -> list[st
         str(config.kv_cache_memory_bytes),
         "--kv-events-config",
         json.dumps(events),
+        *tier_args,
         *config.extra_args,
     ]
 
@@ -259,8 +275,49 @@ def add_serve_parser(subparsers: Any) -> None:
         help="compute dtype (default: bfloat16 on CPUs with AVX-512/AMX, float32 on x86 "
         "CPUs without, where bf16 matmuls run ~4-5x slower)",
     )
+    tiers = serve.add_argument_group(
+        "KV tiers",
+        "keep prompt blocks evicted from vLLM's KV pool in RAM and on disk and load them back "
+        "(craft_rag.kvtiers.connector); off unless one of these flags is given",
+    )
+    tiers.add_argument(
+        "--kv-tier-ram-bytes",
+        type=int,
+        default=None,
+        help="RAM tier size in bytes of block payloads (default with tiers on: 1 GiB; 0: none)",
+    )
+    tiers.add_argument(
+        "--kv-tier-disk-bytes",
+        type=int,
+        default=None,
+        help="disk tier size in bytes (needs --kv-tier-dir)",
+    )
+    tiers.add_argument(
+        "--kv-tier-dir",
+        default=None,
+        help="disk tier folder (created mode 0700; a shared or symlinked folder is refused)",
+    )
+    tiers.add_argument(
+        "--kv-tier-policy",
+        choices=sorted(TIER_POLICIES),
+        default=None,
+        help="which blocks the tiers evict first (default: pgdsf)",
+    )
     serve.add_argument("--print-command", action="store_true", help="print the argv and exit")
-    serve.set_defaults(func=_run_serve)
+    serve.set_defaults(func=_run_serve, serve_parser=serve)
+
+
+def tier_settings_of(args: argparse.Namespace) -> KVTierSettings | None:
+    """``KVTierSettings`` from the ``--kv-tier-*`` flags; ``None`` when none is given.
+    ``ValueError`` (from :class:`KVTierSettings`, naming the fix) for a bad combination."""
+    given = {
+        "ram_bytes": args.kv_tier_ram_bytes,
+        "disk_bytes": args.kv_tier_disk_bytes,
+        "disk_dir": args.kv_tier_dir,
+        "policy": args.kv_tier_policy,
+    }
+    given = {name: value for name, value in given.items() if value is not None}
+    return KVTierSettings(**given) if given else None
 
 
 def _model_arg(value: str) -> str | Path:
@@ -273,6 +330,10 @@ def _model_arg(value: str) -> str | Path:
 def _run_serve(args: argparse.Namespace) -> int:
     from craft_rag.engine.model import resolve_model
 
+    try:
+        tiers = tier_settings_of(args)
+    except ValueError as e:  # exits 2 with the usage line, like any other bad flag
+        args.serve_parser.error(f"KV tier flags: {e}")
     config = ServeConfig(
         model=resolve_model(args.model),
         host=args.host,
@@ -285,6 +346,7 @@ def _run_serve(args: argparse.Namespace) -> int:
         served_model_name=args.served_model_name,
         log_level=args.log_level,
         dtype=args.dtype or default_dtype(),
+        kv_tiers=tiers,
     )
     argv = server_command(config)
     if args.print_command:

@@ -1,0 +1,93 @@
+"""``craft-rag serve``'s KV tier flags: off by default, ``ServeConfig.kv_tiers`` ->
+``--kv-transfer-config`` (the connector's own settings JSON), bad values an argparse error
+naming the fix. No server is started (tests/kvtiers/test_connector_server.py starts one)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from craft_rag.cli import main
+from craft_rag.engine.backends.server.serve import ServeConfig, server_command
+from craft_rag.kvtiers import KVTierSettings
+
+
+def _printed_argv(tmp_path: Path, capsys: pytest.CaptureFixture[str], *flags: str) -> list[str]:
+    model = tmp_path / "model"
+    model.mkdir()
+    (model / "config.json").write_text("{}")
+    assert main(["serve", "--model", str(model), *flags, "--print-command"]) == 0
+    argv: list[str] = json.loads(capsys.readouterr().out)
+    return argv
+
+
+def _transfer_config(argv: list[str]) -> KVTierSettings:
+    assert argv.count("--kv-transfer-config") == 1
+    config = json.loads(argv[argv.index("--kv-transfer-config") + 1])
+    assert config["kv_connector"] == "CraftTierConnector"
+    assert config["kv_connector_module_path"] == "craft_rag.kvtiers.connector"
+    return KVTierSettings.from_extra(config["kv_connector_extra_config"])
+
+
+def test_tiers_are_off_by_default(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    assert "--kv-transfer-config" not in _printed_argv(tmp_path, capsys)
+    assert "--kv-transfer-config" not in server_command(ServeConfig(model="m"))
+
+
+def test_config_adds_the_connector_settings() -> None:
+    tiers = KVTierSettings(ram_bytes=1 << 20, disk_bytes=1 << 22, disk_dir="/x/kv", policy="lru")
+    argv = server_command(ServeConfig(model="m", kv_tiers=tiers))
+    assert _transfer_config(argv) == KVTierSettings(
+        ram_bytes=1 << 20, disk_bytes=1 << 22, disk_dir="/x/kv", policy="lru"
+    )
+
+
+def test_cli_flags_reach_the_argv(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    kv = str(tmp_path / "kv")
+    argv = _printed_argv(
+        tmp_path,
+        capsys,
+        *("--kv-tier-ram-bytes", "4096", "--kv-tier-disk-bytes", "8192"),
+        *("--kv-tier-dir", kv, "--kv-tier-policy", "lru"),
+    )
+    assert _transfer_config(argv) == KVTierSettings(4096, 8192, kv, "lru")
+
+
+def test_one_flag_turns_tiers_on_with_defaults(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    argv = _printed_argv(tmp_path, capsys, "--kv-tier-policy", "lru")
+    assert _transfer_config(argv) == KVTierSettings(policy="lru")  # 1 GiB RAM, no disk
+
+
+@pytest.mark.parametrize(
+    ("flags", "match"),
+    [
+        (("--kv-tier-disk-bytes", "8192"), "disk_dir"),  # a disk size without a folder
+        (("--kv-tier-dir", "/tmp/kv"), "disk_bytes"),  # a folder without a size
+        (("--kv-tier-ram-bytes", "-1"), "non-negative"),
+        (("--kv-tier-ram-bytes", "0"), "both tiers are empty"),
+        (("--kv-tier-policy", "fifo"), "invalid choice"),
+        (("--kv-tier-ram-bytes", "1GiB"), "invalid int value"),
+    ],
+)
+def test_bad_flags_are_an_argparse_error(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], flags: tuple[str, ...], match: str
+) -> None:
+    model = tmp_path / "model"
+    model.mkdir()
+    (model / "config.json").write_text("{}")
+    with pytest.raises(SystemExit) as exit_info:
+        main(["serve", "--model", str(model), *flags, "--print-command"])
+    assert exit_info.value.code == 2
+    assert match in capsys.readouterr().err
+
+
+def test_tiers_and_a_raw_transfer_config_conflict() -> None:
+    raw = ("--kv-transfer-config", "{}")
+    with pytest.raises(ValueError, match="not both"):
+        ServeConfig(model="m", kv_tiers=KVTierSettings(), extra_args=raw)
+    with pytest.raises(ValueError, match="KVTierSettings"):
+        ServeConfig(model="m", kv_tiers={"ram_bytes": 1})  # type: ignore[arg-type]
