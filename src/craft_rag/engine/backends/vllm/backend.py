@@ -288,28 +288,7 @@ class VLLMBackend:
         self.engine.add_request(request_id, prompt, params)
 
     def step(self) -> list[StepOutput]:
-        out: list[StepOutput] = []
-        for ro in self.engine.step():
-            completion = ro.outputs[0] if ro.outputs else None
-            # The tier connector's counts arrive on the finished output (0s without it).
-            prompt = getattr(ro, "prompt_token_ids", None)
-            ram, disk = tier_tokens_of(
-                getattr(ro, "kv_transfer_params", None),
-                maximum=len(prompt) if prompt is not None else None,
-            )
-            out.append(
-                StepOutput(
-                    request_id=str(ro.request_id),
-                    new_token_ids=tuple(completion.token_ids) if completion else (),
-                    new_text=str(completion.text) if completion else "",
-                    finished=bool(ro.finished),
-                    finish_reason=completion.finish_reason if completion else None,
-                    num_cached_tokens=ro.num_cached_tokens,
-                    tier_ram_tokens=ram,
-                    tier_disk_tokens=disk,
-                )
-            )
-        return out
+        return [step_output_of(ro) for ro in self.engine.step()]
 
     def abort(self, request_ids: Sequence[str]) -> None:
         if request_ids:
@@ -334,3 +313,25 @@ class VLLMBackend:
 
             shutil.rmtree(self._socket_dir, ignore_errors=True)
             self._socket_dir = None
+
+
+def step_output_of(ro: Any) -> StepOutput:
+    """One vLLM ``RequestOutput`` (a delta) as a :class:`StepOutput`. The KV tier connector's
+    counts arrive on the finished output's ``kv_transfer_params`` and are validated against the
+    prompt length (:func:`~craft_rag.kvtiers.tier_tokens.tier_tokens_of`; 0s without it)."""
+    completion = ro.outputs[0] if ro.outputs else None
+    prompt = getattr(ro, "prompt_token_ids", None)
+    ram, disk = tier_tokens_of(
+        getattr(ro, "kv_transfer_params", None),
+        maximum=len(prompt) if prompt is not None else None,
+    )
+    return StepOutput(
+        request_id=str(ro.request_id),
+        new_token_ids=tuple(completion.token_ids) if completion else (),
+        new_text=str(completion.text) if completion else "",
+        finished=bool(ro.finished),
+        finish_reason=completion.finish_reason if completion else None,
+        num_cached_tokens=ro.num_cached_tokens,
+        tier_ram_tokens=ram,
+        tier_disk_tokens=disk,
+    )
