@@ -39,6 +39,7 @@ class FakeServer:
     fail_headers: dict[str, str] = field(default_factory=dict)  # sent with scripted failures
     hostile: Callable[[Any, dict[str, Any]], None] | None = None  # (handler, body): answers
     answers: dict[str, tuple[int, bytes]] = field(default_factory=dict)  # path -> status, body
+    kv_transfer_params: object = None  # sent on the usage event when set (vLLM 0.32 does not)
     tokenize_shift: int = 0  # added to every /tokenize id: "another tokenizer"
     written: int = 0  # bytes a hostile writer got out before the client hung up
     cached: set[tuple[str | None, tuple[int, ...]]] = field(default_factory=set)
@@ -167,7 +168,10 @@ def _handler(fake: FakeServer) -> type[BaseHTTPRequestHandler]:
                 self._event({"choices": [choice]})
             details = {"cached_tokens": cached} if fake.report_cached else None
             usage = {"prompt_tokens": len(ids), "prompt_tokens_details": details}
-            self._event({"choices": [], "usage": usage})
+            last: dict[str, Any] = {"choices": [], "usage": usage}
+            if fake.kv_transfer_params is not None:
+                last["kv_transfer_params"] = fake.kv_transfer_params
+            self._event(last)
             self.wfile.write(b"data: [DONE]\n\n")
             self.wfile.flush()
             self.close_connection = True

@@ -74,6 +74,7 @@ from craft_rag.engine.backends.server.settings import (
 from craft_rag.engine.backends.server.transport import ServerConnection
 from craft_rag.engine.kv_events import BlockHasher, EvictionListener, KVEventSync
 from craft_rag.engine.results import SamplingRequest, StepOutput
+from craft_rag.kvtiers.tier_tokens import tier_tokens_of
 from craft_rag.tokenizer import Tokenizer
 
 # The client's names and, for callers that import them from here, every name of settings.
@@ -305,6 +306,7 @@ class ServerBackend:
         deadline = self._http.deadline()
         finish: str | None = None
         cached: int | None = None
+        tiers = (0, 0)
         sent = 0
         done = False
         try:
@@ -326,6 +328,8 @@ class ServerBackend:
                     )
                 reported = event_cached_tokens(event, len(token_ids), base)
                 cached = cached if reported is None else reported
+                if "kv_transfer_params" in event:  # vLLM 0.32 sends them only unstreamed
+                    tiers = tier_tokens_of(event["kv_transfer_params"], maximum=len(token_ids))
                 for delta in event_deltas(event, base):
                     if finish is not None and (delta.token_ids or delta.text):
                         raise bad_field(
@@ -363,7 +367,7 @@ class ServerBackend:
             self._http.lost = True
             msg = f"the stream from {base} ended without [DONE]"
             raise ServerUnavailable(msg)
-        yield {"done": True, "finish_reason": finish, "cached_tokens": cached}
+        yield {"done": True, "finish_reason": finish, "cached_tokens": cached, "tiers": tiers}
 
     def reset_prefix_cache(self) -> bool:
         """``POST /reset_prefix_cache`` (a dev-mode endpoint: ``craft-rag serve --dev`` or
@@ -415,10 +419,20 @@ def _eos_token_ids(model_path: str | None) -> frozenset[int]:
 
 
 def step_output(request_id: str, delta: dict[str, Any]) -> StepOutput:
-    """A stream delta from :meth:`ServerBackend.stream` as the engine's :class:`StepOutput`."""
+    """A stream delta from :meth:`ServerBackend.stream` as the engine's :class:`StepOutput`.
+    Tier tokens are 0 unless a stream event carried the tier connector's
+    ``kv_transfer_params`` (vLLM 0.32's server puts them only in non-streaming replies)."""
     if delta.get("done"):
+        ram, disk = delta.get("tiers", (0, 0))
         return StepOutput(
-            request_id, (), "", True, delta.get("finish_reason"), delta.get("cached_tokens")
+            request_id,
+            (),
+            "",
+            True,
+            delta.get("finish_reason"),
+            delta.get("cached_tokens"),
+            tier_ram_tokens=ram,
+            tier_disk_tokens=disk,
         )
     return StepOutput(request_id, delta["token_ids"], str(delta["text"]), False, None, None)
 
