@@ -5,12 +5,12 @@ multiprocess executor: the scheduler (EngineCore) and the worker are two process
 bytes travel in vLLM's own step messages; with it set to 0 (as the test environment may) the
 worker runs inside the EngineCore process. Both were seen to work. A prompt
 evicted from the pool comes back from the RAM tier with the same greedy text, and the response
-carries the connector's ``kv_transfer_params``.
+carries the connector's ``kv_transfer_params`` (read back as a ``ReuseReport`` reads them). The
+server is configured as ``craft-rag serve --kv-tier-*`` configures it (``ServeConfig.kv_tiers``).
 """
 
 from __future__ import annotations
 
-import json
 import random
 import socket
 import tempfile
@@ -45,14 +45,14 @@ def test_served_prompt_comes_back_from_the_tiers(tmp_path: Path) -> None:
     )
     from craft_rag.engine.model import resolve_model
     from craft_rag.kvtiers.tier_settings import KVTierSettings
+    from craft_rag.kvtiers.tier_tokens import tier_tokens_of
 
     tiers = KVTierSettings(ram_bytes=1 << 30, disk_bytes=1 << 30, disk_dir=tmp_path / "tiers")
     port = _free_port()
     config = ServeConfig(
         model=resolve_model(None), port=port, kv_events_port=_free_port(), max_model_len=1024,
-        kv_cache_memory_bytes=256 << 20,
-        extra_args=("--num-gpu-blocks-override", "48",
-                    "--kv-transfer-config", json.dumps(tiers.transfer_config())),
+        kv_cache_memory_bytes=256 << 20, kv_tiers=tiers,
+        extra_args=("--num-gpu-blocks-override", "48"),
     )
     with tempfile.TemporaryFile() as log:
         proc = start_server(config, log=log)
@@ -82,5 +82,6 @@ def test_served_prompt_comes_back_from_the_tiers(tmp_path: Path) -> None:
     assert again["kv_transfer_params"] == {
         "craft_tiers": {"ram_tokens": loadable, "disk_tokens": 0}
     }
+    assert tier_tokens_of(again["kv_transfer_params"], maximum=LEN) == (loadable, 0)
     assert again["usage"]["prompt_tokens_details"]["cached_tokens"] == loadable  # type: ignore[index]
     assert again["choices"][0]["text"] == first["choices"][0]["text"]  # type: ignore[index]
