@@ -91,6 +91,7 @@ def connector_of(llm: Any) -> Any:
 def test_tier_hits_exact_corruption_and_salts(tmp_path: Path) -> None:
     if rerun_in_own_process(__file__, "test_tier_hits_exact_corruption_and_salts"):
         return
+    from craft_rag.engine.backends.vllm.backend import step_output_of
     from craft_rag.kvtiers import Tier, chain_keys
     from craft_rag.kvtiers.disk_tier import block_path
 
@@ -108,6 +109,9 @@ def test_tier_hits_exact_corruption_and_salts(tmp_path: Path) -> None:
     assert hit.num_cached_tokens == LOADABLE, (hit.num_cached_tokens, t)
     assert t["ram_tokens"] + t["disk_tokens"] == LOADABLE
     assert t["disk_tokens"] > 0
+    # The engine's backend reads the same split into what becomes the ReuseReport.
+    step = step_output_of(hit)
+    assert (step.tier_ram_tokens, step.tier_disk_tokens) == (t["ram_tokens"], t["disk_tokens"])
     assert list(hit.outputs[0].token_ids) == list(base.outputs[0].token_ids)
     stats = conn.store.stats()
     assert stats.disk_hits > 0 and stats.corrupt_drops == 0
