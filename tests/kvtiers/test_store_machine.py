@@ -26,11 +26,15 @@ def payload_of(key: BlockKey) -> bytes:
 
 
 class StoreMachine(RuleBasedStateMachine):
+    write_through = False  # subclasses turn it on
+
     def __init__(self) -> None:
         super().__init__()
         self.root = Path(tempfile.mkdtemp(prefix="kvtiers-machine-"))
         self.folder = self.root / "tiers"
-        self.store = TieredBlockStore(3 * SIZE, 4 * SIZE, self.folder, policy="pgdsf")
+        self.store = TieredBlockStore(
+            3 * SIZE, 4 * SIZE, self.folder, policy="pgdsf", write_through=self.write_through
+        )
         self.blocks: list[tuple[BlockKey, BlockKey | None, list[int], int]] = []
         for tokens in PROMPTS:
             for salt in (None, "t"):
@@ -84,7 +88,9 @@ class StoreMachine(RuleBasedStateMachine):
             self.store.unpin([key])
         self.pinned.clear()
         self.store.close()
-        self.store = TieredBlockStore(3 * SIZE, 4 * SIZE, self.folder, policy="pgdsf")
+        self.store = TieredBlockStore(
+            3 * SIZE, 4 * SIZE, self.folder, policy="pgdsf", write_through=self.write_through
+        )
 
     @invariant()
     def holds(self) -> None:

@@ -8,8 +8,8 @@ Invariants (all checked by :meth:`TieredBlockStore._check_invariants`):
   (file headers, ``disk_tier.header_bytes``, are not counted);
 - eviction is leaf-only per tier along the chunk-prefix chain: an entry with a child in the same
   tier is never a victim, so a tier never holds a block whose prefix it just dropped first;
-- RAM eviction copies a block down to disk once (not if it is already there); disk eviction
-  deletes the file; pinned entries are never evicted;
+- RAM eviction copies a block down to disk once (not if it is already there, e.g. written
+  through); disk eviction deletes the file; pinned entries are never evicted;
 - a payload is returned only if its tokens equal the caller's and, from disk, its checksums and
   header match the index: a corrupt, truncated or foreign file is dropped (recompute instead).
 
@@ -25,7 +25,7 @@ import queue
 import threading
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, fields
+from dataclasses import fields
 from pathlib import Path
 
 from craft_rag.kvtiers import disk_tier
@@ -34,27 +34,9 @@ from craft_rag.kvtiers.keys import KEY_BYTES, BlockKey
 from craft_rag.kvtiers.leaf_heap import LeafHeap, Order
 from craft_rag.kvtiers.policies import TierPolicy, get_tier_policy
 from craft_rag.kvtiers.store_checks import check_store
-from craft_rag.kvtiers.tier_types import DiskState, Tier, TierStats
+from craft_rag.kvtiers.tier_types import DiskState, StoreEntry, Tier, TierStats
 
 __all__ = ["Tier", "TierStats", "TieredBlockStore"]  # Tier/TierStats re-exported for importers
-
-
-@dataclass(slots=True)
-class _Entry:
-    """One block; fields are mutated only under the store's lock."""
-
-    key: BlockKey
-    parent: BlockKey | None
-    token_ids: tuple[int, ...]
-    prefix_tokens: int
-    size: int
-    cost_s: float
-    ram: bytes | None = None
-    disk: DiskState = DiskState.NONE
-    pending: bytes | None = None
-    write_gen: int = 0
-    """Store-unique id of the queued disk write; a job whose id differs is stale and skipped."""
-    pins: int = 0
 
 
 class TieredBlockStore:
@@ -64,9 +46,11 @@ class TieredBlockStore:
     ``disk_dir``). ``policy`` names a :data:`craft_rag.kvtiers.policies.TIER_POLICIES` entry
     (one instance per tier). ``cost_model`` prices blocks for PGDSF (default: the documented CPU
     estimate). ``promote`` copies a disk hit up to RAM. ``persist_on_close`` copies RAM-only
-    blocks down to disk on :meth:`close` so a restart finds them. Opening on an existing
-    directory rebuilds the disk index from the file headers (see :meth:`_open_disk`).
-    """
+    blocks down to disk on :meth:`close` so a restart finds them. ``write_through`` also queues
+    each block entering RAM for disk (same payload object, no copy): a crash loses at most the
+    writer's queue; with ``max_queued_writes`` jobs queued the block stays RAM-only (counted in
+    ``write_through_skips``, copied down on eviction or close). Opening on an existing
+    directory rebuilds the disk index from the file headers (see :meth:`_open_disk`)."""
 
     def __init__(
         self,
@@ -79,9 +63,14 @@ class TieredBlockStore:
         *,
         promote: bool = True,
         persist_on_close: bool = True,
+        write_through: bool = False,
+        max_queued_writes: int = 1024,
     ) -> None:
-        if ram_bytes < 0 or disk_bytes < 0:
-            msg = f"tier sizes must be >= 0 bytes, got ram {ram_bytes}, disk {disk_bytes}"
+        if ram_bytes < 0 or disk_bytes < 0 or max_queued_writes < 1:
+            msg = (
+                f"tier sizes must be >= 0 bytes and max_queued_writes >= 1, got ram {ram_bytes},"
+                f" disk {disk_bytes}, max_queued_writes {max_queued_writes}"
+            )
             raise ValueError(msg)
         if (disk_dir is None) != (disk_bytes == 0):
             msg = "pass both disk_dir and disk_bytes > 0 for a disk tier, or neither"
@@ -94,8 +83,10 @@ class TieredBlockStore:
         self._cost = cost_model if cost_model is not None else default_cost_model()
         self._promote = promote
         self._persist_on_close = persist_on_close
+        self._write_through = write_through and self._dir is not None
+        self._max_queued = max_queued_writes
         self._lock = threading.Lock()
-        self._entries: dict[BlockKey, _Entry] = {}
+        self._entries: dict[BlockKey, StoreEntry] = {}
         self._members: dict[Tier, set[BlockKey]] = {tier: set() for tier in Tier}
         self._used = {tier: 0 for tier in Tier}
         # children[tier][k]: entries in `tier` whose parent is k (k itself may be absent)
@@ -124,9 +115,10 @@ class TieredBlockStore:
         """Store a block's payload; ``False`` if it is already present (counted as a use) or
         cannot fit (larger than both tiers, or no evictable room).
 
-        Goes to RAM if RAM is enabled, else straight to disk (queued for the writer). May evict
-        RAM leaves (each copied down to disk once) and disk leaves (files deleted). Cost: O(n)
-        per eviction (victim scan over the tier's leaves); never waits on disk I/O.
+        Goes to RAM if RAM is enabled (and, with ``write_through``, is queued for disk too),
+        else straight to disk (queued for the writer). May evict RAM leaves (each copied down
+        to disk once) and disk leaves (files deleted). Cost: O(log n) amortised per eviction
+        (the tier's leaf heap); never waits on disk I/O.
         """
         if len(key) != KEY_BYTES or (parent is not None and len(parent) != KEY_BYTES):
             msg = f"keys are {KEY_BYTES}-byte digests from chain_keys()"
@@ -142,7 +134,7 @@ class TieredBlockStore:
             if existing is not None:
                 self._touch(existing)
                 return False
-            entry = _Entry(
+            entry = StoreEntry(
                 key,
                 parent,
                 tuple(token_ids),
@@ -154,6 +146,8 @@ class TieredBlockStore:
                 self._entries[key] = entry
                 entry.ram = payload
                 self._add(entry, Tier.RAM, 1)
+                if self._write_through:
+                    self._queue_write_through(entry, payload)
                 return True
             disk_fits = self._dir is not None and self._cap[Tier.DISK] >= entry.size
             if disk_fits and self._make_room(Tier.DISK, entry.size, parent):
@@ -299,14 +293,14 @@ class TieredBlockStore:
             tiers.append(Tier.RAM if entry.ram is not None else Tier.DISK)
         return tiers
 
-    def _touch(self, entry: _Entry) -> None:
+    def _touch(self, entry: StoreEntry) -> None:
         """Count one use of ``entry`` in every tier holding it (a get, or a repeated put)."""
         for tier in Tier:
             if entry.key in self._members[tier]:
                 self._policies[tier].on_access(entry.key)
                 self._push_if_leaf(entry.key, tier)
 
-    def _add(self, entry: _Entry, tier: Tier, frequency: int) -> None:
+    def _add(self, entry: StoreEntry, tier: Tier, frequency: int) -> None:
         self._members[tier].add(entry.key)
         self._used[tier] += entry.size
         if entry.parent is not None:
@@ -315,7 +309,7 @@ class TieredBlockStore:
         self._policies[tier].on_insert(entry.key, entry.size, entry.cost_s, frequency)
         self._push_if_leaf(entry.key, tier)
 
-    def _remove(self, entry: _Entry, tier: Tier, evicted: bool) -> None:
+    def _remove(self, entry: StoreEntry, tier: Tier, evicted: bool) -> None:
         self._members[tier].discard(entry.key)
         self._used[tier] -= entry.size
         if entry.parent is not None:
@@ -338,7 +332,7 @@ class TieredBlockStore:
         if order is not None:
             self._heaps[tier].push(order, key)
 
-    def _forget_if_gone(self, entry: _Entry) -> None:
+    def _forget_if_gone(self, entry: StoreEntry) -> None:
         if (
             entry.ram is None
             and entry.disk is DiskState.NONE
@@ -369,7 +363,7 @@ class TieredBlockStore:
         heap.maybe_rebuild(leaves, len(members))
         return True
 
-    def _evict(self, entry: _Entry, tier: Tier) -> None:
+    def _evict(self, entry: StoreEntry, tier: Tier) -> None:
         if tier is Tier.RAM:
             payload = entry.ram
             assert payload is not None
@@ -388,14 +382,27 @@ class TieredBlockStore:
             self._stats.disk_evictions += 1
         self._forget_if_gone(entry)
 
-    def _copy_down(self, entry: _Entry, payload: bytes, frequency: int = 1) -> None:
+    def _copy_down(self, entry: StoreEntry, payload: bytes, frequency: int = 1) -> None:
         if self._cap[Tier.DISK] >= entry.size and self._make_room(
             Tier.DISK, entry.size, entry.parent
         ):
             self._queue_write(entry, payload, frequency)
             self._stats.copy_downs += 1
 
-    def _queue_write(self, entry: _Entry, payload: bytes, frequency: int) -> None:
+    def _queue_write_through(self, entry: StoreEntry, payload: bytes) -> None:
+        """Queue a block that just entered RAM for disk too, unless the writer is behind
+        (``max_queued_writes`` jobs, stale ones included: the bound is on the writer's backlog,
+        so the scheduler's thread never waits for it)."""
+        if self._queue.qsize() >= self._max_queued:
+            self._stats.write_through_skips += 1
+            return
+        if self._cap[Tier.DISK] >= entry.size and self._make_room(
+            Tier.DISK, entry.size, entry.parent
+        ):
+            self._queue_write(entry, payload, 1)
+            self._stats.write_throughs += 1
+
+    def _queue_write(self, entry: StoreEntry, payload: bytes, frequency: int) -> None:
         entry.disk = DiskState.PENDING
         entry.pending = payload
         self._gen += 1
@@ -403,7 +410,7 @@ class TieredBlockStore:
         self._add(entry, Tier.DISK, frequency)
         self._queue.put((entry.key, entry.write_gen))
 
-    def _drop_disk(self, entry: _Entry, evicted: bool) -> None:
+    def _drop_disk(self, entry: StoreEntry, evicted: bool) -> None:
         """Take ``entry`` out of the disk tier; delete its file (a queued write is discarded)."""
         assert self._dir is not None
         if entry.disk is DiskState.ON_DISK:
@@ -413,21 +420,16 @@ class TieredBlockStore:
         entry.write_gen = 0
         self._remove(entry, Tier.DISK, evicted)
 
-    def _read_verified(self, entry: _Entry) -> bytes | None:
+    def _read_verified(self, entry: StoreEntry) -> bytes | None:
         """Read ``entry``'s file (lock not held); ``None`` unless it matches the index fully."""
         assert self._dir is not None
         try:
             header, payload = disk_tier.read_block(self._dir, entry.key)
         except (disk_tier.CorruptBlock, OSError):
             return None
-        if (header.token_ids, header.parent, header.prefix_tokens, len(payload)) != (
-            entry.token_ids,
-            entry.parent,
-            entry.prefix_tokens,
-            entry.size,
-        ):
-            return None
-        return payload
+        got = (header.token_ids, header.parent, header.prefix_tokens, len(payload))
+        want = (entry.token_ids, entry.parent, entry.prefix_tokens, entry.size)
+        return payload if got == want else None
 
     def _write_loop(self) -> None:
         """The writer thread: writes queued blocks, discarding jobs whose entry moved on."""
@@ -479,7 +481,7 @@ class TieredBlockStore:
         self._stats.corrupt_drops += corrupt
         with self._lock:
             for header in headers:
-                entry = _Entry(
+                entry = StoreEntry(
                     header.key,
                     header.parent,
                     header.token_ids,

@@ -1,9 +1,12 @@
-"""The store's public result types: which tier a block is in, and the store's counters."""
+"""The store's public result types (which tier a block is in, the store's counters) and its
+internal entry record, kept here so the store module holds only the store's logic."""
 
 from __future__ import annotations
 
 import enum
 from dataclasses import dataclass
+
+from craft_rag.kvtiers.keys import BlockKey
 
 
 class Tier(enum.Enum):
@@ -44,3 +47,26 @@ class TierStats:
     disk_writes: int = 0
     write_errors: int = 0
     pending_writes: int = 0
+    write_throughs: int = 0
+    """blocks queued for disk when they entered RAM (``write_through``)."""
+    write_through_skips: int = 0
+    """blocks left RAM-only because the writer's queue was full (copied down later)."""
+
+
+@dataclass(slots=True)
+class StoreEntry:
+    """One block of a :class:`~craft_rag.kvtiers.store.TieredBlockStore` (store-internal);
+    fields are mutated only under that store's lock."""
+
+    key: BlockKey
+    parent: BlockKey | None
+    token_ids: tuple[int, ...]
+    prefix_tokens: int
+    size: int
+    cost_s: float
+    ram: bytes | None = None
+    disk: DiskState = DiskState.NONE
+    pending: bytes | None = None
+    write_gen: int = 0
+    """Store-unique id of the queued disk write; a job whose id differs is stale and skipped."""
+    pins: int = 0
