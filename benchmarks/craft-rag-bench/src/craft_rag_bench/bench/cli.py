@@ -124,6 +124,9 @@ def add_bench_parser(subparsers: Any) -> None:
                    help="tiers: RAM tier size in MiB (default 1024)")
     p.add_argument("--tier-disk-mib", type=int_range(1, 1 << 26), default=None,
                    help="tiers: disk tier size in MiB (default 4096)")
+    p.add_argument("--bound-only", action="store_true",
+                   help="tiers: only the load-free bound (simulated prefix cache, CRAFT's order "
+                   "without eviction, on the pool, on pool + tiers): no engine, seconds")
     p.add_argument("--ttft-passes", type=int_range(1, 8), default=None,
                    help="ttft: serve every system N times in mirrored order (A B .. B A), each "
                    "pass from an empty cache, TTFT over all passes (default 1; 2 against load "
@@ -197,6 +200,8 @@ def run_bench(args: argparse.Namespace) -> int:
             ("tiers_disk_bytes", _mib(getattr(args, "tier_disk_mib", None))),
         ) if value is not None
     }
+    if getattr(args, "bound_only", False):
+        tier_sizes["tiers_bound_only"] = True
     if tier_sizes:
         ctx.with_sizes(**tier_sizes)
     names = [n for n in SUITES if n not in NOT_IN_ALL] if args.suite == "all" else [args.suite]

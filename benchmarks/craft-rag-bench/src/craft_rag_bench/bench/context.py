@@ -78,6 +78,8 @@ class BenchSizes:
     tiers_disk_bytes: int = 4 << 30
     tiers_max_tokens: int = 8
     """``tiers`` suite: greedy reply length (the exactness check compares these tokens)."""
+    tiers_bound_only: bool = False
+    """``tiers`` suite: only the load-free bound (``--bound-only``): no engine starts."""
 
     def __post_init__(self) -> None:
         for i, rate in enumerate(self.load_rates):

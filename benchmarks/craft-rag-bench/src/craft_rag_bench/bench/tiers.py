@@ -23,8 +23,14 @@ served, from the connector's per-request counts), and exactness
 (:func:`exactness`): each tier system's greedy outputs against ``craft``'s on the same
 requests. Verdicts (:func:`verdicts`) against the targets in :data:`TARGETS`.
 
+Per workload, ``bound`` (:mod:`craft_rag_bench.bench.tiers_bound`, no engine, seconds): the
+cached-token fractions a simulated prefix cache gives CRAFT's order without eviction, on the
+pool alone and on pool + tiers, and the largest cached ratio over ``craft`` any tier could
+reach. ``bound_only`` (``--bound-only``) computes only that and starts no engine.
+
 Not part of ``bench all`` (four engine starts per workload: minutes). The bench's own engine is
-closed first; an engine handed in by the caller cannot run here (``skipped`` says why).
+closed first; an engine handed in by the caller cannot run here (``skipped`` says why; the
+bound alone still runs).
 """
 
 from __future__ import annotations
@@ -47,6 +53,7 @@ from craft_rag.files import write_atomic
 from craft_rag.metrics import percentile
 from craft_rag_bench.bench.cache_sizes import WorkingSet, trace_prompts, working_set
 from craft_rag_bench.bench.context import BenchContext
+from craft_rag_bench.bench.tiers_bound import bound, model_block_bytes
 from craft_rag_bench.bench.tiers_worker import WorkerSpec
 
 WORKLOADS: tuple[str, ...] = ("squad", "hotpotqa")
@@ -332,18 +339,22 @@ def run(ctx: BenchContext) -> dict[str, Any]:
 
     sizes = ctx.sizes
     max_tokens = sizes.tiers_max_tokens
+    bound_only = sizes.tiers_bound_only
     out: dict[str, Any] = {
         "suite": "tiers", "block_size": ctx.block_size, "max_tokens": max_tokens,
         "pool_requests": sizes.tiers_pool_requests, "tier_ram_bytes": sizes.tiers_ram_bytes,
         "tier_disk_bytes": sizes.tiers_disk_bytes, "systems": list(SYSTEMS),
-        "targets": asdict(TARGETS), "workloads": {},
+        "targets": asdict(TARGETS), "workloads": {}, "bound_only": bound_only,
     }
-    if ctx.engine is not None and not ctx.owns_engine:
+    if ctx.engine is not None and not ctx.owns_engine and not bound_only:
         out["skipped"] = ("an engine handed in by the caller cannot change its KV pool or load a "
-                          "connector; run `craft-rag bench tiers` on its own")
+                          "connector; run `craft-rag bench tiers` on its own (or pass "
+                          "--bound-only for the load-free bound alone)")
         return out
-    ctx.close()  # one engine at a time: every system starts its own, in its own process
+    if not bound_only:
+        ctx.close()  # one engine at a time: every system starts its own, in its own process
     assembler = PromptAssembler(ctx.tokenizer(), ctx.prompt_format())
+    block_bytes = model_block_bytes(ctx.block_size)
     for workload in ctx.workloads(WORKLOADS):
         trace = ctx.trace(workload, sizes.tiers_requests)
         ws = working_set(trace_prompts(assembler, trace), ctx.block_size, max_tokens)
@@ -353,6 +364,17 @@ def run(ctx: BenchContext) -> dict[str, Any]:
               f"{ws.distinct_blocks} distinct / {ws.request_blocks} request blocks; pool "
               f"{blocks} blocks", file=sys.stderr)
         started = time.perf_counter()
+        bound_args = {"block_size": ctx.block_size, "pool_blocks": blocks,
+                      "ram_bytes": sizes.tiers_ram_bytes, "disk_bytes": sizes.tiers_disk_bytes,
+                      "block_bytes": block_bytes}
+        if bound_only:
+            out["workloads"][workload] = {
+                "requests": len(trace), "working_set": asdict(ws), "pool_blocks": blocks,
+                "pool_tokens": blocks * ctx.block_size, "max_model_len": max_len,
+                "systems": {}, "verdicts": {}, "bound": bound(trace, assembler, **bound_args),
+                "seconds": round(time.perf_counter() - started, 1),
+            }
+            continue
         workdir = Path(tempfile.mkdtemp(prefix="craft-tiers-"))
         try:
             trace_path = workdir / "trace.jsonl"
@@ -367,6 +389,7 @@ def run(ctx: BenchContext) -> dict[str, Any]:
             systems = side_by_side(base, list(SYSTEMS), runner, workdir)
         finally:
             shutil.rmtree(workdir, ignore_errors=True)
+        craft = systems.get(REFERENCE, {})
         out["workloads"][workload] = {
             "requests": len(trace),
             "working_set": asdict(ws),
@@ -375,6 +398,8 @@ def run(ctx: BenchContext) -> dict[str, Any]:
             "max_model_len": max_len,
             "systems": systems,
             "verdicts": verdicts(systems),
+            "bound": bound(trace, assembler, craft_measured=craft.get("cached_token_fraction"),
+                           **bound_args),
             "seconds": round(time.perf_counter() - started, 1),
         }
     return out
@@ -382,7 +407,8 @@ def run(ctx: BenchContext) -> dict[str, Any]:
 
 def report_lines(result: Mapping[str, Any]) -> list[str]:
     """Markdown for the generated report: a table per workload (cached fraction, mean/p50/p99
-    TTFT, tokens loaded from each tier, tier hit ratio, exact tier hits), then the verdicts."""
+    TTFT, tokens loaded from each tier, tier hit ratio, exact tier hits; none with
+    ``bound_only``), the load-free bound, then the verdicts."""
     if result.get("skipped"):
         return [f"Skipped: {result['skipped']}."]
     out: list[str] = []
@@ -390,9 +416,10 @@ def report_lines(result: Mapping[str, Any]) -> list[str]:
         out += [f"{workload}: {w['requests']} requests, pool {w['pool_blocks']:,} blocks "
                 f"({w['pool_tokens']:,} tokens, ~{result['pool_requests']} prompts); tiers "
                 f"{result['tier_ram_bytes'] / 2**30:g} GiB RAM, "
-                f"{result['tier_disk_bytes'] / 2**30:g} GiB disk.", "",
-                "| system | cached | mean TTFT ms | p50 | p99 | tier tokens RAM / disk | "
-                "tier hit ratio | exact tier hits |", "|---|---|---|---|---|---|---|---|"]
+                f"{result['tier_disk_bytes'] / 2**30:g} GiB disk.", ""]
+        if w["systems"]:  # none with --bound-only
+            out += ["| system | cached | mean TTFT ms | p50 | p99 | tier tokens RAM / disk | "
+                    "tier hit ratio | exact tier hits |", "|---|---|---|---|---|---|---|---|"]
         for name, s in w["systems"].items():
             if "error" in s:
                 out.append(f"| {name} | failed: {s['error'][:80]!r} | | | | | | |")
@@ -407,6 +434,7 @@ def report_lines(result: Mapping[str, Any]) -> list[str]:
                 + ("-" if not exact else
                    f"{exact['tier_hit_identical']}/{exact['tier_hit_requests']}") + " |")
         out.append("")
+        out += bound_lines(w.get("bound"))
         for name, v in w["verdicts"].items():
             if name == "pgdsf_vs_lru":
                 out.append(f"- PGDSF vs LRU: hit ratio {_fmt(v['hit_ratio_ratio'], '.2f')}x "
@@ -418,6 +446,20 @@ def report_lines(result: Mapping[str, Any]) -> list[str]:
                            f"{v['exact_tier_hits']} exact tier hits (met: {v['exact_met']})")
         out.append("")
     return out
+
+
+def bound_lines(b: Mapping[str, Any] | None) -> list[str]:
+    """The load-free bound of one workload as report lines (none without a bound)."""
+    if not b:
+        return []
+    tiers = b["tier_blocks"]
+    return [f"- Bound (no engine, simulated LRU prefix cache): CRAFT caches "
+            f"{100 * b['unbounded_craft']:.1f}% with nothing evicted (retriever order "
+            f"{100 * b['unbounded_prefix']:.1f}%), {100 * b['pool_only_craft']:.1f}% on the pool "
+            f"alone, {100 * b['pool_plus_tiers_craft']:.1f}% on pool + tiers "
+            f"({tiers['ram']:,} + {tiers['disk']:,} blocks); at most "
+            f"{_fmt(b['max_cached_ratio_over_craft'], '.2f')}x the tokens of CRAFT alone "
+            f"({b['ratio_reference']}; target {TARGETS.cached_ratio}x).", ""]
 
 
 def _fmt(x: float | None, spec: str) -> str:
