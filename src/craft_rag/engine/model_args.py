@@ -28,7 +28,7 @@ aliases (:func:`call_sampling`: a dict pass, microseconds).
 from __future__ import annotations
 
 from collections.abc import Mapping
-from dataclasses import asdict, fields, replace
+from dataclasses import asdict, dataclass, fields, replace
 from typing import Any
 
 from craft_rag.engine.backends.server.settings import ServerSettings, as_server_settings
@@ -37,11 +37,14 @@ from craft_rag.engine.results import SAMPLING_KEYWORDS
 from craft_rag.redact import redact_url
 
 __all__ = [
+    "CONNECTION_ARGS",
+    "ENGINE_ARGS",
     "ENGINE_FIELDS",
     "MAX_TOKENS_ALIASES",
     "REFUSED",
     "SERVER_ALIASES",
     "VLLM_SAMPLING",
+    "ConstructorArguments",
     "as_engine_settings",
     "call_sampling",
     "check_prompt_text",
@@ -49,6 +52,7 @@ __all__ = [
     "engine_settings_with",
     "server_with",
     "settings_dict",
+    "sort_constructor_arguments",
 ]
 
 ENGINE_FIELDS = frozenset(f.name for f in fields(EngineSettings))
@@ -59,6 +63,15 @@ SERVER_ALIASES = ("base_url", "api_base", "openai_api_base")
 
 MAX_TOKENS_ALIASES = ("max_new_tokens", "max_completion_tokens")
 """Names of ``max_tokens`` (LangChain/LlamaIndex ``Vllm``; OpenAI's newer name)."""
+
+CONNECTION_ARGS = ("api_key", "timeout", "max_retries")
+"""``ChatOpenAI``/``OpenAILike`` connection settings: they act on the server only."""
+
+ENGINE_ARGS = (
+    "context_window", "max_model_len", "vllm_kwargs", "dtype", "gpu_memory_utilization",
+    "tensor_parallel_size", "trust_remote_code", "download_dir", "quantization",
+)
+"""LangChain ``VLLM`` / LlamaIndex ``Vllm`` engine arguments: they shape the started engine."""
 
 VLLM_SAMPLING = frozenset({
     "top_k", "min_p", "presence_penalty", "frequency_penalty", "repetition_penalty",
@@ -222,6 +235,71 @@ def server_with(
         raise ValueError(msg)
     settings = as_server_settings(chosen)
     return replace(settings, **given) if given else settings
+
+
+@dataclass(slots=True)
+class ConstructorArguments:
+    """One LLM constructor call's keyword arguments, sorted by :func:`sort_constructor_arguments`.
+    Owner: the constructor that sorted them (each integration then applies its own rules for
+    a given ``engine=`` and for the names left in :attr:`rest`)."""
+
+    server: ServerSettings | None
+    """The server to use (``None``: the in-process engine)."""
+    engine_args: dict[str, Any]
+    """The :data:`ENGINE_ARGS` the call named, with their values as given (``None`` included,
+    so an adapter can tell "named" from "set"), in :data:`ENGINE_ARGS` order."""
+    rest: dict[str, Any]
+    """Every other argument, in the call's order, ``max_tokens`` holding its aliases' value."""
+
+    def engine_settings(self, settings: object, model: object) -> EngineSettings:
+        """The engine to start: ``settings`` (object, dict or ``None``) with ``model`` and
+        :attr:`engine_args` over it (:func:`engine_settings_with`). ``context_window`` and
+        ``max_model_len`` name one value: ``ValueError`` when both are given and differ (or
+        as :func:`engine_settings_with`). O(fields); changes nothing."""
+        args = dict(self.engine_args)
+        context_window = args.pop("context_window", None)
+        if "max_model_len" in args:
+            window = args.pop("max_model_len")
+            if context_window is not None and window != context_window:
+                msg = "context_window and max_model_len differ; give one"
+                raise ValueError(msg)
+            context_window = window
+        return engine_settings_with(
+            settings,
+            model=model,
+            context_window=context_window,
+            vllm_kwargs=args.pop("vllm_kwargs", None),
+            engine_args=args,
+        )
+
+
+def sort_constructor_arguments(
+    values: Mapping[str, Any], server: object = None
+) -> ConstructorArguments:
+    """Sort an LLM constructor call's keyword arguments (``values``, not changed) by where the
+    familiar names act: the URL under any of :data:`SERVER_ALIASES` (a ``None`` alias is left
+    in :attr:`~ConstructorArguments.rest`) and :data:`CONNECTION_ARGS` with ``server`` into
+    the server settings (:func:`server_with`), :data:`MAX_TOKENS_ALIASES` onto ``max_tokens``,
+    :data:`ENGINE_ARGS` aside for :meth:`ConstructorArguments.engine_settings`. ``ValueError``
+    for two different URLs (shown without credentials), two different ``max_tokens``, or as
+    :func:`server_with`. The one sorting both integrations' LLM classes use. O(arguments)."""
+    rest = dict(values)
+    urls = {k: rest.pop(k) for k in SERVER_ALIASES if rest.get(k) is not None}
+    if len(set(urls.values())) > 1:
+        shown = {k: redact_url(str(v)) for k, v in urls.items()}  # no credentials shown
+        msg = f"give the server URL once, got {shown}"
+        raise ValueError(msg)
+    connection = {k: rest.pop(k, None) for k in CONNECTION_ARGS}
+    chosen = server_with(server, next(iter(urls.values()), None), **connection)
+    for alias in MAX_TOKENS_ALIASES:
+        if alias in rest:
+            value = rest.pop(alias)
+            if rest.get("max_tokens", value) != value:
+                msg = f"max_tokens and {alias} differ; give one"
+                raise ValueError(msg)
+            rest["max_tokens"] = value
+    engine_args = {k: rest.pop(k) for k in ENGINE_ARGS if k in rest}
+    return ConstructorArguments(chosen, engine_args, rest)
 
 
 def _root(url: str) -> str:

@@ -2,10 +2,11 @@
 ``OpenAILike``) mapped onto the engine to start, the server, and sampling, or refused; and,
 next to a running ``engine=``, checked against what that engine serves.
 
-The table itself is shared with the LangChain integration
-(:mod:`craft_rag.engine.model_args`); this module only sorts ``CraftVLLM(...)``'s keyword
-arguments into its three destinations (:func:`sort_arguments`) and refuses the ones a given
-engine would ignore (:func:`check_given_engine`). Runs once per ``CraftVLLM`` (construction).
+The table and the sorting are shared with the LangChain integration
+(:func:`craft_rag.engine.model_args.sort_constructor_arguments`); this module adds
+LlamaIndex's rules (:func:`sort_arguments`: sampling names into ``additional_kwargs``, unknown
+names refused) and refuses the arguments a given engine would ignore
+(:func:`check_given_engine`). Runs once per ``CraftVLLM`` (construction).
 """
 
 from __future__ import annotations
@@ -15,15 +16,15 @@ from typing import TYPE_CHECKING, Any
 
 from craft_rag.engine import EngineSettings, ServerSettings
 from craft_rag.engine.model_args import (
+    CONNECTION_ARGS,
     MAX_TOKENS_ALIASES,
     REFUSED,
     SERVER_ALIASES,
     VLLM_SAMPLING,
     check_sampling_extra,
-    engine_settings_with,
-    server_with,
+    sort_constructor_arguments,
 )
-from craft_rag.redact import redact_url
+from craft_rag.engine.model_args import ENGINE_ARGS as _ALL_ENGINE_ARGS
 
 if TYPE_CHECKING:
     from craft_rag.engine import CraftEngine
@@ -36,14 +37,13 @@ _EMBEDDED_NAMES = frozenset({
 """What ``model=`` may say next to an engine serving the embedded model (whose settings name
 no model)."""
 
-SERVER_ONLY = ("api_key", "timeout", "max_retries")
+SERVER_ONLY = CONNECTION_ARGS
 """``OpenAILike``'s connection settings: they act on the server (``api_base``) only."""
 
-ENGINE_ARGS = (
-    "max_model_len", "dtype", "gpu_memory_utilization", "tensor_parallel_size",
-    "trust_remote_code", "download_dir", "quantization",
-)
-"""``Vllm``'s engine arguments: they shape the started engine."""
+_WINDOW_AND_KWARGS = ("context_window", "vllm_kwargs")
+ENGINE_ARGS = tuple(name for name in _ALL_ENGINE_ARGS if name not in _WINDOW_AND_KWARGS)
+"""``Vllm``'s engine arguments: they shape the started engine (``context_window`` and
+``vllm_kwargs``, LlamaIndex's own names, are listed apart)."""
 
 
 @dataclass(slots=True)
@@ -69,47 +69,28 @@ def sort_arguments(
     ``server``) into engine settings, server settings and fields. ``ValueError`` for an unknown
     name (listing the accepted ones), a refused one, a value given twice, or engine-shaping
     arguments next to a running ``engine``."""
-    data = dict(data)
-    urls = {k: data.pop(k) for k in SERVER_ALIASES if data.get(k) is not None}
-    if len(set(urls.values())) > 1:
-        shown = {k: redact_url(str(v)) for k, v in urls.items()}  # no credentials shown
-        msg = f"give the server URL once, got {shown}"
-        raise ValueError(msg)
-    connection = {k: data.pop(k, None) for k in SERVER_ONLY}
-    chosen_server = server_with(server, next(iter(urls.values()), None), **connection)
-    for alias in MAX_TOKENS_ALIASES:
-        if alias in data:
-            value = data.pop(alias)
-            if data.get("max_tokens", value) != value:
-                msg = f"max_tokens and {alias} differ; give one"
-                raise ValueError(msg)
-            data["max_tokens"] = value
+    args = sort_constructor_arguments(data, server)
+    data = args.rest
     extra = dict(data.pop("additional_kwargs", None) or {})
     for name in list(data):
         if name in VLLM_SAMPLING or name in REFUSED:
             extra[name] = data.pop(name)
     data["additional_kwargs"] = check_sampling_extra(extra, "additional_kwargs")
-    model = data.get("model")
-    engine_args = {k: data.pop(k) for k in ENGINE_ARGS if k in data}
-    context_window = data.pop("context_window", None)
-    vllm_kwargs = data.pop("vllm_kwargs", None)
     unknown = sorted(set(data) - known_fields)
     if unknown:
         accepted = sorted(
             known_fields | set(SERVER_ALIASES) | set(SERVER_ONLY) | set(MAX_TOKENS_ALIASES)
-            | set(ENGINE_ARGS) | {"context_window", "vllm_kwargs", "engine", "engine_settings",
-                                  "server"} | VLLM_SAMPLING
+            | set(_ALL_ENGINE_ARGS) | {"engine", "engine_settings", "server"} | VLLM_SAMPLING
         )
         msg = f"CraftVLLM got unknown arguments {unknown}; accepted: {accepted}"
         raise ValueError(msg)
-    shaping = [
-        name for name, value in (
-            ("engine_settings", engine_settings), ("server/api_base", chosen_server),
-            ("context_window", context_window), ("vllm_kwargs", vllm_kwargs),
-            *engine_args.items(),
-        ) if value is not None
-    ]
     if engine_given:
+        # LlamaIndex's order in the message: the settings objects, then the window, then the
+        # rest; a name given as None cannot act, so it is not refused.
+        named = [(name, args.engine_args.get(name)) for name in _WINDOW_AND_KWARGS]
+        named += [(k, v) for k, v in args.engine_args.items() if k not in _WINDOW_AND_KWARGS]
+        given = [("engine_settings", engine_settings), ("server/api_base", args.server), *named]
+        shaping = [name for name, value in given if value is not None]
         if shaping:
             msg = (
                 f"engine= is a running engine, so {shaping} cannot act; pass them without "
@@ -117,20 +98,8 @@ def sort_arguments(
             )
             raise ValueError(msg)
         return SortedArguments(None, None, data)
-    if "max_model_len" in engine_args:
-        window = engine_args.pop("max_model_len")
-        if context_window is not None and window != context_window:
-            msg = "context_window and max_model_len differ; give one"
-            raise ValueError(msg)
-        context_window = window
-    settings = engine_settings_with(
-        engine_settings,
-        model=model,
-        context_window=context_window,
-        vllm_kwargs=vllm_kwargs,
-        engine_args=engine_args,
-    )
-    return SortedArguments(settings, chosen_server, data)
+    settings = args.engine_settings(engine_settings, data.get("model"))
+    return SortedArguments(settings, args.server, data)
 
 
 def engine_model_matches(engine_model: object, model: str) -> bool:
