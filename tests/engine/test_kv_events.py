@@ -92,8 +92,9 @@ def test_decode_event_batch_reads_vllms_wire_format() -> None:
             parent=None,
             token_ids=tuple(range(64)),
             block_size=32,
+            medium="GPU",
         ),
-        BlocksRemoved((BlockHash(b"\x01" * 32),)),
+        BlocksRemoved((BlockHash(b"\x01" * 32),), medium="GPU"),
         AllCleared(),
     ]
     with pytest.raises(ValueError, match="KV event"):

@@ -83,7 +83,7 @@ def _slim(event: KVEvent) -> KVEvent:
     if isinstance(event, BlocksRemoved):
         if len(event.hashes) <= RECENT_HASHES:
             return event
-        return BlocksRemoved(event.hashes[:RECENT_HASHES])
+        return BlocksRemoved(event.hashes[:RECENT_HASHES], event.medium)
     if not isinstance(event, BlocksStored):
         return event
     keys = event.extra_keys
@@ -97,4 +97,5 @@ def _slim(event: KVEvent) -> KVEvent:
         token_ids=(),
         block_size=event.block_size,
         extra_keys=(first,) if small else None,
+        medium=event.medium,
     )

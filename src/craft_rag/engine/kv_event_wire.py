@@ -7,7 +7,8 @@ payload a msgpack array ``[ts, events, dp_rank?]`` whose events are maps tagged 
 The peer is a network publisher, so nothing is trusted: every field the sync uses is checked
 (type and range) and a batch with any bad event is refused whole with :class:`MalformedBatch`
 (a ``ValueError``), never applied in part; the caller treats it as a lost batch. Unknown event
-types and unknown fields are skipped (newer vLLMs add both). Cost: O(payload) to decode, plus
+types and unknown fields are skipped (newer vLLMs add both); a ``medium`` must be one of
+:data:`MEDIUMS`. Cost: O(payload) to decode, plus
 one type check per token id.
 """
 
@@ -21,6 +22,11 @@ from craft_rag.types import BlockHash, as_block_hash
 SEQ_BYTES = 8
 MAX_BLOCK_SIZE = 1 << 20  # far above any vLLM block size; refuses absurd values early
 MAX_TOKEN_ID = (1 << 32) - 1  # token ids are vocabulary indices
+MEDIUM_GPU = "GPU"
+"""The engine's own KV pool (vLLM says ``GPU`` on every platform, CPU included)."""
+MEDIUMS = frozenset({MEDIUM_GPU, "CPU", "STORAGE"})
+"""The ``medium`` values vLLM 0.32 defines (``vllm.distributed.kv_events.MEDIUM_*``); a peer's
+value is matched case-insensitively (some connectors send ``"cpu"``) and stored upper-case."""
 _MAX_EXTRA_ENTRY_ITEMS = 64  # a block's extra keys: LoRA name, salt, a few mm pairs
 
 
@@ -43,13 +49,17 @@ class BlocksStored:
     extra_keys: tuple[Any, ...] | None = None
     """Per block, the extra hash keys vLLM published (the ``cache_salt`` of a salted prompt's
     first block), untagged; ``None`` when the engine sent none."""
+    medium: str | None = None
+    """Where the blocks now live: one of :data:`MEDIUMS` (``None``: not said, the pool)."""
 
 
 @dataclass(frozen=True, slots=True)
 class BlocksRemoved:
-    """vLLM evicted these blocks from its prefix cache."""
+    """vLLM evicted these blocks from its prefix cache (or a connector's tier: ``medium``)."""
 
     hashes: tuple[BlockHash, ...]
+    medium: str | None = None
+    """Where the blocks left: one of :data:`MEDIUMS` (``None``: not said, the pool)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -143,9 +153,10 @@ def _decode_event(raw: object) -> KVEvent | None:
             token_ids=_token_ids(raw.get("token_ids", _MISSING)),
             block_size=_block_size(raw.get("block_size", _MISSING)),
             extra_keys=_extra_keys(raw.get("extra_keys")),
+            medium=_medium(raw.get("medium")),
         )
     if kind == "BlockRemoved":
-        return BlocksRemoved(_hashes(raw))
+        return BlocksRemoved(_hashes(raw), _medium(raw.get("medium")))
     if kind == "AllBlocksCleared":
         return AllCleared()
     return None
@@ -188,6 +199,16 @@ def _block_size(value: object) -> int:
         msg = f"'block_size' must be an int in 1..{MAX_BLOCK_SIZE}, got {_kind(value)}"
         raise MalformedBatch(msg)
     return value
+
+
+def _medium(value: object) -> str | None:
+    if value is None:
+        return None
+    medium = value.upper() if isinstance(value, str) and len(value) <= 16 else None
+    if medium not in MEDIUMS:
+        msg = f"'medium' must be one of {sorted(MEDIUMS)} or nil, got {_kind(value)}"
+        raise MalformedBatch(msg)
+    return medium
 
 
 def _extra_keys(value: object) -> tuple[Any, ...] | None:

@@ -17,7 +17,9 @@ the next commit that matches it sees fewer cached chunks than predicted and remo
 (``reused_chunks`` in :meth:`craft_rag.planner.CraftPlanner.commit`). A gap in sequence numbers
 (dropped messages: evictions may be lost) or a sequence number going back (the engine or server
 restarted: its cache is empty) resyncs by clearing: ``on_all_blocks_cleared`` before the batch
-is applied, counted in :attr:`KVEventStats.gaps` / :attr:`KVEventStats.restarts`.
+is applied, counted in :attr:`KVEventStats.gaps` / :attr:`KVEventStats.restarts`. Tiers: a
+removal reaches the listener once its block is in no medium, neither the pool nor a KV tier
+(``residency``, a :class:`~craft_rag.engine.kv_residency.TierResidency`).
 
 Lost batches: nothing a peer sends stops the subscriber thread. A message with the wrong part
 count, a bad sequence frame, an undecodable payload or any malformed event (:class:`MalformedBatch`:
@@ -77,6 +79,7 @@ from craft_rag.engine.kv_event_state import (
     RecentEvents,
 )
 from craft_rag.engine.kv_event_wire import (
+    MEDIUM_GPU,
     AllCleared,
     BlocksRemoved,
     BlocksStored,
@@ -87,6 +90,7 @@ from craft_rag.engine.kv_event_wire import (
     decode_event_batch,
     decode_seq,
 )
+from craft_rag.engine.kv_residency import TierResidency
 from craft_rag.types import BlockHash
 
 __all__ = [
@@ -157,6 +161,7 @@ class KVEventSync:
         self._listener = listener
         self._clock = clock
         self._recent = RecentEvents()
+        self.residency = TierResidency()  # owner: the subscriber thread
         self._hasher: BlockHasher | None = None
         self._expected_clears = 0  # AllCleared events of resets the listener already applied
         self._cond = threading.Condition()
@@ -354,19 +359,24 @@ class KVEventSync:
                 stats.gaps += 1
             with self._cond:
                 self._expected_clears = 0
+            self.residency.clear()
             if listener is not None:
                 listener.on_all_blocks_cleared()
+        residency = self.residency
         for event in batch.events:
             if isinstance(event, BlocksStored):
                 stats.blocks_stored += len(event.hashes)
-                if hasher is not None:
+                residency.stored(event.hashes, event.medium)
+                if hasher is not None and event.medium in (None, MEDIUM_GPU):
                     self._check_hash(hasher, event)
             elif isinstance(event, BlocksRemoved):
+                gone = residency.removed(event.hashes, event.medium)
                 stats.blocks_removed += len(event.hashes)
-                if listener is not None:
-                    stats.nodes_removed += listener.on_blocks_removed(event.hashes)
+                if listener is not None and gone:
+                    stats.nodes_removed += listener.on_blocks_removed(gone)
             else:
                 stats.clears += 1
+                residency.pool_cleared()
                 if self._own_clear():
                     stats.own_clears += 1  # already applied at reset time (module doc)
                 elif listener is not None:
@@ -387,6 +397,7 @@ class KVEventSync:
         with self._cond:
             self._expected_clears = 0  # the lost batch may have held our reset's event
             listener = self._listener
+        self.residency.clear()
         if listener is not None:
             try:
                 listener.on_all_blocks_cleared()
@@ -487,3 +498,25 @@ class KVEventSync:
         self._thread.join(timeout=2.0)
         self._close_sockets()
         self._ctx.term()
+
+
+class EventBarrier:
+    """The engine's "events so far are applied" step before a plan and before a commit: waits
+    until every KV event batch the backend has published was applied to the planners (usually
+    already true: microseconds; at most ``wait_through``'s 2 s if a batch was lost). A no-op
+    without an event sync or when the backend cannot count its batches (``published`` returns
+    None)."""
+
+    __slots__ = ("_events", "_published")
+
+    def __init__(self, events: KVEventSync | None, published: Callable[[], int | None]) -> None:
+        self._events = events
+        self._published = published
+
+    def __call__(self) -> None:
+        events = self._events
+        if events is None:
+            return
+        published = self._published()
+        if published is not None:
+            events.wait_through(published - 1)

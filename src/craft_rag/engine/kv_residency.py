@@ -1,0 +1,119 @@
+"""Which media hold a block the KV tiers also hold: the filter between KV events and the CP-Tree.
+
+vLLM publishes its pool's events with ``medium="GPU"`` (on CPU too), and a KV connector's
+events with its own medium: craft-rag's tier connector says ``"CPU"`` for its RAM tier and
+``"STORAGE"`` for its disk tier (:mod:`craft_rag.kvtiers.tier_events`). A chunk-prefix whose
+blocks left the pool but sit in a tier is still cheap to serve (the connector loads them), so
+the CP-Tree must keep its node: :class:`TierResidency` passes a removal on only when the block
+is gone from every medium.
+
+Model: only blocks some tier holds are tracked (bits ``GPU | CPU | STORAGE``); a block first
+reported by a tier is taken to be in the pool as well (the connector reports a block when it
+copied it out of the pool, or when it is loading it into the pool). So:
+
+- a pool removal of an untracked hash passes through (as without tiers);
+- a pool removal of a tracked hash clears its GPU bit and is held back;
+- a tier removal that leaves no tier bit drops the entry, and passes the hash on iff the GPU
+  bit was clear (the pool had evicted it too); with the GPU bit set, the pool's own removal
+  passes through later (the hash is then untracked).
+
+Bounds: at most :data:`MAX_TRACKED` hashes (the tiers bound what the connector reports; the
+cap guards against a peer). Past it the oldest entry is forgotten: its hash is untracked, so a
+later pool removal passes through, the side that loses a planning hint, never keeps a node
+whose KV is gone. A node kept by a stale entry (a lost tier removal) is removed by the commit
+feedback (fewer reused chunks than predicted). Owner: :class:`~craft_rag.engine.kv_events.
+KVEventSync`'s thread; not thread-safe. Cost: O(1) per hash.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+from craft_rag.engine.kv_event_wire import MEDIUM_GPU
+from craft_rag.types import BlockHash
+
+__all__ = ["MAX_TRACKED", "TierResidency"]
+
+MAX_TRACKED = 1 << 18
+"""Hashes tracked at most (~30 MB): far above what 5 GiB of tiers hold of a small model."""
+
+_GPU = 1
+_BITS = {MEDIUM_GPU: _GPU, "CPU": 2, "STORAGE": 4}
+_TIERS = 2 | 4
+
+
+class TierResidency:
+    """Media bits of the blocks the KV tiers hold (see the module).
+
+    Invariants: every entry has a tier bit; at most ``max_tracked`` entries, oldest first in
+    insertion order.
+    """
+
+    __slots__ = ("_bits", "held", "max_tracked")
+
+    def __init__(self, max_tracked: int = MAX_TRACKED) -> None:
+        if type(max_tracked) is not int or max_tracked < 1:
+            msg = f"max_tracked must be an int >= 1, got {max_tracked!r}"
+            raise ValueError(msg)
+        self.max_tracked = max_tracked
+        self._bits: dict[BlockHash, int] = {}
+        self.held = 0
+        """Pool removals held back because a tier still held the block (a counter)."""
+
+    def __len__(self) -> int:
+        return len(self._bits)
+
+    def media(self, block: BlockHash) -> frozenset[str]:
+        """The media ``block`` is known in (empty: untracked). O(1)."""
+        bits = self._bits.get(block, 0)
+        return frozenset(m for m, bit in _BITS.items() if bits & bit)
+
+    def stored(self, hashes: Iterable[BlockHash], medium: str | None) -> None:
+        """``hashes`` entered ``medium`` (``None``: the pool). O(len(hashes))."""
+        bit = _BITS[medium or MEDIUM_GPU]
+        table = self._bits
+        for h in hashes:
+            old = table.get(h)
+            if old is not None:
+                table[h] = old | bit
+            elif bit & _TIERS:  # a tier's first report: the block is in the pool too
+                table[h] = bit | _GPU
+                if len(table) > self.max_tracked:
+                    del table[next(iter(table))]
+
+    def removed(self, hashes: Iterable[BlockHash], medium: str | None) -> list[BlockHash]:
+        """``hashes`` left ``medium``; returns those now gone from every medium (pass them to
+        the CP-Tree). O(len(hashes))."""
+        bit = _BITS[medium or MEDIUM_GPU]
+        table = self._bits
+        gone: list[BlockHash] = []
+        for h in hashes:
+            old = table.get(h)
+            if old is None:
+                if bit == _GPU:
+                    gone.append(h)  # untracked: as without tiers
+                continue
+            new = old & ~bit
+            if new & _TIERS:
+                table[h] = new
+                if bit == _GPU:
+                    self.held += 1
+            else:
+                del table[h]
+                if not new & _GPU:
+                    gone.append(h)
+        return gone
+
+    def pool_cleared(self) -> None:
+        """The pool dropped everything (``AllBlocksCleared``): tier bits stay. O(n)."""
+        table = self._bits
+        for h, bits in table.items():
+            table[h] = bits & ~_GPU
+
+    def clear(self) -> None:
+        """Forget everything (a lost batch: nothing known can be trusted). O(n)."""
+        self._bits.clear()
+
+    def _check_invariants(self) -> None:
+        assert len(self._bits) <= self.max_tracked
+        assert all(bits & _TIERS and not bits & ~(_GPU | _TIERS) for bits in self._bits.values())
