@@ -29,11 +29,23 @@ def test_extra_config_round_trips() -> None:
         ({"disk_bytes": 10}, "both disk_bytes"),
         ({"disk_dir": "/tmp/x"}, "both disk_bytes"),
         ({"ram_bytes": 0}, "both tiers are empty"),
+        ({"disk_write_through": "yes"}, "true or false"),
+        ({"disk_write_through": 1}, "true or false"),
     ],
 )
 def test_bad_settings_name_the_fix(kwargs: dict[str, object], match: str) -> None:
     with pytest.raises(ValueError, match=match):
         KVTierSettings(**kwargs)  # type: ignore[arg-type]
+
+
+def test_write_through_is_on_by_default_and_round_trips() -> None:
+    on = KVTierSettings(disk_bytes=20, disk_dir="/x/y")
+    assert on.disk_write_through is True
+    off = KVTierSettings(disk_bytes=20, disk_dir="/x/y", disk_write_through=False)
+    assert off.extra_config()["disk_write_through"] is False
+    assert KVTierSettings.from_extra(off.extra_config()) == off
+    older = {k: v for k, v in off.extra_config().items() if k != "disk_write_through"}
+    assert KVTierSettings.from_extra(older) == on  # a config written before the switch
 
 
 def test_unknown_extra_key_names_the_valid_ones() -> None:

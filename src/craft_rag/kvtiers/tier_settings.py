@@ -19,7 +19,7 @@ __all__ = ["CONNECTOR_MODULE", "CONNECTOR_NAME", "DEFAULT_RAM_BYTES", "KVTierSet
 CONNECTOR_NAME = "CraftTierConnector"
 CONNECTOR_MODULE = "craft_rag.kvtiers.connector"
 DEFAULT_RAM_BYTES = 1 << 30
-_KEYS = ("ram_bytes", "disk_bytes", "disk_dir", "policy")
+_KEYS = ("ram_bytes", "disk_bytes", "disk_dir", "policy", "disk_write_through")
 
 
 @dataclass(frozen=True, slots=True)
@@ -28,14 +28,23 @@ class KVTierSettings:
     ``disk_bytes > 0`` and ``disk_dir`` are given (validated and created, mode 0700, when the
     engine opens the store), and a :data:`~craft_rag.kvtiers.policies.TIER_POLICIES` name.
 
-    ``ValueError`` (naming the fix) for negative or non-integer sizes, an unknown policy, or a
-    disk size without a directory (or the reverse).
+    ``disk_write_through`` (no effect without a disk tier): every block entering RAM is also
+    queued for disk on the store's writer thread (bounded queue, never waited on), so a crash
+    loses at most that queue; off, RAM blocks reach disk only when evicted or at a clean
+    shutdown. On by default: the disk tier is there to survive restarts, and without it a
+    crash loses everything the RAM tier held, which with the default sizes is most of the
+    reusable KV; the cost is one file write per block, off the critical path, and disk space
+    for blocks RAM still holds (a disk tier at least as large as RAM keeps them all).
+
+    ``ValueError`` (naming the fix) for negative or non-integer sizes, an unknown policy, a
+    non-bool switch, or a disk size without a directory (or the reverse).
     """
 
     ram_bytes: int = DEFAULT_RAM_BYTES
     disk_bytes: int = 0
     disk_dir: str | Path | None = None
     policy: str = "pgdsf"
+    disk_write_through: bool = True
 
     def __post_init__(self) -> None:
         for name in ("ram_bytes", "disk_bytes"):
@@ -43,6 +52,9 @@ class KVTierSettings:
             if isinstance(value, bool) or not isinstance(value, int) or value < 0:
                 msg = f"{name} must be a non-negative integer (bytes), got {value!r}"
                 raise ValueError(msg)
+        if not isinstance(self.disk_write_through, bool):
+            msg = f"disk_write_through must be true or false, got {self.disk_write_through!r}"
+            raise ValueError(msg)
         if self.policy not in TIER_POLICIES:
             msg = f"unknown tier policy {self.policy!r}; valid: {', '.join(sorted(TIER_POLICIES))}"
             raise ValueError(msg)
@@ -74,6 +86,7 @@ class KVTierSettings:
             "disk_bytes": self.disk_bytes,
             "disk_dir": str(self.disk_dir) if self.disk_dir is not None else None,
             "policy": self.policy,
+            "disk_write_through": self.disk_write_through,
         }
 
     def transfer_config(self) -> dict[str, Any]:

