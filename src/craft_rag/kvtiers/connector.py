@@ -27,6 +27,13 @@ the tokens are computed; keys chain the block's whole prefix under a namespace o
 dtype, KV dtype and block size plus the request's ``cache_salt`` (tenants never share). A payload
 of the wrong size is reported as a load error (vLLM's ``kv_load_failure_policy`` decides).
 Each request's tier tokens come back in ``RequestOutput.kv_transfer_params["craft_tiers"]``.
+
+Residency events: with the engine's KV events on, ``take_events`` publishes which blocks entered
+or left each tier, named by vLLM's block hashes (``request.block_hashes``, learned when a block
+is saved or found in a tier), as ``BlockStored``/``BlockRemoved`` with medium ``CPU`` (RAM) or
+``STORAGE`` (disk) (:mod:`craft_rag.kvtiers.tier_events`). vLLM publishes them with the pool's
+own events (medium ``GPU``), so the CP-Tree keeps a chunk-prefix the pool evicted while a tier
+still holds it (:mod:`craft_rag.engine.kv_residency`).
 """
 
 from __future__ import annotations
@@ -34,22 +41,32 @@ from __future__ import annotations
 import hashlib
 import itertools
 import logging
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from vllm.distributed.kv_events import (
+    MEDIUM_CPU,
+    MEDIUM_STORAGE,
+    BlockRemoved,
+    BlockStored,
+    KVCacheEvent,
+)
 from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorBase_V1,
     KVConnectorMetadata,
     KVConnectorRole,
     KVConnectorWorkerMetadata,
 )
+from vllm.v1.core.kv_cache_utils import maybe_convert_block_hash
 from vllm.v1.metrics.cache_hit_source import CacheHitSource
 
 from craft_rag.kvtiers import Tier
 from craft_rag.kvtiers.keys import BlockKey, chain_keys
 from craft_rag.kvtiers.layout_cpu import CpuBlockLayout, extract_block, inject_block, layout_of
 from craft_rag.kvtiers.store import TieredBlockStore
+from craft_rag.kvtiers.tier_events import ReportingStore, TierChange, TierEventLog
 from craft_rag.kvtiers.tier_settings import KVTierSettings
 from craft_rag.kvtiers.tier_tokens import TIER_PARAMS_KEY  # its key; re-exported
 
@@ -69,14 +86,33 @@ __all__ = ["TIER_PARAMS_KEY", "CraftTierConnector", "engine_namespace", "open_st
 logger = logging.getLogger(__name__)
 
 
-def open_store(settings: KVTierSettings) -> TieredBlockStore:
-    """The store ``settings`` describe (validates, creates and indexes ``disk_dir``)."""
-    return TieredBlockStore(
-        ram_bytes=settings.ram_bytes,
-        disk_bytes=settings.disk_bytes,
-        disk_dir=Path(settings.disk_dir) if settings.disk_dir is not None else None,
-        policy=settings.policy,
-        write_through=settings.disk_write_through,
+def open_store(settings: KVTierSettings, events: TierEventLog | None = None) -> TieredBlockStore:
+    """The store ``settings`` describe (validates, creates and indexes ``disk_dir``); with
+    ``events``, a :class:`ReportingStore` that tells it every tier change."""
+    kwargs: dict[str, Any] = {
+        "ram_bytes": settings.ram_bytes,
+        "disk_bytes": settings.disk_bytes,
+        "disk_dir": Path(settings.disk_dir) if settings.disk_dir is not None else None,
+        "policy": settings.policy,
+        "write_through": settings.disk_write_through,
+    }
+    if events is not None:
+        return ReportingStore(events=events, **kwargs)
+    return TieredBlockStore(**kwargs)
+
+
+_MEDIUM = {Tier.RAM: MEDIUM_CPU, Tier.DISK: MEDIUM_STORAGE}
+
+
+def vllm_event(change: TierChange, block_size: int) -> KVCacheEvent:
+    """``change`` as the vLLM KV event the engine publishes (one block per event)."""
+    medium = _MEDIUM[change.tier]
+    if not change.stored:
+        return BlockRemoved(block_hashes=[change.block_hash], medium=medium)
+    return BlockStored(
+        block_hashes=[change.block_hash], parent_block_hash=change.parent_hash,
+        token_ids=list(change.token_ids), block_size=block_size, lora_id=None,
+        medium=medium, lora_name=None,
     )
 
 
@@ -130,6 +166,7 @@ class _Save:
     parent: BlockKey | None
     token_ids: tuple[int, ...]
     prefix_tokens: int
+    block_hash: Any  # vLLM's, as its events carry it; None when unknown
 
 
 @dataclass(slots=True)
@@ -184,8 +221,13 @@ class CraftTierConnector(KVConnectorBase_V1):
         self._layout: CpuBlockLayout | None = None
         self._extracted: dict[int, bytes] = {}
         self._load_errors: set[int] = set()
+        # residency events only when the engine publishes KV events (else nothing is learned)
+        events_config = getattr(vllm_config, "kv_events_config", None)
+        self._events: TierEventLog | None = None
         if role == KVConnectorRole.SCHEDULER:
-            self._store = open_store(self._settings)
+            if events_config is not None and events_config.enable_kv_cache_events:
+                self._events = TierEventLog()
+            self._store = open_store(self._settings, self._events)
 
     @property
     def store(self) -> TieredBlockStore:
@@ -268,6 +310,18 @@ class CraftTierConnector(KVConnectorBase_V1):
         bs = self._block_size
         return tuple(state.token_ids[j * bs : (j + 1) * bs])
 
+    def _vllm_hash(self, state: _RequestState, j: int) -> Any:
+        """vLLM's hash of prompt block ``j`` as its events carry it (None: not computed)."""
+        hashes = state.request.block_hashes
+        return maybe_convert_block_hash(hashes[j]) if j < len(hashes) else None
+
+    def _learn(self, state: _RequestState, blocks: range) -> None:
+        if self._events is not None:
+            for j in blocks:
+                block_hash = self._vllm_hash(state, j)
+                if block_hash is not None:
+                    self._events.learn(state.keys[j], block_hash)
+
     def _release(self, state: _RequestState) -> None:
         if state.pinned:
             self.store.unpin(state.pinned)
@@ -298,6 +352,7 @@ class CraftTierConnector(KVConnectorBase_V1):
             return 0, False
         tiers = self.store.lookup_and_pin(state.keys[:cap])
         state.pinned = state.keys[: len(tiers)]
+        self._learn(state, range(len(tiers)))  # a tier block named for the CP-Tree's events
         staged: list[tuple[Tier, bytes]] = []
         for j in range(start, len(tiers)):
             payload = self.store.get(state.keys[j], self._block_tokens(state, j))
@@ -369,7 +424,8 @@ class CraftTierConnector(KVConnectorBase_V1):
                     continue
                 save_id = next(self._save_ids)
                 self._pending_saves[save_id] = _Save(
-                    key, state.keys[j - 1] if j else None, self._block_tokens(state, j), j * bs
+                    key, state.keys[j - 1] if j else None, self._block_tokens(state, j), j * bs,
+                    self._vllm_hash(state, j) if self._events is not None else None,
                 )
                 self._saving.add(key)
                 meta.saves.append((save_id, block_ids[j]))
@@ -386,7 +442,17 @@ class CraftTierConnector(KVConnectorBase_V1):
             if save is None:
                 continue
             self._saving.discard(save.key)
+            if self._events is not None and save.block_hash is not None:
+                self._events.learn(save.key, save.block_hash)
             self.store.put(save.key, save.parent, save.token_ids, payload, save.prefix_tokens)
+
+    def take_events(self) -> Iterable[KVCacheEvent]:
+        """Tier residency changes since the last step as vLLM KV events (module doc); vLLM
+        publishes them with the pool's. O(blocks changed)."""
+        store = self._store
+        if self._events is None or not isinstance(store, ReportingStore):
+            return ()
+        return [vllm_event(c, self._block_size) for c in self._events.take(store.describe)]
 
     def request_finished(
         self, request: Request, block_ids: list[int]
