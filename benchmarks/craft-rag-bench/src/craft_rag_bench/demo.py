@@ -70,19 +70,33 @@ class SystemResult:
     dropped_turns: int
 
 
+def request_summary(
+    ttfts: Sequence[float], prompt_tokens: int, cached_tokens: int
+) -> dict[str, Any]:
+    """The aggregates every suite reports for one system's requests (one TTFT per request and
+    the token totals): ``requests``, ``prompt_tokens``, ``cached_tokens``,
+    ``cached_token_fraction``, ``mean_ttft_ms``, ``p50_ttft_ms``, ``p99_ttft_ms`` (0.0 for no
+    requests or no prompt tokens). O(n log n) for the percentiles."""
+    return {
+        "requests": len(ttfts),
+        "prompt_tokens": prompt_tokens,
+        "cached_tokens": cached_tokens,
+        "cached_token_fraction": cached_tokens / prompt_tokens if prompt_tokens else 0.0,
+        "mean_ttft_ms": sum(ttfts) / len(ttfts) if ttfts else 0.0,
+        "p50_ttft_ms": percentile(ttfts, 50),
+        "p99_ttft_ms": percentile(ttfts, 99),
+    }
+
+
 def summarise(results: Sequence[GenerationResult]) -> SystemResult:
-    """Aggregate the reports of one system's requests."""
-    ttfts = [r.report.ttft_ms for r in results]
-    prompt = sum(r.report.prompt_tokens for r in results)
-    cached = sum(r.report.cached_tokens for r in results)
+    """Aggregate the reports of one system's requests (:func:`request_summary`, plus the
+    chunks dedup removed and the turns dropped)."""
     return SystemResult(
-        requests=len(results),
-        mean_ttft_ms=sum(ttfts) / len(ttfts) if ttfts else 0.0,
-        p50_ttft_ms=percentile(ttfts, 50),
-        p99_ttft_ms=percentile(ttfts, 99),
-        cached_token_fraction=cached / prompt if prompt else 0.0,
-        prompt_tokens=prompt,
-        cached_tokens=cached,
+        **request_summary(
+            [r.report.ttft_ms for r in results],
+            sum(r.report.prompt_tokens for r in results),
+            sum(r.report.cached_tokens for r in results),
+        ),
         dedup_removed_chunks=sum(len(r.report.removed_duplicates) for r in results),
         dropped_turns=sum(r.report.dropped_turns for r in results),
     )

@@ -177,13 +177,13 @@ def serve_on_replicas(
     real engines (``CraftEngine(server=URL)`` each), every engine starting from an empty
     prefix cache and a fresh planner configured as the policy's replicas. The router reads the
     engines' own planners (kept true by their KV events); each engine commits its plan.
-    Returns cached-token fraction, mean/p99 TTFT (and every TTFT, in trace order) and
-    requests per replica."""
+    Returns :func:`craft_rag_bench.demo.request_summary` (cached-token fraction, mean/p50/p99
+    TTFT), every TTFT (in trace order) and requests per replica."""
     from typing import cast
 
-    from craft_rag.metrics import percentile
     from craft_rag.planner import CraftPlanner
     from craft_rag.routing.router import Router, RouterConfig
+    from craft_rag_bench.demo import request_summary
 
     block = next(iter(engines.values())).block_size
     sources = {
@@ -215,12 +215,7 @@ def serve_on_replicas(
         per_replica[decision.replica] += 1
     return {
         "policy": policy,
-        "requests": len(ttfts),
-        "cached_tokens": cached,
-        "prompt_tokens": prompt,
-        "cached_token_fraction": cached / prompt if prompt else 0.0,
-        "mean_ttft_ms": sum(ttfts) / len(ttfts) if ttfts else 0.0,
-        "p99_ttft_ms": percentile(ttfts, 99),
+        **request_summary(ttfts, prompt, cached),
         "ttft_ms": ttfts,
         "requests_per_replica": per_replica,
     }

@@ -50,11 +50,11 @@ from pathlib import Path
 from typing import Any
 
 from craft_rag.files import write_atomic
-from craft_rag.metrics import percentile
 from craft_rag_bench.bench.cache_sizes import WorkingSet, trace_prompts, working_set
 from craft_rag_bench.bench.context import BenchContext
 from craft_rag_bench.bench.tiers_bound import bound, model_block_bytes
 from craft_rag_bench.bench.tiers_worker import WorkerSpec
+from craft_rag_bench.demo import request_summary
 
 WORKLOADS: tuple[str, ...] = ("squad", "hotpotqa")
 REFERENCE = "craft"
@@ -130,19 +130,12 @@ def engine_max_len(max_model_len: int, blocks: int, ws: WorkingSet) -> int:
 
 def summarise_requests(rows: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
     """Aggregates of one system's per-request rows (``prompt_tokens``, ``cached_tokens``,
-    ``ttft_ms``): totals, cached-token fraction, mean/p50/p99 TTFT."""
-    ttfts = [float(r["ttft_ms"]) for r in rows]
-    prompt = sum(int(r["prompt_tokens"]) for r in rows)
-    cached = sum(int(r["cached_tokens"]) for r in rows)
-    return {
-        "requests": len(rows),
-        "prompt_tokens": prompt,
-        "cached_tokens": cached,
-        "cached_token_fraction": cached / prompt if prompt else 0.0,
-        "mean_ttft_ms": sum(ttfts) / len(ttfts) if ttfts else 0.0,
-        "p50_ttft_ms": percentile(ttfts, 50),
-        "p99_ttft_ms": percentile(ttfts, 99),
-    }
+    ``ttft_ms``): :func:`craft_rag_bench.demo.request_summary`."""
+    return request_summary(
+        [float(r["ttft_ms"]) for r in rows],
+        sum(int(r["prompt_tokens"]) for r in rows),
+        sum(int(r["cached_tokens"]) for r in rows),
+    )
 
 
 def exactness(
