@@ -14,6 +14,7 @@ from craft_rag.chunk import make_chunk
 from craft_rag.prompt import PromptAssembler, PromptFormat
 from craft_rag.tokenizer import HashingTokenizer
 from craft_rag.trace import TraceRequest, write_trace
+from craft_rag.types import ConversationId
 from craft_rag_bench.bench import tiers
 from craft_rag_bench.bench.context import BenchContext
 from craft_rag_bench.bench.tiers_bound import bound, kv_block_bytes, simulate_cached
@@ -99,7 +100,8 @@ def test_bound_fields_by_hand() -> None:
 
 
 def test_bad_inputs() -> None:
-    turn = TraceRequest(id="c1", query="q", chunks=(chunk("A"),), conversation_id="c")
+    turn = TraceRequest(id="c1", query="q", chunks=(chunk("A"),),
+                        conversation_id=ConversationId("c"))
     with pytest.raises(ValueError, match="single-turn"):
         simulate_cached([turn], assembler(), "tree", BLOCK)
     with pytest.raises(ValueError, match="policy"):
@@ -164,8 +166,13 @@ def test_cli_bound_only_flag_reaches_the_sizes(
     from craft_rag_bench.bench import cli
 
     seen: list[BenchContext] = []
-    monkeypatch.setattr(cli, "run_suites",
-                        lambda ctx, names, out, plots=True: seen.append(ctx) or {})
+
+    def run_suites(ctx: BenchContext, names: list[str], out: Path,
+                   plots: bool = True) -> dict[str, Any]:
+        seen.append(ctx)
+        return {}
+
+    monkeypatch.setattr(cli, "run_suites", run_suites)
     for flags, expected in (([], False), (["--bound-only"], True)):
         args = build_parser().parse_args(
             ["bench", "tiers", *flags, "--out", str(tmp_path / "out")])
