@@ -15,7 +15,7 @@ from craft_rag.access_table import ChunkAccessTable
 from craft_rag.chunk import Chunk
 from craft_rag.prefix_tree import ChunkPrefixTree, PrefixNode
 from craft_rag.types import ChunkKey
-from craft_rag.validation import from_registry
+from craft_rag.validation import from_registry, registry_by_name
 
 
 @dataclass(frozen=True, slots=True)
@@ -141,11 +141,9 @@ class TreeOrder:
         return head + _by_frequency_then_rank(rest, context.access_table), path
 
 
-ORDERING_POLICIES: Mapping[str, Callable[[], OrderingPolicy]] = {
-    RetrieverOrder.name: RetrieverOrder,
-    FrequencyOrder.name: FrequencyOrder,
-    TreeOrder.name: TreeOrder,
-}
+ORDERING_POLICIES: Mapping[str, Callable[[], OrderingPolicy]] = registry_by_name(
+    RetrieverOrder, FrequencyOrder, TreeOrder
+)
 
 DEFAULT_POLICY = "tree"
 

@@ -18,7 +18,7 @@ from typing import Protocol
 
 from craft_rag.access_table import ChunkAccessTable
 from craft_rag.types import ChunkKey
-from craft_rag.validation import from_registry
+from craft_rag.validation import from_registry, registry_by_name
 
 
 @dataclass(frozen=True, slots=True)
@@ -66,10 +66,9 @@ class ServedPromotion:
         return len(request.ordered)
 
 
-PROMOTION_RULES: Mapping[str, Callable[[], PromotionRule]] = {
-    ThresholdPromotion.name: ThresholdPromotion,
-    ServedPromotion.name: ServedPromotion,
-}
+PROMOTION_RULES: Mapping[str, Callable[[], PromotionRule]] = registry_by_name(
+    ThresholdPromotion, ServedPromotion
+)
 
 
 def get_promotion_rule(name: str) -> PromotionRule:

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable, Collection, Iterable, Mapping
-from typing import Any, TypeVar
+from typing import Any, Protocol, TypeVar
 
 from craft_rag.types import CacheSalt, ConversationId
 
@@ -188,6 +188,26 @@ def check_optional_number(
     except ValueError as exc:
         msg = f"{exc} (or None: {none_means})"
         raise ValueError(msg) from None
+
+
+class _Named(Protocol):
+    name: str
+
+
+_N = TypeVar("_N", bound=_Named)
+
+
+def registry_by_name(*policies: type[_N]) -> dict[str, type[_N]]:
+    """A policy registry (for :func:`from_registry`): each class under its own ``name``, in the
+    given order, so a key cannot disagree with the name its objects report. ``ValueError``
+    for two classes of one name. Built once, at import. O(n)."""
+    registry: dict[str, type[_N]] = {}
+    for policy in policies:
+        if policy.name in registry:
+            msg = f"{policy.__name__} and {registry[policy.name].__name__} share {policy.name!r}"
+            raise ValueError(msg)
+        registry[policy.name] = policy
+    return registry
 
 
 def from_registry(registry: Mapping[str, Callable[[], _T]], name: str, what: str) -> _T:

@@ -35,7 +35,7 @@ from craft_rag.routing.matching import fixed_match_end, set_match_end
 from craft_rag.routing.queueing import TTFTModel
 from craft_rag.routing.replica import Replica
 from craft_rag.types import ChunkKey, ConversationId
-from craft_rag.validation import from_registry
+from craft_rag.validation import from_registry, registry_by_name
 
 
 @dataclass(slots=True)
@@ -282,12 +282,9 @@ class CraftJoint(_KVAware):
         return tree.match_subset(request.key_set)
 
 
-ROUTING_POLICIES: Mapping[str, Callable[[], RoutingPolicy]] = {
-    RoundRobin.name: RoundRobin,
-    LeastLoaded.name: LeastLoaded,
-    PrefixFixedOrder.name: PrefixFixedOrder,
-    CraftJoint.name: CraftJoint,
-}
+ROUTING_POLICIES: Mapping[str, Callable[[], RoutingPolicy]] = registry_by_name(
+    RoundRobin, LeastLoaded, PrefixFixedOrder, CraftJoint
+)
 
 DEFAULT_ROUTING_POLICY = "craft_joint"
 
