@@ -45,9 +45,10 @@ and the standard library (importable without CUDA or vLLM).
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import re
 import warnings
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -296,8 +297,9 @@ class BlockCopy:
     def payload(self, index: int) -> bytes:
         """Block ``block_ids[index]``'s bytes (layers concatenated); waits for the copy."""
         self.synchronize()
-        row = self.host[index] if self.layout.fused else self.host[:, index].contiguous()
-        return row.reshape(-1).view(torch.uint8).numpy().tobytes()
+        row = (self.host[index] if self.layout.fused else self.host[:, index]).contiguous()
+        # ctypes, not numpy: the device check runs where torch may come without numpy
+        return ctypes.string_at(row.data_ptr(), row.numel() * row.element_size())
 
     def payloads(self) -> list[bytes]:
         """Every block's bytes, in ``block_ids`` order; waits for the copy."""
@@ -343,6 +345,47 @@ def _staging(layout: CudaBlockLayout, n: int, like: torch.Tensor) -> torch.Tenso
     return torch.empty(shape, dtype=like.dtype, pin_memory=like.device.type == "cuda")
 
 
+def _copy_runs(
+    kv_caches: Mapping[str, torch.Tensor], layout: CudaBlockLayout, ids: tuple[int, ...],
+    host: torch.Tensor, stream: Any, move: Callable[[torch.Tensor, torch.Tensor, BlockCopy], None],
+) -> BlockCopy:
+    """The copy loop of :func:`extract_blocks` and :func:`inject_blocks` (they differ only in
+    ``move``, which copies a run of ``k`` cache blocks ``[k, ...]`` to or from its ``k`` host
+    rows): one per run of ``ids`` (per layer unless fused), queued on the side stream with the
+    event recorded after them on CUDA, run at once on CPU."""
+    side, _ = _streams(kv_caches[layout.layer_names[0]].device, stream)
+    copy = BlockCopy(layout=layout, block_ids=ids, host=host)
+    with torch.cuda.stream(side) if side is not None else contextlib.nullcontext():
+        if layout.fused:
+            fused = _fused_view(kv_caches, layout)
+            for pos, start, k in block_runs(ids):
+                move(fused[start : start + k], host[pos : pos + k], copy)
+        else:
+            for li, view in enumerate(_layer_views(kv_caches, layout)):
+                for pos, start, k in block_runs(ids):
+                    move(view[start : start + k], host[li, pos : pos + k], copy)
+        if side is not None:
+            copy.event = torch.cuda.Event()  # type: ignore[no-untyped-call]
+            copy.event.record(side)
+    return copy
+
+
+def _to_host(blocks: torch.Tensor, rows: torch.Tensor, copy: BlockCopy) -> None:
+    src = blocks.reshape(rows.shape[0], -1)  # copies on device if strided
+    if src.is_cuda and not src.is_contiguous():  # queued: must outlive the host call
+        copy._keep.append(src)
+    rows.copy_(src, non_blocking=True)
+
+
+def _to_device(blocks: torch.Tensor, rows: torch.Tensor, copy: BlockCopy) -> None:
+    if blocks.is_contiguous():
+        blocks.reshape(rows.shape[0], -1).copy_(rows, non_blocking=True)
+    else:  # strided block: land on the device first, then scatter there
+        dev = rows.to(blocks.device, non_blocking=True)
+        copy._keep.append(dev)
+        blocks.copy_(dev.view(blocks.shape))
+
+
 def extract_blocks(
     kv_caches: Mapping[str, torch.Tensor],
     block_ids: Sequence[int],
@@ -360,27 +403,8 @@ def extract_blocks(
     """
     ids = tuple(int(b) for b in block_ids)
     _check_ids(ids, layout)
-    first = kv_caches[layout.layer_names[0]]
-    host = _staging(layout, len(ids), first)
-    side, _ = _streams(first.device, stream)
-    copy = BlockCopy(layout=layout, block_ids=ids, host=host)
-    ctx = torch.cuda.stream(side) if side is not None else contextlib.nullcontext()
-    with ctx:
-        if layout.fused:
-            fused = _fused_view(kv_caches, layout)
-            for pos, start, k in block_runs(ids):
-                host[pos : pos + k].copy_(fused[start : start + k], non_blocking=True)
-        else:
-            for li, view in enumerate(_layer_views(kv_caches, layout)):
-                for pos, start, k in block_runs(ids):
-                    src = view[start : start + k].reshape(k, -1)  # copies on device if strided
-                    if side is not None and not src.is_contiguous():
-                        copy._keep.append(src)
-                    host[li, pos : pos + k].copy_(src, non_blocking=True)
-        if side is not None:
-            copy.event = torch.cuda.Event()  # type: ignore[no-untyped-call]
-            copy.event.record(side)
-    return copy
+    host = _staging(layout, len(ids), kv_caches[layout.layer_names[0]])
+    return _copy_runs(kv_caches, layout, ids, host, stream, _to_host)
 
 
 def inject_blocks(
@@ -432,29 +456,7 @@ def inject_blocks(
                     host[i].copy_(src)
                 else:
                     host[:, i].copy_(src.view(num_layers, -1))
-    side, _ = _streams(first.device, stream)
-    copy = BlockCopy(layout=layout, block_ids=ids, host=host)
-    ctx = torch.cuda.stream(side) if side is not None else contextlib.nullcontext()
-    with ctx:
-        if layout.fused:
-            fused = _fused_view(kv_caches, layout)
-            for pos, start, k in block_runs(ids):
-                fused[start : start + k].copy_(host[pos : pos + k], non_blocking=True)
-        else:
-            for li, view in enumerate(_layer_views(kv_caches, layout)):
-                for pos, start, k in block_runs(ids):
-                    dst = view[start : start + k]
-                    src = host[li, pos : pos + k]
-                    if dst.is_contiguous():
-                        dst.reshape(k, -1).copy_(src, non_blocking=True)
-                    else:  # strided block: land on the device first, then scatter there
-                        dev = src.to(first.device, non_blocking=True)
-                        copy._keep.append(dev)
-                        dst.copy_(dev.view(dst.shape))
-        if side is not None:
-            copy.event = torch.cuda.Event()  # type: ignore[no-untyped-call]
-            copy.event.record(side)
-    return copy
+    return _copy_runs(kv_caches, layout, ids, host, stream, _to_device)
 
 
 def extract_block(
