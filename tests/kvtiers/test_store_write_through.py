@@ -89,9 +89,7 @@ def test_a_full_writer_queue_skips_and_never_blocks(
 
     monkeypatch.setattr(disk_tier, "write_block", slow_write)
     chain = make_chain(0, 3)
-    store = TieredBlockStore(
-        4 * SIZE, 4 * SIZE, tmp_path, write_through=True, max_queued_writes=1
-    )
+    store = TieredBlockStore(4 * SIZE, 4 * SIZE, tmp_path, write_through=True, max_queued_writes=1)
     try:
         chain.put(store, 0)
         assert entered.wait(30)  # the writer holds block 0; the queue is empty
