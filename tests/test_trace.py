@@ -17,6 +17,7 @@ from craft_rag.trace import (
     read_trace,
     write_trace,
 )
+from craft_rag.types import ConversationId
 
 
 def line(**fields: object) -> str:
@@ -75,6 +76,15 @@ def test_write_to_a_stream() -> None:
     out = io.StringIO()
     write_trace([TraceRequest("r", "q", ())], out)
     assert json.loads(out.getvalue()) == {"id": "r", "query": "q", "chunks": []}
+
+
+def test_to_json_writes_set_optional_fields_only_in_order() -> None:
+    full = TraceRequest("r", "q", (), conversation_id=ConversationId("c"), turn=2, answer="")
+    assert list(full.to_json().items()) == [
+        ("id", "r"), ("query", "q"), ("chunks", []), ("conversation_id", "c"), ("turn", 2),
+        ("answer", ""),
+    ]
+    assert list(TraceRequest("r", "q", (), turn=1).to_json()) == ["id", "query", "chunks", "turn"]
 
 
 def test_blank_lines_are_allowed_and_counted() -> None:

@@ -61,13 +61,9 @@ class TraceRequest:
                 for c in self.chunks
             ],
         }
-        if self.conversation_id is not None:
-            out["conversation_id"] = self.conversation_id
-        if self.turn is not None:
-            out["turn"] = self.turn
-        if self.answer is not None:
-            out["answer"] = self.answer
-        return out
+        optional = (("conversation_id", self.conversation_id), ("turn", self.turn),
+                    ("answer", self.answer))
+        return out | {k: v for k, v in optional if v is not None}  # unset: left out of the line
 
 
 def parse_request(obj: Any, line: int) -> TraceRequest:
