@@ -75,6 +75,18 @@ def test_three_blocks_keep_a_but_not_ab() -> None:
     assert craft.cached_tokens == 8 + 4
 
 
+def test_a_planner_blind_to_the_tiers_misses_what_they_hold() -> None:
+    # Pool 2 blocks, tiers enough for everything: request 3 pushes A and AB out of the pool,
+    # the CP-Tree hears it and forgets A->B, so request 4 goes out in the retriever's B-first
+    # order and misses the A-first blocks the tier still holds (seen: 8 tokens, not 16).
+    a = assembler()
+    blind = simulate_cached(TRACE, a, "tree", BLOCK, 100, heard_blocks=2)
+    assert (blind.cached_tokens, blind.evicted_blocks, blind.resident_blocks) == (8, 0, 6)
+    assert simulate_cached(TRACE, a, "tree", BLOCK, 100).cached_tokens == 16
+    with pytest.raises(ValueError, match="heard_blocks"):
+        simulate_cached(TRACE, a, "tree", BLOCK, heard_blocks=0)
+
+
 def test_bound_fields_by_hand() -> None:
     a = assembler()
     args: dict[str, Any] = {"block_size": BLOCK, "pool_blocks": 2, "block_bytes": 100,
@@ -83,6 +95,7 @@ def test_bound_fields_by_hand() -> None:
     assert (b["unbounded_craft"], b["unbounded_prefix"]) == (16 / PROMPT, 8 / PROMPT)
     assert (b["pool_only_craft"], b["pool_only_prefix"]) == (8 / PROMPT, 0.0)
     assert b["pool_plus_tiers_craft"] == 12 / PROMPT  # 3 blocks in all
+    assert b["pool_plus_tiers_craft_blind"] == 8 / PROMPT  # request 4 sent B first: no hit
     assert b["max_cached_ratio_over_craft"] == 2.0 and b["ratio_reference"] == "pool_only_craft"
     assert b["pool_plus_tiers_ratio_over_craft"] == pytest.approx(1.5)
     assert b["tier_blocks"] == {"ram": 1, "disk": 0} and b["distinct_blocks"] == 4
@@ -94,6 +107,7 @@ def test_bound_fields_by_hand() -> None:
     # Tiers holding every distinct block give the unbounded result.
     big = bound(TRACE, a, **{**args, "disk_bytes": 1000})
     assert big["pool_plus_tiers_craft"] == big["unbounded_craft"]
+    assert big["pool_plus_tiers_craft_blind"] == 8 / PROMPT
     assert big["evicted_blocks"]["pool_plus_tiers_craft"] == 0
     with pytest.raises(ValueError, match="block_bytes"):
         bound(TRACE, a, **{**args, "block_bytes": 0})
@@ -149,7 +163,8 @@ def test_bound_only_runs_no_engine_and_keeps_the_layout(
     assert w["bound"]["unbounded_craft"] == w["bound"]["pool_only_craft"] == 16 / PROMPT
     assert set(w["bound"]) == {
         "unbounded_craft", "unbounded_prefix", "pool_only_craft", "pool_only_prefix",
-        "pool_plus_tiers_craft", "max_cached_ratio_over_craft", "ratio_reference",
+        "pool_plus_tiers_craft", "pool_plus_tiers_craft_blind", "max_cached_ratio_over_craft",
+        "ratio_reference",
         "pool_plus_tiers_ratio_over_craft", "pool_blocks", "block_bytes", "tier_blocks",
         "distinct_blocks", "evicted_blocks", "prompt_tokens"}
     json.dumps(w, allow_nan=False)

@@ -450,7 +450,9 @@ def bound_lines(b: Mapping[str, Any] | None) -> list[str]:
             f"{100 * b['unbounded_craft']:.1f}% with nothing evicted (retriever order "
             f"{100 * b['unbounded_prefix']:.1f}%), {100 * b['pool_only_craft']:.1f}% on the pool "
             f"alone, {100 * b['pool_plus_tiers_craft']:.1f}% on pool + tiers "
-            f"({tiers['ram']:,} + {tiers['disk']:,} blocks); at most "
+            f"({tiers['ram']:,} + {tiers['disk']:,} blocks; "
+            f"{100 * b['pool_plus_tiers_craft_blind']:.1f}% when the planner hears only the "
+            f"pool's evictions); at most "
             f"{_fmt(b['max_cached_ratio_over_craft'], '.2f')}x the tokens of CRAFT alone "
             f"({b['ratio_reference']}; target {TARGETS.cached_ratio}x).", ""]
 

@@ -24,6 +24,10 @@ The cache sizes (:func:`bound`):
   from that whole hierarchy: the optimistic reading of the tiers (every tier-resident block
   is a hit wherever it extends the prompt's prefix, and the planner knows what the tiers hold).
   When pool + tiers hold the trace's distinct blocks it equals ``unbounded``.
+  ``pool_plus_tiers_craft_blind``: the same cache, but the CP-Tree hears only the pool's
+  evictions (a chunk-prefix the pool lost is no longer planned first, although a tier holds
+  it; a tier hit it stumbles on is learnt again at commit), the planner before tier
+  residency events.
 
 ``max_cached_ratio_over_craft`` = ``unbounded_craft`` over CRAFT alone (the engine's measured
 ``craft`` fraction when it ran, else ``pool_only_craft``): the largest cached-token ratio any
@@ -85,21 +89,31 @@ def simulate_cached(
     policy: str,
     block_size: int,
     capacity_blocks: int = UNBOUNDED_BLOCKS,
+    *,
+    heard_blocks: int | None = None,
 ) -> SimCounts:
     """Serve ``trace`` (single-turn, in order) under the ordering ``policy`` (``tree`` is
     CRAFT, ``retriever`` the retriever's order) against a prefix cache of ``capacity_blocks``
-    blocks of ``block_size`` tokens (see the module). ``ValueError`` for a multi-turn request
-    (its history is not modelled), an unknown policy (naming the valid ones) or a capacity
-    below one block. Cost: O(prompt tokens) plus one plan/commit per request."""
-    if capacity_blocks < 1:
-        msg = f"capacity_blocks must be >= 1, got {capacity_blocks}"
+    blocks of ``block_size`` tokens (see the module). ``heard_blocks``: the CP-Tree hears the
+    evictions of a second LRU of that many blocks fed the same prompts (the engine's pool
+    alone: a planner blind to the tiers, as before tier residency events), not the cache's
+    own. ``ValueError`` for a multi-turn request (its history is not modelled), an unknown
+    policy (naming the valid ones) or a capacity below one block. Cost: O(prompt tokens) per
+    cache plus one plan/commit per request."""
+    if capacity_blocks < 1 or (heard_blocks is not None and heard_blocks < 1):
+        msg = (f"capacity_blocks and heard_blocks must be >= 1, got {capacity_blocks} and "
+               f"{heard_blocks}")
         raise ValueError(msg)
     planner = CraftPlanner(PlannerConfig(policy=policy), clock=_StepClock())
     evicted: list[BlockHash] = []
-    cache = SimulatedPrefixCache(
-        block_size, capacity_blocks * block_size,
-        on_evict=lambda h: evicted.append(BlockHash(h)),
-    )
+
+    def hear(h: bytes) -> None:
+        evicted.append(BlockHash(h))
+
+    cache = SimulatedPrefixCache(block_size, capacity_blocks * block_size,
+                                 on_evict=hear if heard_blocks is None else None)
+    heard = None if heard_blocks is None else SimulatedPrefixCache(
+        block_size, heard_blocks * block_size, on_evict=hear)
     prompt_total = cached_total = 0
     for request in trace:
         if request.conversation_id is not None:
@@ -111,6 +125,8 @@ def simulate_cached(
         hashes = [BlockHash(h) for h in block_hashes(prompt.token_ids, block_size)]
         evicted.clear()
         cached = cache.serve(prompt.token_ids)
+        if heard is not None:
+            heard.serve(prompt.token_ids)
         if evicted:  # the engine's KV events reach the CP-Tree before the commit
             planner.on_blocks_removed(evicted)
         spans = prompt.chunk_spans
@@ -199,6 +215,9 @@ def bound(
             trace, assembler, "retriever", block_size, pool_blocks),
         "pool_plus_tiers_craft": simulate_cached(
             trace, assembler, "tree", block_size, pool_blocks + ram_blocks + disk_blocks),
+        "pool_plus_tiers_craft_blind": simulate_cached(
+            trace, assembler, "tree", block_size, pool_blocks + ram_blocks + disk_blocks,
+            heard_blocks=pool_blocks),
     }
     out: dict[str, Any] = {name: counts.fraction for name, counts in runs.items()}
     reference = craft_measured if craft_measured is not None else out["pool_only_craft"]
