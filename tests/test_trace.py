@@ -60,7 +60,7 @@ def test_write_then_read_round_trips(tmp_path: Path) -> None:
             "r2",
             "q2",
             (make_chunk("t", id="a", num_tokens=3), make_chunk("u")),
-            conversation_id="c", turn=1, answer="ans",
+            conversation_id=ConversationId("c"), turn=1, answer="ans",
         ),
         TraceRequest("r3", "empty", ()),
     ]
