@@ -190,3 +190,72 @@ def test_stress_under_vllm_manager_keeps_every_invariant() -> None:
         assert policy._evictable == idle
         assert len(policy.chunks) <= 6
     assert evictions > 50
+
+
+def reference_victims(
+    policy: PGDSFCachePolicy, n: int, protected: set[OffloadKey]
+) -> list[OffloadKey] | None:
+    """Leaf-first PGDSF by brute force: the cheapest leaf (chosen children count as gone),
+    again and again, then non-leaves by order."""
+    allowed = policy._evictable - protected
+    if len(allowed) < n:
+        return None
+
+    def order(k: OffloadKey) -> tuple[float, float, bytes]:
+        return policy._rank.order(policy_key(k))
+
+    out: list[OffloadKey] = []
+    while len(out) < n:
+        leaves = [
+            k for k in allowed if k not in out and not (policy._children.get(k, set()) - set(out))
+        ]
+        if not leaves:
+            break
+        out.append(min(leaves, key=order))
+    out += sorted((k for k in allowed if k not in out), key=order)[: n - len(out)]
+    return out
+
+
+def test_seeded_stress_matches_the_brute_force_order() -> None:
+    rng = random.Random(11)
+    policy = PGDSFCachePolicy(12, cost_model=COSTS)
+    universe = [[key(f"t{t}c{i}") for i in range(5)] for t in range(6)]
+    for step in range(2000):
+        op = rng.random()
+        chain = universe[rng.randrange(6)][: rng.randint(1, 5)]
+        if op < 0.3:  # a request stores the missing chunks of its chain
+            c = ctx(f"r{step}", chain)
+            new = [k for k in chain if k not in policy.chunks]
+            policy.on_store_miss(new, c)
+            for k in new:
+                if len(policy.chunks) >= 12:
+                    break
+                chunk = ChunkStatus(step)
+                policy.insert(k, chunk)
+                if rng.random() < 0.9:  # the store completes
+                    chunk.ref_cnt = 0
+                    policy.mark_evictable(k)
+                else:
+                    policy.remove(k)
+            reused = {k for k in chain if k in policy.chunks and rng.random() < 0.5}
+            policy.on_request_finished((tuple(chain),), set(), reused, c)
+        elif op < 0.4:  # pin or unpin a chunk (a load starting or ending)
+            if policy.chunks:
+                k = rng.choice(sorted(policy.chunks))
+                if k in policy._evictable:
+                    policy.mark_non_evictable(k)
+                    policy.chunks[k].ref_cnt = 1
+                else:
+                    policy.chunks[k].ref_cnt = 0
+                    policy.mark_evictable(k)
+        elif op < 0.5:
+            policy.touch(chain, ReqContext(req_id=f"t{step}"))
+        elif op < 0.995:
+            n = rng.randint(0, 4)
+            protected = {k for k in policy.chunks if rng.random() < 0.2}
+            expected = reference_victims(policy, n, protected) if n else []
+            got = policy.evict(n, protected)
+            assert (None if got is None else [k for k, _ in got]) == expected, step
+        else:
+            policy.clear()
+        policy._check_invariants()

@@ -45,6 +45,8 @@ from craft_rag.kvtiers.cost_model import PrefillCostModel, default_cost_model
 from craft_rag.kvtiers.keys import BlockKey
 from craft_rag.kvtiers.policies import PGDSFPolicy
 
+Order = tuple[float, float, bytes]  # PGDSFPolicy.order: priority, last tick, key bytes
+
 __all__ = ["PGDSFCachePolicy"]
 
 _FALLBACK_CHUNK_TOKENS = 16  # vLLM's default CUDA block size, until a position says otherwise
@@ -60,7 +62,8 @@ class PGDSFCachePolicy(CachePolicy):
 
     Invariants (:meth:`_check_invariants`): the ranked keys are exactly the resident chunks;
     evictable keys are resident; parent links join resident chunks only, and ``_children`` is
-    their inverse. All state is owned by this object and mutated only by the manager's calls
+    their inverse; every evictable leaf has a current entry in the lazy heap. All state is
+    owned by this object and mutated only by the manager's calls
     (vLLM's scheduler thread); not thread-safe.
     """
 
@@ -85,6 +88,10 @@ class PGDSFCachePolicy(CachePolicy):
         # never inserts), oldest dropped first
         self._pending_cost: dict[OffloadKey, float] = {}
         self._costs: dict[OffloadKey, float] = {}  # cost of each resident chunk
+        # Lazy min-heap of (order, key) for evictable leaves, as vLLM's LRU keeps one: an entry
+        # is current while its key is an evictable leaf of that same order; stale entries are
+        # dropped when popped, and the heap is rebuilt when it grows past twice the pool.
+        self._heap: list[tuple[Order, OffloadKey]] = []
         self._chunk_tokens = 0  # gcd of end positions seen; 0 until one is
 
     # --- costs -----------------------------------------------------------------------------
@@ -120,6 +127,7 @@ class PGDSFCachePolicy(CachePolicy):
         self._rank.on_insert(_bk(key), 1, cost)
         if chunk.ref_cnt == 0:
             self._evictable.add(key)
+            self._push(key)
 
     def remove(self, key: OffloadKey) -> None:
         """Drop a chunk whose store failed (not an eviction: the clock stays). O(children)."""
@@ -131,6 +139,7 @@ class PGDSFCachePolicy(CachePolicy):
         for key in dict.fromkeys(keys):
             if key in self.chunks:
                 self._rank.on_access(_bk(key))
+                self._push(key)
 
     def on_store_miss(self, keys: Iterable[OffloadKey], req_context: ReqContext) -> None:
         """Price the chunks about to be inserted from their positions. O(len(keys))."""
@@ -153,6 +162,7 @@ class PGDSFCachePolicy(CachePolicy):
         for key in reused_keys:
             if key in self.chunks:
                 self._rank.on_access(_bk(key))
+                self._push(key)
         for group in key_groups:
             prev: OffloadKey | None = None
             for key in group:
@@ -163,6 +173,7 @@ class PGDSFCachePolicy(CachePolicy):
                     self._parent[key] = prev
                     self._children.setdefault(prev, set()).add(key)
                 prev = key
+        self._maybe_compact()
 
     def evict(
         self, n: int, protected: set[OffloadKey]
@@ -170,37 +181,45 @@ class PGDSFCachePolicy(CachePolicy):
         """Evict exactly ``n`` evictable, unprotected chunks: leaves in PGDSF order (a parent
         joins the candidates once its last child is chosen), then, only if leaves run out,
         non-leaves in PGDSF order. Returns ``None`` and changes nothing if fewer than ``n``
-        qualify. Cost: O(E log E) for E evictable chunks (a heap built per call)."""
+        qualify. Cost: O((n + stale + protected) log H) from the lazy heap; the non-leaf
+        fallback sorts the evictable chunks, O(E log E), and runs only when leaves run out."""
         if n == 0:
             return []
-        allowed = self._evictable - protected
-        if len(allowed) < n:
+        if len(self._evictable) - len(self._evictable & protected) < n:
             return None
-        order = self._rank.order
-        heap = [(order(_bk(k)), k) for k in allowed if not self._children.get(k)]
-        heapq.heapify(heap)
         selected: list[OffloadKey] = []
         chosen: set[OffloadKey] = set()
-        left: dict[OffloadKey, int] = {}
-        while heap and len(selected) < n:
-            _, key = heapq.heappop(heap)
+        put_back: list[tuple[Order, OffloadKey]] = []  # protected: popped, still current
+        while self._heap and len(selected) < n:
+            entry = heapq.heappop(self._heap)
+            order, key = entry
+            if key in chosen or not self._current(order, key, chosen):
+                continue  # stale or a duplicate: dropped for good
+            if key in protected:
+                put_back.append(entry)
+                continue
             selected.append(key)
             chosen.add(key)
             parent = self._parent.get(key)
-            if parent is None or parent not in allowed:
-                continue
-            left[parent] = left.get(parent, len(self._children[parent])) - 1
-            if left[parent] == 0:
-                heapq.heappush(heap, (order(_bk(parent)), parent))
+            if parent is not None and parent in self._evictable:
+                self._push(parent, chosen)  # current once all its children are chosen
         if len(selected) < n:
-            rest = sorted((k for k in allowed if k not in chosen), key=lambda k: order(_bk(k)))
+            rank = self._rank.order
+            rest = sorted(
+                (k for k in self._evictable if k not in chosen and k not in protected),
+                key=lambda k: rank(_bk(k)),
+            )
             selected.extend(rest[: n - len(selected)])
+        assert len(selected) == n, "the count above guarantees enough candidates"
+        for entry in put_back:
+            heapq.heappush(self._heap, entry)
         evicted = []
         for key in selected:
             chunk = self.chunks.pop(key)
             assert chunk.ref_cnt == 0, "only idle chunks are evictable"
             self._forget(key, evicted=True)
             evicted.append((key, chunk))
+        self._maybe_compact()
         return evicted
 
     def clear(self) -> None:
@@ -209,6 +228,7 @@ class PGDSFCachePolicy(CachePolicy):
 
     def mark_evictable(self, key: OffloadKey) -> None:
         self._evictable.add(key)
+        self._push(key)
 
     def mark_non_evictable(self, key: OffloadKey) -> None:
         self._evictable.discard(key)
@@ -227,8 +247,43 @@ class PGDSFCachePolicy(CachePolicy):
             siblings.discard(key)
             if not siblings:
                 del self._children[parent]
+                if parent in self._evictable:
+                    self._push(parent)
         for child in self._children.pop(key, set()):
             del self._parent[child]
+
+    def _push(self, key: OffloadKey, chosen: set[OffloadKey] | None = None) -> None:
+        """Queue ``key`` at its current order if it is an evictable leaf (counting ``chosen``
+        children as gone). O(children + log H)."""
+        order = self._rank.order(_bk(key))
+        if key in self._evictable and self._current(order, key, chosen or set()):
+            heapq.heappush(self._heap, (order, key))
+            if chosen is None:  # never mid-eviction: a rebuild would drop chosen-aware entries
+                self._maybe_compact()
+
+    def _current(self, order: Order, key: OffloadKey, chosen: set[OffloadKey]) -> bool:
+        """Whether a heap entry still stands: an evictable leaf (children in ``chosen``
+        count as gone) whose order has not moved. O(children)."""
+        if key not in self._evictable or self._rank.order(_bk(key)) != order:
+            return False
+        return all(child in chosen for child in self._children.get(key, ()))
+
+    def _maybe_compact(self) -> None:
+        """Keep only current entries (one per key) once the heap holds more than twice the
+        resident leaves: a chunk that gains a child or is used again leaves a stale entry
+        behind, and a long prompt's chunks are all leaves when inserted. O(H), amortised O(1)
+        per push since H stays within twice the leaves."""
+        leaves = len(self.chunks) - len(self._children)
+        if len(self._heap) <= 2 * leaves + 64:
+            return
+        seen: set[OffloadKey] = set()
+        kept = []
+        for order, key in self._heap:
+            if key not in seen and self._current(order, key, set()):
+                seen.add(key)
+                kept.append((order, key))
+        heapq.heapify(kept)
+        self._heap = kept
 
     def priority(self, key: OffloadKey) -> float:
         """PGDSF priority of resident ``key`` (lower is evicted first). O(1)."""
@@ -246,3 +301,6 @@ class PGDSFCachePolicy(CachePolicy):
         for parent, kids in self._children.items():
             assert kids, "empty child sets are dropped"
             assert all(self._parent[k] == parent for k in kids)
+        queued = {k for order, k in self._heap if self._current(order, k, set())}
+        leaves = {k for k in self._evictable if not self._children.get(k)}
+        assert queued == leaves, "every evictable leaf has a current heap entry"
