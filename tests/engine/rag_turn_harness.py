@@ -63,9 +63,10 @@ class TurnHarness:
         token_ids: tuple[int, ...],
         sampling: SamplingRequest,
         state: RequestState,
-        salt: CacheSalt | None,
+        *,
+        cache_salt: CacheSalt | None,
     ) -> None:
-        del token_ids, sampling, salt
+        del token_ids, sampling, cache_salt
         state.num_cached_tokens = 0
         state.finish_reason = "stop"
         state.done.set()

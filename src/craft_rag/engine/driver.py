@@ -13,6 +13,7 @@ order is always ``_cond`` released before ``_engine_lock`` is taken, so they can
 
 from __future__ import annotations
 
+import itertools
 import threading
 import time
 from collections.abc import Callable, Sequence
@@ -53,6 +54,19 @@ class EngineFailure(RuntimeError):
 
 class RequestCancelled(RuntimeError):
     """The request was aborted before it finished (consumer stopped, or the engine closed)."""
+
+
+class RequestIds:
+    """Request ids ``craft-1``, ``craft-2``, ... for one engine (RAG turns and plain prompts
+    share it). Thread-safe (``itertools.count`` advances atomically under the GIL). O(1)."""
+
+    __slots__ = ("_next",)
+
+    def __init__(self) -> None:
+        self._next = itertools.count(1)
+
+    def __call__(self) -> str:
+        return f"craft-{next(self._next)}"
 
 
 @dataclass(slots=True, eq=False)

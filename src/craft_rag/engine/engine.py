@@ -27,7 +27,6 @@ and ends the turn exactly once (commit or give up). The backend and its driver a
 from __future__ import annotations
 
 import functools
-import itertools
 import threading
 from collections.abc import Sequence
 from typing import Unpack
@@ -43,6 +42,7 @@ from craft_rag.engine.conversation_prompts import (
 from craft_rag.engine.driver import (
     EngineFailure,
     RequestCancelled,
+    RequestIds,
     RequestState,
 )
 from craft_rag.engine.engine_settings import (
@@ -54,11 +54,12 @@ from craft_rag.engine.engine_settings import (
     group_keywords,
 )
 from craft_rag.engine.forms import RequestForms
+from craft_rag.engine.kv_events import EventBarrier
 from craft_rag.engine.messages import ChatTurn, MessageRenderer
 from craft_rag.engine.model import local_model_folder
 from craft_rag.engine.planners import (
-    CacheSalt,
     PlannerNamespaces,
+    SaltCheck,
     bound_conversations,
     default_planner,
     store_planners,
@@ -196,7 +197,7 @@ class CraftEngine(RequestForms):
             max_salted=groups.planners.max_salt_namespaces,
             salted_factory=salted_factory,
         )
-        self._ids = itertools.count(1)
+        self._ids = RequestIds()
         self._renderer_lock = threading.Lock()
         # A hub id becomes its local snapshot: the prompt is built from its tokenizer and
         # chat template, so the engine needs the files, as vLLM does.
@@ -238,7 +239,6 @@ class CraftEngine(RequestForms):
             block_hasher=parts.block_hasher,
         )
         self._backend = wiring.backend
-        self._backend_takes_salt = wiring.takes_salt
         self.kv_events = wiring.kv_events
         block_hasher = wiring.block_hasher
         self.block_hasher = block_hasher
@@ -251,17 +251,18 @@ class CraftEngine(RequestForms):
             chat_assembler=chat_assembler,
         )
         self._driver = wiring.driver(on_server_lost=self._namespaces.on_all_blocks_cleared)
+        # The turn's steps call these objects of the modules that own them (no call back into
+        # this facade mid-turn): the salt check, the event barrier, ids and the driver's submit.
+        self._salt = SaltCheck(wiring.takes_salt, type(self._backend).__name__)
         self._rag = RagTurns(
             self._namespaces,
             self.prompt_renderer,
-            lambda ids, sampling, state, salt: self._driver.submit(
-                ids, sampling, state, cache_salt=salt
-            ),
+            self._driver.submit,
             self._backend,
             check_salt=self._salt,
             block_hasher=block_hasher,
-            barrier=self._event_barrier,
-            request_ids=lambda: f"craft-{next(self._ids)}",
+            barrier=EventBarrier(self.kv_events, self._backend.published_batches),
+            request_ids=self._ids,
         )
 
     # ---- configuration -----------------------------------------------------------------------
@@ -391,17 +392,6 @@ class CraftEngine(RequestForms):
                 self._message_renderer = MessageRenderer(render, self.assembler.tokenizer)
             return self._message_renderer
 
-    def _salt(self, cache_salt: str | None) -> CacheSalt | None:
-        salt = validate_cache_salt(cache_salt)
-        if salt is not None and not self._backend_takes_salt:
-            msg = (
-                f"this engine's backend ({type(self._backend).__name__}) takes no cache_salt: "
-                "its add_request needs a cache_salt keyword put into vLLM's prompt dict; "
-                "send the request without cache_salt or use the vLLM backend"
-            )
-            raise ValueError(msg)
-        return salt
-
     # ---- the request path: submit -> _start (RAG turn or prompt) -> handle -> _finish -----------
 
     def _start_tokens(
@@ -421,22 +411,13 @@ class CraftEngine(RequestForms):
                 "lower max_tokens, or start the engine with a larger max_model_len"
             )
             raise ValueError(msg)
-        state = RequestState(f"craft-{next(self._ids)}", on_delta=on_delta, on_done=on_done)
+        state = RequestState(self._ids(), on_delta=on_delta, on_done=on_done)
         self._driver.submit(ids, sampling, state, cache_salt=salt)
         return InFlight(state, sampling, ids, salt)
 
     def _finish(self, flight: InFlight) -> GenerationResult:
         """Where every request ends (commit or give up); the bench harness wraps it."""
         return finish_request(flight)
-
-    def _event_barrier(self) -> None:
-        """Wait until every KV event batch the engine has published so far was applied to the
-        planners (usually already true: microseconds; at most 2 s if a batch was lost)."""
-        if self.kv_events is None:
-            return
-        published = self._backend.published_batches()
-        if published is not None:
-            self.kv_events.wait_through(published - 1)
 
     # ---- the one entry point -------------------------------------------------------------------
 

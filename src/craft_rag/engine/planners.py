@@ -57,6 +57,29 @@ workers share that config). The engine's is lower because each of its conversati
 keeps its prompt's token ids (up to the history budget, ~3,000 ints), not only chunk keys."""
 
 
+class SaltCheck:
+    """A request's ``cache_salt`` checked for one engine: :func:`validate_cache_salt`, and
+    refused (``ValueError`` naming the fix) when the engine's backend cannot pass a salt to
+    vLLM. Called once per request, before its planner is looked up. O(len(salt))."""
+
+    __slots__ = ("_backend_name", "_takes_salt")
+
+    def __init__(self, takes_salt: bool, backend_name: str) -> None:
+        self._takes_salt = takes_salt
+        self._backend_name = backend_name
+
+    def __call__(self, cache_salt: str | None) -> CacheSalt | None:
+        salt = validate_cache_salt(cache_salt)
+        if salt is not None and not self._takes_salt:
+            msg = (
+                f"this engine's backend ({self._backend_name}) takes no cache_salt: "
+                "its add_request needs a cache_salt keyword put into vLLM's prompt dict; "
+                "send the request without cache_salt or use the vLLM backend"
+            )
+            raise ValueError(msg)
+        return salt
+
+
 def planner_factory_like(default: CraftPlanner) -> Callable[[], CraftPlanner]:
     """A factory of fresh planners configured like ``default`` (its ``config``)."""
     config = default.config

@@ -60,8 +60,19 @@ if TYPE_CHECKING:
 
 __all__ = ["RagTurn", "RagTurns", "reused_chunk_count"]
 
-Submit = Callable[[tuple[int, ...], SamplingRequest, RequestState, CacheSalt | None], None]
-"""Starts serving a rendered prompt; fills the :class:`RequestState` (cached tokens, reply)."""
+
+class Submit(Protocol):
+    """Starts serving a rendered prompt; fills the :class:`RequestState` (cached tokens, reply).
+    (:meth:`craft_rag.engine.driver.EngineDriver.submit` is one.)"""
+
+    def __call__(
+        self,
+        token_ids: tuple[int, ...],
+        sampling: SamplingRequest,
+        state: RequestState,
+        *,
+        cache_salt: CacheSalt | None,
+    ) -> None: ...
 
 
 class CacheFacts(Protocol):
@@ -177,6 +188,7 @@ class RagTurns:
             ),
             block_size=self._cache.block_size,
         )
+        next_turn = view.next_turn  # read with the view: the steps below do not come back to it
         if given is None:
             plan = planner.claim(planner.plan(list(request.chunks), conversation_id))
         else:
@@ -193,7 +205,7 @@ class RagTurns:
         caller_plan = given is not None
         try:
             conv = plan.conversation_id
-            if conv is not None and plan.turn != view.next_turn:
+            if conv is not None and plan.turn != next_turn:
                 # The conversation moved since the view was read (the plan pulled another
                 # worker's turn, or it was ended before planning): read it again.
                 view = view.read_again()
@@ -208,7 +220,7 @@ class RagTurns:
                 raise RuntimeError(msg)
             rendered = self.render(plan, question, view)
             state = RequestState(self._request_ids(), on_delta=on_delta, on_done=on_done)
-            self._submit(rendered.prompt.token_ids, sampling, state, salt)
+            self._submit(rendered.prompt.token_ids, sampling, state, cache_salt=salt)
         except BaseException:
             self.give_up_plan(planner, plan, caller_plan)
             raise
@@ -252,6 +264,7 @@ class RagTurns:
         )
         # Left-out and over-budget turns, from the view the turn was rendered after.
         forget = self.renderer.turns_to_forget(turn.view, rendered, tokens)
+        left_out = rendered.left_out
         cached = state.num_cached_tokens or 0
         reused = reused_chunk_count(prompt, cached)
         # The planner prunes CP-Tree nodes past this: block-granular evidence, not `reused`.
@@ -292,7 +305,7 @@ class RagTurns:
             chunk_order=prompt.chunk_keys,
             removed_duplicates=() if resent else tuple(c.key for c in plan.removed_duplicates),
             repeated_in_request=tuple(c.key for c in plan.repeated_in_request),
-            dropped_turns=turn.rendered.left_out,
+            dropped_turns=left_out,
             conversation_id=turn.rendered.conversation_id,
             turn=plan.turn,
             plan_id=plan.plan_id,

@@ -105,9 +105,10 @@ class _SimulatedCache:
         token_ids: tuple[int, ...],
         sampling: SamplingRequest,
         state: RequestState,
-        salt: CacheSalt | None,
+        *,
+        cache_salt: CacheSalt | None,
     ) -> None:
-        del sampling, salt
+        del sampling, cache_salt
         t0 = time.perf_counter_ns()
         state.num_cached_tokens = self.cache.serve(token_ids)
         self.serve_ns = time.perf_counter_ns() - t0
