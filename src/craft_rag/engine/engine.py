@@ -53,8 +53,8 @@ from craft_rag.engine.engine_settings import (
     RenderingSettings,
     group_keywords,
 )
+from craft_rag.engine.event_barrier import EventBarrier
 from craft_rag.engine.forms import RequestForms
-from craft_rag.engine.kv_events import EventBarrier
 from craft_rag.engine.messages import ChatTurn, MessageRenderer
 from craft_rag.engine.model import local_model_folder
 from craft_rag.engine.planners import (
