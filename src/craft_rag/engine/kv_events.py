@@ -49,12 +49,10 @@ the HTTP answer and the ZMQ batch race) and wipe what it committed. An expected 
 in :attr:`KVEventStats.own_clears` and not forwarded; a gap or restart forgets expectations (a
 lost batch may have held the event; clearing again is the safe side).
 
-Over a vLLM server (:mod:`craft_rag.engine.backends.server.backend`) the endpoint is ``tcp://HOST:PORT``
-(the server's publisher binds ``tcp://*:PORT``; ZMQ reconnects by itself after a restart) and
-hashes are 64-bit ints; with :meth:`KVEventSync.set_hasher` the sync also checks that the first
-block of each unsalted stored chain hashes as expected (:attr:`KVEventStats.hash_mismatches`
-> 0 means the CP-Tree cannot hear evictions: wrong ``hash_seed``/algorithm).
-"""
+Over a vLLM server (:mod:`craft_rag.engine.backends.server.backend`) the endpoint is
+``tcp://HOST:PORT`` (its publisher binds ``tcp://*:PORT``; ZMQ reconnects after a restart) and
+hashes are 64-bit ints; :meth:`KVEventSync.set_hasher` makes the sync check that the first block
+of each unsalted stored chain hashes as expected (``hash_mismatches`` > 0: wrong seed/algorithm)."""
 
 from __future__ import annotations
 
@@ -116,6 +114,7 @@ _LOG = logging.getLogger("craft_rag.engine.kv_events")
 MAX_MESSAGE_BYTES = 2 << 20
 """Default cap on one KV event message (module doc, "Bounds")."""
 WARN_INTERVAL_S = 60.0
+
 
 class EvictionListener(Protocol):
     """What :class:`KVEventSync` drives: the planner's engine-feedback half."""
