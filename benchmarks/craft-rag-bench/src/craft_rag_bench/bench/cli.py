@@ -127,6 +127,12 @@ def add_bench_parser(subparsers: Any) -> None:
     p.add_argument("--bound-only", action="store_true",
                    help="tiers: only the load-free bound (simulated prefix cache, CRAFT's order "
                    "without eviction, on the pool, on pool + tiers): no engine, seconds")
+    p.add_argument("--systems", default=None,
+                   help="tiers: only these systems, comma-separated, e.g. craft_tier_pgdsf "
+                   "(default: prefix,craft,craft_tier_lru,craft_tier_pgdsf)")
+    p.add_argument("--verify-tier-hits", action="store_true",
+                   help="tiers: serve every request a tier served tokens to again from scratch "
+                   "(no pool, no tier) and compare greedy outputs (one more prefill per hit)")
     p.add_argument("--ttft-passes", type=int_range(1, 8), default=None,
                    help="ttft: serve every system N times in mirrored order (A B .. B A), each "
                    "pass from an empty cache, TTFT over all passes (default 1; 2 against load "
@@ -202,6 +208,14 @@ def run_bench(args: argparse.Namespace) -> int:
     }
     if getattr(args, "bound_only", False):
         tier_sizes["tiers_bound_only"] = True
+    if getattr(args, "verify_tier_hits", False):
+        tier_sizes["tiers_verify_tier_hits"] = True
+    if getattr(args, "systems", None):
+        from craft_rag_bench.bench.tiers import selected_systems
+
+        # ValueError (an unknown name, listing the valid ones) is a usage error: exit 2.
+        wanted = tuple(n.strip() for n in args.systems.split(",") if n.strip())
+        tier_sizes["tiers_systems"] = tuple(selected_systems(wanted))
     if tier_sizes:
         ctx.with_sizes(**tier_sizes)
     names = [n for n in SUITES if n not in NOT_IN_ALL] if args.suite == "all" else [args.suite]

@@ -80,6 +80,11 @@ class BenchSizes:
     """``tiers`` suite: greedy reply length (the exactness check compares these tokens)."""
     tiers_bound_only: bool = False
     """``tiers`` suite: only the load-free bound (``--bound-only``): no engine starts."""
+    tiers_systems: tuple[str, ...] = ()
+    """``tiers`` suite: the systems to serve (``--systems``); empty: all of them."""
+    tiers_verify_tier_hits: bool = False
+    """``tiers`` suite: serve each tier-hit prompt again from scratch and compare
+    (``--verify-tier-hits``)."""
 
     def __post_init__(self) -> None:
         for i, rate in enumerate(self.load_rates):

@@ -21,7 +21,10 @@ submission to first token: tier load time included), the connector's store stati
 tier hit ratio (:func:`tier_tokens`: of the prompt tokens the pool lacked, the fraction a tier
 served, from the connector's per-request counts), and exactness
 (:func:`exactness`): each tier system's greedy outputs against ``craft``'s on the same
-requests. Verdicts (:func:`verdicts`) against the targets in :data:`TARGETS`.
+requests. With ``--verify-tier-hits`` each tier system also serves every tier-hit prompt again
+from scratch, compared in :mod:`craft_rag_bench.bench.tiers_recompute` (no second system
+needed). Verdicts (:func:`verdicts`) against the targets in :data:`TARGETS`.
+``--systems`` serves a subset (default: all four).
 
 Per workload, ``bound`` (:mod:`craft_rag_bench.bench.tiers_bound`, no engine, seconds): the
 cached-token fractions a simulated prefix cache gives CRAFT's order without eviction, on the
@@ -53,6 +56,7 @@ from craft_rag.files import write_atomic
 from craft_rag_bench.bench.cache_sizes import WorkingSet, trace_prompts, working_set
 from craft_rag_bench.bench.context import BenchContext
 from craft_rag_bench.bench.tiers_bound import bound, model_block_bytes
+from craft_rag_bench.bench.tiers_recompute import recompute_check
 from craft_rag_bench.bench.tiers_worker import WorkerSpec
 from craft_rag_bench.demo import request_summary
 
@@ -95,7 +99,8 @@ class Targets:
     pgdsf_over_lru_hit_ratio: float = 1.0
     """PGDSF's tier hit ratio over LRU's, at least."""
     exact_requests: int = 50
-    """Requests served from tier hits whose greedy outputs equal ``craft``'s, at least."""
+    """Requests served from tier hits whose greedy outputs equal ``craft``'s (and, with
+    ``--verify-tier-hits``, a from-scratch recompute's), at least."""
 
 
 TARGETS = Targets()
@@ -201,6 +206,14 @@ def verdicts(
     failed (``error``) or are missing give no verdict; a ratio whose denominator is zero or
     unknown is None, and so is its ``*_met``."""
     out: dict[str, Any] = {}
+    for name in TIERED:  # against a recompute: needs no reference system
+        check = systems.get(name, {}).get("tier_hit_verification")
+        if check:
+            out[name] = {
+                "recompute_identical": check["identical_to_recompute"],
+                "recompute_met": (check["all_identical"]
+                                  and check["identical_to_recompute"] >= targets.exact_requests),
+            }
     ref = systems.get(REFERENCE)
     ok = {n: s for n, s in systems.items() if "error" not in s}
     if ref is not None and "error" not in ref:
@@ -213,6 +226,7 @@ def verdicts(
             exact = s.get("exactness") or {}
             hits, same = exact.get("tier_hit_requests", 0), exact.get("tier_hit_identical", 0)
             out[name] = {
+                **out.get(name, {}),
                 "cached_ratio": cached,
                 "cached_met": None if cached is None else cached >= targets.cached_ratio,
                 "ttft_speedup": speedup,
@@ -253,6 +267,10 @@ def system_row(
         out.update(tier_tokens(rows))
         out["tier_stats"] = worker.get("connector")
         out["exactness"] = None if reference is None else exactness(reference, rows)
+        check = recompute_check(rows)
+        if check is not None:
+            out["tier_hit_verification"] = check
+            out["verify_s"] = worker.get("verify_s")
     return out
 
 
@@ -336,7 +354,7 @@ def run(ctx: BenchContext) -> dict[str, Any]:
     out: dict[str, Any] = {
         "suite": "tiers", "block_size": ctx.block_size, "max_tokens": max_tokens,
         "pool_requests": sizes.tiers_pool_requests, "tier_ram_bytes": sizes.tiers_ram_bytes,
-        "tier_disk_bytes": sizes.tiers_disk_bytes, "systems": list(SYSTEMS),
+        "tier_disk_bytes": sizes.tiers_disk_bytes, "systems": selected_systems(sizes.tiers_systems),
         "targets": asdict(TARGETS), "workloads": {}, "bound_only": bound_only,
     }
     if ctx.engine is not None and not ctx.owns_engine and not bound_only:
@@ -376,10 +394,10 @@ def run(ctx: BenchContext) -> dict[str, Any]:
                 system="", planner="", trace_path=str(trace_path), blocks=blocks,
                 block_size=ctx.block_size, max_model_len=max_len, max_tokens=max_tokens,
                 ram_bytes=sizes.tiers_ram_bytes, disk_bytes=sizes.tiers_disk_bytes,
-                progress=ctx.progress,
+                progress=ctx.progress, verify_tier_hits=sizes.tiers_verify_tier_hits,
             )
             runner = functools.partial(run_worker_process, workdir=workdir)
-            systems = side_by_side(base, list(SYSTEMS), runner, workdir)
+            systems = side_by_side(base, out["systems"], runner, workdir)
         finally:
             shutil.rmtree(workdir, ignore_errors=True)
         craft = systems.get(REFERENCE, {})
@@ -396,6 +414,17 @@ def run(ctx: BenchContext) -> dict[str, Any]:
             "seconds": round(time.perf_counter() - started, 1),
         }
     return out
+
+
+def selected_systems(names: Sequence[str]) -> list[str]:
+    """The systems to serve, in :data:`SYSTEMS` order: all of them when ``names`` is empty.
+    ``ValueError`` naming the valid systems for an unknown name."""
+    unknown = [n for n in names if n not in SYSTEMS]
+    if unknown:
+        msg = (f"unknown tiers systems {unknown}; valid: {', '.join(SYSTEMS)} "
+               "(e.g. --systems craft,craft_tier_pgdsf)")
+        raise ValueError(msg)
+    return [n for n in SYSTEMS if not names or n in names]
 
 
 def report_lines(result: Mapping[str, Any]) -> list[str]:
@@ -427,12 +456,19 @@ def report_lines(result: Mapping[str, Any]) -> list[str]:
                 + ("-" if not exact else
                    f"{exact['tier_hit_identical']}/{exact['tier_hit_requests']}") + " |")
         out.append("")
+        for name, s in w["systems"].items():
+            check = s.get("tier_hit_verification")
+            if check:
+                out.append(f"- {name}: {check['identical_to_recompute']} of "
+                           f"{check['verified_requests']} tier hits recomputed from scratch "
+                           f"identical ({check['tier_hit_requests']} tier hits; mismatched "
+                           f"{check['mismatched_ids'] or 'none'})")
         out += bound_lines(w.get("bound"))
         for name, v in w["verdicts"].items():
             if name == "pgdsf_vs_lru":
                 out.append(f"- PGDSF vs LRU: hit ratio {_fmt(v['hit_ratio_ratio'], '.2f')}x "
                            f"(met: {v['hit_ratio_met']}), cached {_fmt(v['cached_ratio'], '.2f')}x")
-            else:
+            elif "cached_ratio" in v:
                 out.append(f"- {name} vs craft: cached {_fmt(v['cached_ratio'], '.2f')}x "
                            f"(met: {v['cached_met']}), mean TTFT "
                            f"{_fmt(v['ttft_speedup'], '.2f')}x faster (met: {v['ttft_met']}), "

@@ -19,6 +19,17 @@ back from ``request_finished`` in ``kv_transfer_params["craft_tiers"]``, recorde
 that method on the scheduler-side connector since the engine does not report them; None without
 a connector); plus ``engine_start_s``, ``serve_s`` and ``connector`` (the store's
 ``TierStats`` at the end, or None).
+
+With ``verify_tier_hits`` (``--verify-tier-hits``), once the whole trace is served (so the
+measured run is the same as without it), every request a tier served tokens to is served
+again from the exact same prompt ids *from scratch*: ``read_prefix_cache=False`` is vLLM's
+``skip_reading_prefix_cache``, under which vLLM 0.32's scheduler skips the pool lookup
+(``KVCacheManager.prefix_cache_lookup_enabled``) and zeroes whatever the connector's
+``get_num_new_matched_tokens`` offers (the connector also returns 0 for such a request). Its
+row gets ``recompute``: ``output_ids``, ``cached_tokens`` and ``ram_tokens``/``disk_tokens``
+of the re-run (which must be 0, 0 and 0 for the re-run to count: the parent checks), plus
+``verify_s`` on the result. Rows of other requests get ``recompute: None``; without the
+option no row has the key.
 """
 
 from __future__ import annotations
@@ -62,6 +73,7 @@ class WorkerSpec:
     disk_bytes: int = 0
     disk_dir: str | None = None
     progress: bool = False
+    verify_tier_hits: bool = False
 
     def to_json(self) -> str:
         return json.dumps(asdict(self))
@@ -176,6 +188,45 @@ def tier_tokens(counts: TierCounts, request_id: str, tiered: bool) -> dict[str, 
     return {"ram_tokens": row.get("ram_tokens", 0), "disk_tokens": row.get("disk_tokens", 0)}
 
 
+def is_tier_hit(row: Mapping[str, Any]) -> bool:
+    """Whether a tier served some of the request's prompt tokens (its ``ram_tokens`` +
+    ``disk_tokens`` > 0; unknown counts are not a hit)."""
+    ram, disk = row.get("ram_tokens"), row.get("disk_tokens")
+    return ram is not None and disk is not None and int(ram) + int(disk) > 0
+
+
+def recompute_tier_hits(
+    engine: CraftEngine,
+    rows: list[dict[str, Any]],
+    prompts: list[tuple[int, ...]],
+    counts: TierCounts,
+    max_tokens: int,
+) -> None:
+    """Serve every tier-hit row's prompt (``prompts[i]`` for ``rows[i]``) again from scratch
+    (no pool, no tier: ``read_prefix_cache=False``) and store the re-run under the row's
+    ``recompute`` (None for a row that is not a tier hit). One request at a time, after the
+    measured run. Cost: the full prefill of each tier-hit prompt plus ``max_tokens`` decode
+    steps. Prints one line per re-run to stderr (a run cut short still shows its count)."""
+    from craft_rag.engine import SamplingRequest, TokensRequest
+
+    sampling = SamplingRequest(max_tokens=max_tokens, read_prefix_cache=False)
+    done = same = 0
+    for row, ids in zip(rows, prompts, strict=True):
+        if not is_tier_hit(row):
+            row["recompute"] = None
+            continue
+        again = engine.submit(TokensRequest(ids, sampling=sampling)).result()
+        tiers = tier_tokens(counts, again.report.request_id, tiered=True)
+        row["recompute"] = {"output_ids": list(again.token_ids),
+                            "cached_tokens": again.report.cached_tokens, **tiers}
+        done += 1
+        same += list(again.token_ids) == list(row["output_ids"])
+        print(f"[verify] {row['id']}: cached {again.report.cached_tokens}, tiers "
+              f"{tiers['ram_tokens']}/{tiers['disk_tokens']}, identical "
+              f"{list(again.token_ids) == list(row['output_ids'])} ({same}/{done})",
+              file=sys.stderr, flush=True)
+
+
 def run_worker(spec: WorkerSpec) -> dict[str, Any]:
     """Serve ``spec``'s trace on a fresh engine (closed before returning)."""
     from craft_rag.planner import PlannerConfig
@@ -195,23 +246,32 @@ def run_worker(spec: WorkerSpec) -> dict[str, Any]:
                         trace, max_tokens=spec.max_tokens, desc=spec.system,
                         ctx=BenchContext(progress=spec.progress))
         serve_s = time.perf_counter() - started
+        # Before any re-run: the store's statistics describe the measured run alone.
         stats = connector_stats(scheduler_connector(engine)) if spec.policy else None
-    finally:
-        engine.close()
-    return {
-        "system": spec.system,
-        "engine_start_s": round(engine_start, 1),
-        "serve_s": round(serve_s, 1),
-        "connector": stats,
-        "tier_counts_recorded": len(counts),
-        "requests": [
+        rows = [
             {"id": request.id, "prompt_tokens": r.report.prompt_tokens,
              "cached_tokens": r.report.cached_tokens, "ttft_ms": r.report.ttft_ms,
              "output_ids": list(r.token_ids),
              "prompt_sha256": prompt_digest(r.prompt_token_ids),
              **tier_tokens(counts, r.report.request_id, tiered)}
             for request, r in zip(trace, results, strict=True)
-        ],
+        ]
+        extra: dict[str, Any] = {}
+        if spec.verify_tier_hits:
+            started = time.perf_counter()
+            recompute_tier_hits(engine, rows, [tuple(r.prompt_token_ids) for r in results],
+                                counts, spec.max_tokens)
+            extra["verify_s"] = round(time.perf_counter() - started, 1)
+    finally:
+        engine.close()
+    return {
+        "system": spec.system,
+        "engine_start_s": round(engine_start, 1),
+        "serve_s": round(serve_s, 1),
+        **extra,
+        "connector": stats,
+        "tier_counts_recorded": len(counts),
+        "requests": rows,
     }
 
 
