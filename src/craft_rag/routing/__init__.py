@@ -27,10 +27,13 @@ from craft_rag.routing.router import (
     RouterConfig,
     RouterStats,
 )
+from craft_rag.routing.tier_costs import DISK_MEDIUM, RAM_MEDIUM, TierCosts
 
 __all__ = [
     "DEFAULT_ROUTING_POLICY",
     "DEFAULT_TTFT_MODEL",
+    "DISK_MEDIUM",
+    "RAM_MEDIUM",
     "ROUTING_POLICIES",
     "Candidate",
     "ClusterView",
@@ -46,6 +49,7 @@ __all__ = [
     "RoutingPolicy",
     "TTFTModel",
     "TTFTPoint",
+    "TierCosts",
     "fit_ttft_model",
     "get_routing_policy",
 ]

@@ -13,6 +13,9 @@ TTFT model instead of block counts and no decode term, since TTFT here is prefil
 
 where ``cached_r`` is the predicted cached prefix on replica ``r`` (whole blocks, at most
 ``prompt_tokens - 1``) and ``work_s(r)`` the predicted prefill seconds already in flight there.
+Cached tokens that ``r`` holds only in a KV tier (RAM or disk) add ``(b - c) * ratio(tier)``
+each, the load time (:mod:`craft_rag.routing.tier_costs`); a tree without tier-only nodes adds
+nothing, so its decisions are exactly those made before tiers were modelled.
 A hot prefix cannot pile onto one replica: ``r`` is a candidate only while
 ``assigned(r) < balance_slack * (assigned_total + 1) / healthy + balance_headroom``
 (see :meth:`ClusterView.assign_bound`). Only replicas whose tree holds one of the request's
@@ -34,6 +37,7 @@ from craft_rag.routing.load_index import LoadIndex
 from craft_rag.routing.matching import fixed_match_end, set_match_end
 from craft_rag.routing.queueing import TTFTModel
 from craft_rag.routing.replica import Replica
+from craft_rag.routing.tier_costs import DEFAULT_TIER_COSTS, TierCosts, tier_penalty
 from craft_rag.types import ChunkKey, ConversationId
 from craft_rag.validation import from_registry, registry_by_name
 
@@ -66,6 +70,9 @@ class Candidate:
     replica: Replica
     predicted_cached_tokens: int
     cost_s: float
+    tier_s: float = 0.0
+    """Predicted seconds of loading the tier-only part of the cached prefix, over reading it
+    from the pool (in ``cost_s``; 0.0 when the replica's pool holds all of it)."""
 
 
 @dataclass(slots=True)
@@ -90,6 +97,8 @@ class ClusterView:
     load_index: LoadIndex | None = None
     """The router's least-loaded index (same answer as :meth:`scan_least_loaded`, O(log N));
     None: scan."""
+    tier_costs: TierCosts = DEFAULT_TIER_COSTS
+    """Load-over-compute ratio of a token held only in a KV tier."""
 
     def assign_bound(self) -> float:
         """A replica with ``assigned >= bound`` takes no new request (except its own
@@ -113,10 +122,19 @@ class ClusterView:
         tokens = min(tokens, request.prompt_tokens - 1)
         return max(0, tokens // self.block_size * self.block_size)
 
-    def candidate(self, replica: Replica, request: RouteRequest, cached: int) -> Candidate:
+    def candidate(
+        self, replica: Replica, request: RouteRequest, cached: int, end: PrefixNode | None = None
+    ) -> Candidate:
+        """``replica``'s cost with ``cached`` tokens cached along the path ending at ``end``
+        (None: no path known, all of ``cached`` in the pool). O(depth of ``end``)."""
         uncached = request.prompt_tokens - cached
-        cost = self.ttft_model.predict(uncached, cached) + self.load_weight * replica.load.work_s
-        return Candidate(replica, cached, cost)
+        model = self.ttft_model
+        cost = model.predict(uncached, cached) + self.load_weight * replica.load.work_s
+        penalty = tier_penalty(end, cached, self.tier_costs)
+        if not penalty:  # nothing tier-only: today's cost, bit for bit
+            return Candidate(replica, cached, cost)
+        tier_s = (model.b - model.c) * penalty
+        return Candidate(replica, cached, cost + tier_s, tier_s)
 
     def least_loaded(self, bound: float | None = None) -> Replica:
         """The admissible replica (``assigned < bound``) with the least in-flight work, then
@@ -183,7 +201,7 @@ class LeastLoaded:
 def _with_tree_prediction(replica: Replica, request: RouteRequest, view: ClusterView) -> Candidate:
     tree = replica.tree(request.salt)
     end = set_match_end(tree, request.key_set) if tree is not None else None
-    return view.candidate(replica, request, view.cached_tokens_at(end, request))
+    return view.candidate(replica, request, view.cached_tokens_at(end, request), end)
 
 
 class _KVAware:
@@ -194,7 +212,8 @@ class _KVAware:
     increasing in-flight work, and the walk stops at the first whose cost *with the best
     conceivable match* (all of the prompt but its last token cached) already loses: every later
     one has at least as much work, so it loses too. Only trees that can still win are matched;
-    the result is the exhaustive minimum (tested against it on random trees and loads).
+    the result is the exhaustive minimum (tested against it on random trees and loads). A
+    tier-only part of a match only adds cost (ratios are >= 0), so that bound stays a bound.
     """
 
     name = ""
@@ -209,7 +228,7 @@ class _KVAware:
     def choose(self, request: RouteRequest, view: ClusterView) -> Candidate:
         bound = view.assign_bound()
         best = view.least_loaded(bound)
-        best_cached, best_index = 0, best.index
+        best_cached, best_index, best_tier = 0, best.index, 0.0
         model, weight, prompt = view.ttft_model, view.load_weight, request.prompt_tokens
         best_cost = model.predict(prompt, 0) + weight * best.load.work_s
         holders = view.holders(request)
@@ -226,6 +245,7 @@ class _KVAware:
                 holders = sorted(holders, key=_by_work)
         salt, match_end, cached_at = request.salt, self.match_end, view.cached_tokens_at
         a, b, c = model.a, model.b, model.c  # model.predict inlined: this loop is the hot path
+        costs = view.tier_costs
         for replica in holders:
             load = replica.load
             if load.assigned >= bound:
@@ -235,13 +255,19 @@ class _KVAware:
                 break  # cannot win, nor can any later (more work) holder
             tree = replica.tree(salt)
             assert tree is not None
-            cached = cached_at(match_end(tree, request), request)
+            end = match_end(tree, request)
+            cached = cached_at(end, request)
             if cached == 0:
                 continue
             cost = a + b * (prompt - cached) + c * cached + extra
+            penalty = tier_penalty(end, cached, costs)
+            tier_s = (b - c) * penalty if penalty else 0.0
+            if tier_s:  # added only when non-zero: without tier data, today's cost bit for bit
+                cost += tier_s
             if cost < best_cost or (cost == best_cost and replica.index < best_index):
                 best, best_cached, best_index, best_cost = replica, cached, replica.index, cost
-        return Candidate(best, best_cached, best_cost)
+                best_tier = tier_s
+        return Candidate(best, best_cached, best_cost, best_tier)
 
 
 _MARGIN = 1e-9

@@ -38,6 +38,7 @@ from craft_rag.routing.replica import (
     ReplicaLoad,
 )
 from craft_rag.routing.router_types import FaultReport, RouteDecision, RouterConfig, RouterStats
+from craft_rag.tree import KVLocation
 from craft_rag.types import BlockHash, ChunkKey, ConversationId
 
 __all__ = ["FaultReport", "RouteDecision", "Router", "RouterConfig", "RouterStats"]
@@ -89,7 +90,7 @@ class Router:
         c = self.config
         self._cluster = ClusterView(
             self._healthy, self._holders, 0, c.ttft_model, c.load_weight, c.balance_slack,
-            c.balance_headroom, c.block_size, self._loads,
+            c.balance_headroom, c.block_size, self._loads, c.tier_costs,
         )
         # Hint: (salt, chunk key) -> indexes of replicas whose tree may have that key at its
         # root. Added when a first turn is planned there, pruned on use against the trees, so
@@ -217,6 +218,8 @@ class Router:
             work = self.config.ttft_model.predict(
                 prompt_tokens - choice.predicted_cached_tokens, choice.predicted_cached_tokens
             )
+            if choice.tier_s:  # loading tier-only KV is prefill work too
+                work += choice.tier_s
             decision = RouteDecision(
                 decision_id=next(self._ids),
                 replica=replica.id,
@@ -302,6 +305,26 @@ class Router:
             if not replica.healthy or replica.tree(salt) is None:
                 return 0
             return replica.planner(salt).on_blocks_removed(hashes)
+
+    def on_blocks_moved(
+        self,
+        replica_id: str,
+        hashes: Iterable[BlockHash],
+        tier: str | None,
+        salt: str | None = None,
+    ) -> int:
+        """``replica_id`` now holds these blocks only in KV tier ``tier``
+        (:data:`~craft_rag.routing.tier_costs.RAM_MEDIUM` or
+        :data:`~craft_rag.routing.tier_costs.DISK_MEDIUM`), or in its pool again (``None``):
+        the nodes owning them get that location, which the cost reads (an unknown tier name
+        costs as the pool). Returns nodes changed; events from a replica that is down are
+        ignored. O(len(hashes))."""
+        location = KVLocation() if tier is None else KVLocation(tier=tier)
+        with self._lock:
+            replica = self.replica(replica_id)
+            if not replica.healthy or replica.tree(salt) is None:
+                return 0
+            return replica.planner(salt).on_blocks_moved(hashes, location)
 
     def on_all_blocks_cleared(self, replica_id: str) -> None:
         """``replica_id`` dropped its whole prefix cache: empty its trees."""

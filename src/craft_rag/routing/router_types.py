@@ -10,6 +10,7 @@ from dataclasses import dataclass, field
 from craft_rag.planner import Plan, PlannerConfig
 from craft_rag.routing.queueing import DEFAULT_TTFT_MODEL, TTFTModel
 from craft_rag.routing.replica import ReplicaId
+from craft_rag.routing.tier_costs import DEFAULT_TIER_COSTS, TierCosts
 from craft_rag.types import ConversationId
 from craft_rag.validation import check_int, check_number
 
@@ -26,6 +27,9 @@ class RouterConfig:
     below ``slack + (headroom + 1) * N / requests`` (later conversation turns are exempt).
     ``planner``: settings of every replica planner (its ``policy`` is replaced by the routing
     policy's ordering, promotion is ``served``: a replica caches every order it serves).
+    ``tier_costs``: load-over-compute ratios of a cached token a replica holds only in its RAM
+    or disk KV tier (:class:`~craft_rag.routing.tier_costs.TierCosts`; defaults measured on
+    this engine).
     """
 
     load_weight: float = 1.0
@@ -34,8 +38,15 @@ class RouterConfig:
     block_size: int = 32
     ttft_model: TTFTModel = DEFAULT_TTFT_MODEL
     planner: PlannerConfig = field(default_factory=PlannerConfig)
+    tier_costs: TierCosts = DEFAULT_TIER_COSTS
 
     def __post_init__(self) -> None:
+        if not isinstance(self.tier_costs, TierCosts):
+            msg = (
+                "tier_costs: must be a craft_rag.routing.TierCosts, "
+                f"got {type(self.tier_costs).__name__}"
+            )
+            raise ValueError(msg)
         check_number(self.load_weight, "load_weight", minimum=0.0)
         check_number(self.balance_slack, "balance_slack (1.0 = perfectly even)", minimum=1.0)
         check_int(self.balance_headroom, "balance_headroom", minimum=1)  # not True, int64
