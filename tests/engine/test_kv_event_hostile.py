@@ -25,6 +25,7 @@ from craft_rag.engine.kv_events import (
     MalformedBatch,
     decode_event_batch,
 )
+from craft_rag.tree import KVLocation
 from craft_rag.types import BlockHash, as_block_hash
 
 zmq = pytest.importorskip("zmq")
@@ -41,6 +42,9 @@ class Listener:
         hashes = list(hashes)
         self.removed.extend(hashes)
         return len(hashes)
+
+    def on_blocks_moved(self, hashes: Iterable[BlockHash], location: KVLocation) -> int:
+        return 0  # no tier events here
 
     def on_all_blocks_cleared(self) -> None:
         self.clears += 1

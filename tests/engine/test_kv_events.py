@@ -20,6 +20,7 @@ from craft_rag.engine.kv_events import (
     KVEventSync,
     decode_event_batch,
 )
+from craft_rag.tree import KVLocation
 from craft_rag.types import BlockHash, as_block_hash
 
 
@@ -110,6 +111,9 @@ class RecordingListener:
         hashes = list(hashes)
         self.removed.extend(hashes)
         return len(hashes)
+
+    def on_blocks_moved(self, hashes: Iterable[BlockHash], location: KVLocation) -> int:
+        return 0  # no tier events here
 
     def on_all_blocks_cleared(self) -> None:
         self.clears += 1

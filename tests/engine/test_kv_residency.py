@@ -14,6 +14,7 @@ import pytest
 from craft_rag.engine.kv_event_wire import MalformedBatch, decode_batch
 from craft_rag.engine.kv_events import BlocksRemoved, BlocksStored, KVEventSync
 from craft_rag.engine.kv_residency import TierResidency
+from craft_rag.tree import KVLocation
 from craft_rag.types import BlockHash
 
 A, B, C = BlockHash(b"a" * 32), BlockHash(b"b" * 32), BlockHash(b"c" * 32)
@@ -128,6 +129,12 @@ def test_the_wire_reads_medium_and_refuses_unknown_ones() -> None:
 class _Listener:
     def __init__(self) -> None:
         self.removed: list[BlockHash] = []
+        self.moved: dict[BlockHash, str] = {}  # hash -> its latest location's tier
+
+    def on_blocks_moved(self, hashes: Iterable[BlockHash], location: KVLocation) -> int:
+        hashes = list(hashes)
+        self.moved.update(dict.fromkeys(hashes, location.tier))
+        return len(hashes)
 
     def on_blocks_removed(self, hashes: Iterable[BlockHash]) -> int:
         hashes = list(hashes)
@@ -165,8 +172,9 @@ def test_the_sync_forwards_a_removal_only_once_no_medium_holds_the_block(
         send(1, _stored(b"a", "GPU"), _stored(b"b", "GPU"), _stored(b"a", "CPU"))
         send(2, gone(b"a", "GPU"), gone(b"b", "GPU"))  # a is in the RAM tier: held
         assert listener.removed == [BlockHash(b"b")] and sync.residency.held == 1
+        assert listener.moved == {b"a": "CPU"} and sync.stats.nodes_moved == 1  # RAM only now
         send(3, _stored(b"a", "STORAGE"), gone(b"a", "CPU"))  # copied down, still held
-        assert listener.removed == [BlockHash(b"b")]
+        assert listener.removed == [BlockHash(b"b")] and listener.moved == {b"a": "STORAGE"}
         send(4, gone(b"a", "STORAGE"))
         assert listener.removed == [BlockHash(b"b"), BlockHash(b"a")]
         assert sync.stats.blocks_removed == 4 and sync.stats.nodes_removed == 2
@@ -179,3 +187,79 @@ def test_the_sync_forwards_a_removal_only_once_no_medium_holds_the_block(
         sync.close()
         pub.close(linger=0)
         ctx.term()
+
+
+def _cheapest(media: set[str]) -> str:
+    return next(m for m in ("GPU", "CPU", "STORAGE") if m in media)
+
+
+def test_moves_report_each_change_of_the_cheapest_medium() -> None:
+    """What the router's cost reads: pool, else RAM, else disk; a first tier report is no move
+    (the block is in the pool too); the pool taking a block back moves it to the pool."""
+    r, heard = TierResidency(), _Listener()
+
+    def flush() -> dict[BlockHash, str]:
+        heard.moved.clear()
+        r.flush_moves(heard)
+        return dict(heard.moved)
+
+    r.stored([A, B], "CPU")
+    assert flush() == {}
+    r.removed([A, B], "GPU")
+    assert flush() == {A: "CPU", B: "CPU"}
+    r.stored([A], "STORAGE")  # RAM is still cheaper
+    assert flush() == {}
+    r.removed([A], "CPU")
+    r.stored([B], "GPU")  # loaded back into the pool
+    assert flush() == {A: "STORAGE", B: "device"}  # device: the pool, as commits set it
+    r.removed([B], "GPU")
+    r.pool_cleared()  # the clear empties the CP-Tree: queued moves are dropped
+    assert flush() == {}
+    r.removed([A], "GPU")
+    r.clear()
+    assert flush() == {} and r.flush_moves(None) == 0
+
+
+def test_random_moves_track_the_cheapest_medium() -> None:
+    """Seeded stress: after every event the last location heard for each tracked hash (the
+    pool if never moved) is its cheapest medium in a plain per-medium model."""
+    rng = random.Random(31)
+    hashes = [BlockHash(bytes([i]) * 32) for i in range(6)]
+    for _ in range(30):
+        r, heard = TierResidency(max_tracked=1000), _Listener()
+        model: dict[BlockHash, set[str]] = {}
+        for _ in range(200):
+            h, medium = rng.choice(hashes), rng.choice(["GPU", "CPU", "STORAGE"])
+            if rng.random() < 0.5:
+                r.stored([h], medium)
+                if h in model:
+                    model[h].add(medium)
+                elif medium != "GPU":
+                    model[h] = {medium, "GPU"}
+                    heard.moved.pop(h, None)  # a new entry: its node was committed in the pool
+            else:
+                r.removed([h], medium)
+                if h in model:
+                    model[h].discard(medium)
+                    if not model[h] - {"GPU"}:
+                        del model[h]
+            r.flush_moves(heard)
+            r._check_invariants()
+            for tracked, media in model.items():
+                assert heard.moved.get(tracked, "device") == {"GPU": "device"}.get(
+                    _cheapest(media), _cheapest(media))
+
+
+def test_moves_relocate_the_planners_nodes() -> None:
+    from craft_rag.chunk import make_chunk
+    from craft_rag.planner import CraftPlanner
+
+    planner = CraftPlanner()
+    plan = planner.plan([make_chunk("x", id="x", num_tokens=64)])
+    planner.commit(plan, prefix_tokens=0, block_hashes=[[A]])
+    r = TierResidency()
+    r.stored([A], "STORAGE")
+    r.removed([A], "GPU")
+    assert r.flush_moves(planner) == 1
+    node = planner.prefix_tree.match([plan.ordered[0].key]).nodes[-1]
+    assert node.location == KVLocation(tier="STORAGE")

@@ -21,6 +21,7 @@ from craft_rag.engine.planners import (
 )
 from craft_rag.planner import CraftPlanner, PlannerConfig
 from craft_rag.testing import FAKE_FORMAT, FakeBackend, HashingTokenizer, make_chunks
+from craft_rag.tree import KVLocation
 from craft_rag.types import BlockHash
 
 
@@ -84,6 +85,10 @@ def test_events_reach_every_planner_and_remove_only_matching_nodes() -> None:
         hashes = [[BlockHash(bytes([i, j]))] for j in range(2)]
         planner.commit(plan, prefix_tokens=4, chunk_token_counts=[20, 20], block_hashes=hashes)
         assert len(planner.prefix_tree) == 2
+    ram = KVLocation(tier="CPU")
+    assert spaces.on_blocks_moved([BlockHash(bytes([2, 1]))], ram) == 1  # salt b's 2nd node
+    assert [n.location for n in planners[2].prefix_tree.match(plan.keys).nodes] == [
+        KVLocation(), ram]
     assert spaces.on_blocks_removed([BlockHash(bytes([1, 0]))]) == 2  # salt a's path only
     sizes = [len(p.prefix_tree) for p in planners if isinstance(p, CraftPlanner)]
     assert sizes == [2, 0, 2]

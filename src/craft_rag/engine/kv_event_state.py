@@ -29,6 +29,8 @@ class KVEventStats:
     blocks_removed: int = 0
     clears: int = 0
     nodes_removed: int = 0
+    nodes_moved: int = 0
+    """CP-Tree nodes whose KV location changed (pool, RAM tier, disk tier): tier moves."""
     gaps: int = 0
     restarts: int = 0
     hash_checks: int = 0

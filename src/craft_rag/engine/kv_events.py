@@ -12,14 +12,14 @@ with a ``"type"`` tag. Decoding and validation live in :mod:`craft_rag.engine.kv
 (re-exported here); unknown event types are counted (``unknown_events``) and ignored.
 
 Consistency: events arrive asynchronously (vLLM's publisher thread, then this thread). A block
-evicted between a request's completion and its planner commit can leave a stale CP-Tree node;
-the next commit that matches it sees fewer cached chunks than predicted and removes it
+evicted between a request's completion and its planner commit can leave a stale CP-Tree node; the
+next commit that matches it sees fewer cached chunks than predicted and removes it
 (``reused_chunks`` in :meth:`craft_rag.planner.CraftPlanner.commit`). A gap in sequence numbers
 (dropped messages: evictions may be lost) or a sequence number going back (the engine or server
-restarted: its cache is empty) resyncs by clearing: ``on_all_blocks_cleared`` before the batch
-is applied, counted in :attr:`KVEventStats.gaps` / :attr:`KVEventStats.restarts`. Tiers: a
-removal reaches the listener once its block is in no medium, neither the pool nor a KV tier
-(``residency``, a :class:`~craft_rag.engine.kv_residency.TierResidency`).
+restarted: its cache is empty) resyncs by clearing: ``on_all_blocks_cleared`` before the batch is
+applied, counted in :attr:`KVEventStats.gaps` / :attr:`KVEventStats.restarts`. Tiers
+(``residency``, :mod:`~craft_rag.engine.kv_residency`): a removal reaches the listener once no
+medium holds its block, a new cheapest medium its ``on_blocks_moved``.
 
 Lost batches: nothing a peer sends stops the subscriber thread. A message with the wrong part
 count, a bad sequence frame, an undecodable payload or any malformed event (:class:`MalformedBatch`:
@@ -59,10 +59,10 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Sequence
 from contextlib import suppress
 from functools import partial
-from typing import Any, Protocol
+from typing import Any
 
 from craft_rag.engine.block_hashes import (
     DEFAULT_NONE_HASH_SEED,
@@ -88,8 +88,7 @@ from craft_rag.engine.kv_event_wire import (
     decode_event_batch,
     decode_seq,
 )
-from craft_rag.engine.kv_residency import TierResidency
-from craft_rag.types import BlockHash
+from craft_rag.engine.kv_residency import EvictionListener, TierResidency
 
 __all__ = [
     "DEFAULT_NONE_HASH_SEED",
@@ -114,14 +113,6 @@ _LOG = logging.getLogger("craft_rag.engine.kv_events")
 MAX_MESSAGE_BYTES = 2 << 20
 """Default cap on one KV event message (module doc, "Bounds")."""
 WARN_INTERVAL_S = 60.0
-
-
-class EvictionListener(Protocol):
-    """What :class:`KVEventSync` drives: the planner's engine-feedback half."""
-
-    def on_blocks_removed(self, hashes: Iterable[BlockHash]) -> int: ...
-
-    def on_all_blocks_cleared(self) -> None: ...
 
 
 class KVEventSync:
@@ -380,6 +371,7 @@ class KVEventSync:
                     stats.own_clears += 1  # already applied at reset time (module doc)
                 elif listener is not None:
                     listener.on_all_blocks_cleared()
+        stats.nodes_moved += residency.flush_moves(listener)
         # Advance the sequence only once the batch is applied: wait_through relies on it.
         with self._cond:
             stats.last_seq = seq if seq < last else max(last, seq)

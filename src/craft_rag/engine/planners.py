@@ -38,6 +38,7 @@ from craft_rag.chunk import Chunk
 from craft_rag.conversation import ConversationStore
 from craft_rag.planner import CraftPlanner, Plan, PlannerConfig
 from craft_rag.stores import DEFAULT_NAMESPACE, StateStore, as_store, namespace_for_salt
+from craft_rag.tree import KVLocation
 from craft_rag.types import BlockHash, ChunkKey, ConversationId
 
 # The salt type and its check live in the core (no core module imports the engine); both
@@ -222,6 +223,12 @@ class PlannerNamespaces:
         """Offer the evicted hashes to every planner; CP-Tree nodes removed in total."""
         hashes = tuple(hashes)
         return sum(planner.on_blocks_removed(hashes) for planner in self.all())
+
+    def on_blocks_moved(self, hashes: Iterable[BlockHash], location: KVLocation) -> int:
+        """Offer the moved hashes (a KV tier's residency, :mod:`craft_rag.engine.kv_residency`)
+        to every planner; CP-Tree nodes relocated in total."""
+        hashes = tuple(hashes)
+        return sum(planner.on_blocks_moved(hashes, location) for planner in self.all())
 
     def on_all_blocks_cleared(self) -> None:
         for planner in self.all():
