@@ -16,12 +16,15 @@ import pytest
 from craft_rag.chunk import Chunk, make_chunk
 from craft_rag.prefix_tree import ChunkPrefixTree, NodeMetadata, PrefixNode
 from craft_rag.routing import (
+    DISK_MEDIUM,
+    RAM_MEDIUM,
     Candidate,
     ClusterView,
     RouteDecision,
     Router,
     RouterConfig,
     RouteRequest,
+    TierCosts,
     TTFTModel,
 )
 from craft_rag.routing.matching import fixed_match_end, set_match_end
@@ -109,7 +112,7 @@ def exhaustive(policy: object, request: RouteRequest, view: ClusterView) -> Cand
         cached = view.cached_tokens(match, request)
         if cached == 0:
             continue
-        option = view.candidate(replica, request, cached)
+        option = view.candidate(replica, request, cached, match.nodes[-1] if match.nodes else None)
         if (option.cost_s, replica.index) < (best.cost_s, best.replica.index):
             best = option
     return best
@@ -133,9 +136,12 @@ def serve_back(router: Router, d: RouteDecision, rng: random.Random) -> None:
     router.finish(d)
 
 
+@pytest.mark.parametrize("tiers", [False, True])
 @pytest.mark.parametrize("seed", range(30))
 @pytest.mark.parametrize("policy", ["craft_joint", "prefix_fixed_order"])
-def test_pruned_choice_is_the_exhaustive_choice(policy: str, seed: int) -> None:
+def test_pruned_choice_is_the_exhaustive_choice(policy: str, seed: int, tiers: bool) -> None:
+    """With ``tiers``, blocks also move between the pool and the RAM/disk tiers (and a tier
+    the cost does not know), so tier-only nodes price into both choices."""
     rng = random.Random(seed)
     b = rng.choice([0.0009, 0.002, 1e-6])
     model = TTFTModel(a=rng.choice([0.0, 0.03]), b=b, c=rng.choice([0.0, b / 10, b, 2 * b]))
@@ -144,6 +150,7 @@ def test_pruned_choice_is_the_exhaustive_choice(policy: str, seed: int) -> None:
         load_weight=rng.choice([0.0, 1.0, 3.0]), balance_slack=rng.choice([1.0, 1.15, 10.0]),
         balance_headroom=rng.choice([1, 2, 50]), block_size=rng.choice([1, 16, 32]),
         ttft_model=model,
+        tier_costs=TierCosts(ram=rng.random(), disk=rng.random()) if tiers else TierCosts(),
     )
     n = rng.choice([2, 5, 12])
     router = Router([f"r{i}" for i in range(n)], policy, config, clock=clock)
@@ -161,6 +168,10 @@ def test_pruned_choice_is_the_exhaustive_choice(policy: str, seed: int) -> None:
             serve_back(router, open_.pop(rng.randrange(len(open_))), rng)
         elif action < 0.30:
             router.on_blocks_removed(rng.choice(healthy), [BlockHash(bytes([rng.randrange(6)]))])
+        elif tiers and action < 0.45:
+            tier = rng.choice([RAM_MEDIUM, DISK_MEDIUM, None, "tape"])
+            hashes = [BlockHash(bytes([rng.randrange(6)])) for _ in range(rng.randint(1, 3))]
+            router.on_blocks_moved(rng.choice(healthy), hashes, tier)
         else:
             chunks = chunks_of(rng)
             prompt = rng.randint(1, 600)
