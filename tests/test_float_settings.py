@@ -47,6 +47,12 @@ def _ttft(field: str) -> Factory:
     return lambda v: TTFTModel(**{**base, field: v})
 
 
+def _tier_costs(field: str) -> Factory:
+    from craft_rag.routing.tier_costs import TierCosts
+
+    return lambda v: TierCosts(**{field: v})
+
+
 def _sim(field: str) -> Factory:
     from craft_rag.routing.simulator import SimConfig
 
@@ -149,6 +155,8 @@ CASES: list[tuple[str, Callable[[str], Factory], str]] = [
     ("TTFTModel", _ttft, "a"),
     ("TTFTModel", _ttft, "b"),
     ("TTFTModel", _ttft, "c"),
+    ("TierCosts", _tier_costs, "ram"),
+    ("TierCosts", _tier_costs, "disk"),
     ("SimConfig", _sim, "load"),
     ("TurnCostModel", _turn_cost, "per_token_ms"),
     ("TurnCostModel", _turn_cost, "per_context_ms"),
