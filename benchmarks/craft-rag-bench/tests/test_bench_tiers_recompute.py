@@ -12,7 +12,13 @@ import pytest
 
 from craft_rag.engine import TokensRequest
 from craft_rag_bench.bench.context import BenchContext
-from craft_rag_bench.bench.tiers import SYSTEMS, selected_systems, side_by_side, verdicts
+from craft_rag_bench.bench.tiers import (
+    SYSTEMS,
+    report_lines,
+    selected_systems,
+    side_by_side,
+    verdicts,
+)
 from craft_rag_bench.bench.tiers_recompute import MAX_IDS, recompute_check
 from craft_rag_bench.bench.tiers_worker import (
     TierCounts,
@@ -185,6 +191,14 @@ def test_side_by_side_with_a_subset_of_systems_and_verification(tmp_path: Path) 
     assert pgdsf["verify_s"] == 3.0
     assert pgdsf["tier_hit_verification"]["identical_to_recompute"] == 2
     assert verdicts(rows)["craft_tier_pgdsf"]["recompute_identical"] == 2
+    lines = report_lines({"pool_requests": 4, "tier_ram_bytes": 1 << 20,
+                          "tier_disk_bytes": 1 << 20, "workloads": {"trace": {
+                              "requests": 3, "pool_blocks": 98, "pool_tokens": 3136,
+                              "systems": rows, "verdicts": verdicts(rows)}}})
+    assert "- craft_tier_pgdsf: 2 of 2 tier hits recomputed from scratch identical" in "\n".join(
+        lines)
+    assert ("- craft_tier_pgdsf vs a recompute from scratch: 2 identical tier hits (met: False)"
+            in lines)
     off = side_by_side(replace(base, verify_tier_hits=False), ["craft", "craft_tier_lru"],
                        RerunRunner(), tmp_path)
     assert "tier_hit_verification" not in off["craft_tier_lru"]  # fields only with the option

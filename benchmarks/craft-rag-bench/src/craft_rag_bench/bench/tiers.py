@@ -473,6 +473,9 @@ def report_lines(result: Mapping[str, Any]) -> list[str]:
                            f"(met: {v['cached_met']}), mean TTFT "
                            f"{_fmt(v['ttft_speedup'], '.2f')}x faster (met: {v['ttft_met']}), "
                            f"{v['exact_tier_hits']} exact tier hits (met: {v['exact_met']})")
+            if "recompute_met" in v:
+                out.append(f"- {name} vs a recompute from scratch: {v['recompute_identical']} "
+                           f"identical tier hits (met: {v['recompute_met']})")
         out.append("")
     return out
 
