@@ -220,6 +220,28 @@ def test_moves_report_each_change_of_the_cheapest_medium() -> None:
     assert flush() == {} and r.flush_moves(None) == 0
 
 
+def test_a_listener_without_the_move_hook_keeps_working() -> None:
+    """A listener written before tiers (no ``on_blocks_moved``) is not told of moves; its
+    removals still arrive."""
+
+    class OldListener:
+        def __init__(self) -> None:
+            self.removed: list[BlockHash] = []
+
+        def on_blocks_removed(self, hashes: Iterable[BlockHash]) -> int:
+            self.removed.extend(hashes)
+            return 0
+
+        def on_all_blocks_cleared(self) -> None:
+            pass
+
+    r, old = TierResidency(), OldListener()
+    r.stored([A], "CPU")
+    r.removed([A], "GPU")  # a move to RAM is queued
+    assert r.flush_moves(old) == 0  # type: ignore[arg-type]  # no hook: nothing to call
+    assert r.removed([A], "CPU") == [A]  # gone from every medium: a removal, as before
+
+
 def test_random_moves_track_the_cheapest_medium() -> None:
     """Seeded stress: after every event the last location heard for each tracked hash (the
     pool if never moved) is its cheapest medium in a plain per-medium model."""

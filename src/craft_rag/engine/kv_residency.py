@@ -65,7 +65,8 @@ def _cheapest(bits: int) -> int:
 class EvictionListener(Protocol):
     """What :class:`~craft_rag.engine.kv_events.KVEventSync` drives: the planner's
     engine-feedback half (re-exported there). ``on_blocks_moved``: the KV of these blocks now
-    lives (cheapest) at ``location``: the pool (``KVLocation()``) or a tier."""
+    lives (cheapest) at ``location``: the pool (``KVLocation()``) or a tier; optional at run
+    time (a listener without it is not told of moves)."""
 
     def on_blocks_removed(self, hashes: Iterable[BlockHash]) -> int: ...
 
@@ -145,15 +146,15 @@ class TierResidency:
         """Hand the queued moves to ``listener`` (None: drop them), one call per medium;
         returns the nodes it moved. O(queued)."""
         moves, self._moves = self._moves, {}
-        if listener is None or not moves:
+        # A listener written before tiers existed has no on_blocks_moved: it keeps working
+        # (its nodes keep their pool location), as before this hook.
+        move = getattr(listener, "on_blocks_moved", None)
+        if move is None or not moves:
             return 0
         by_bit: dict[int, list[BlockHash]] = {}
         for h, bit in moves.items():
             by_bit.setdefault(bit, []).append(h)
-        return sum(
-            listener.on_blocks_moved(hashes, _LOCATIONS.get(bit, _POOL))
-            for bit, hashes in by_bit.items()
-        )
+        return sum(move(hashes, _LOCATIONS.get(bit, _POOL)) for bit, hashes in by_bit.items())
 
     def pool_cleared(self) -> None:
         """The pool dropped everything (``AllBlocksCleared``): tier bits stay; queued moves are
