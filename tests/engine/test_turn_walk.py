@@ -117,3 +117,22 @@ def test_the_check_finds_a_return() -> None:
     assert _returns(["a", "b", "a"]) == ["a"]
     assert _returns(["a", "a", "b", "c"]) == []
     assert _returns(["craft_rag.planner.x", "b", "craft_rag.planner.x"]) == []
+
+
+def test_a_spy_put_on_the_driver_after_the_engine_was_built_sees_rag_turns(
+    make_fake_engine: Factory, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The turn's submit step reads ``driver.submit`` at call time, as the integrations' tests
+    (and any wrapper) expect when they patch the driver of a built engine."""
+    engine, _ = make_fake_engine()
+    driver = engine._driver
+    original = driver.submit
+    seen: list[tuple[int, ...]] = []
+
+    def spy(token_ids: Any, *args: Any, **kwargs: Any) -> Any:
+        seen.append(tuple(token_ids))
+        return original(token_ids, *args, **kwargs)
+
+    monkeypatch.setattr(driver, "submit", spy)
+    result = engine.generate(make_chunks(3, words=10), "q?", max_tokens=4)
+    assert len(seen) == 1 and result.report.prompt_tokens == len(seen[0])

@@ -69,6 +69,39 @@ class RequestIds:
         return f"craft-{next(self._next)}"
 
 
+class Submits(Protocol):
+    """A driver, as :class:`SubmitTo` uses it (this module's and the server backend's)."""
+
+    def submit(
+        self,
+        token_ids: Sequence[int],
+        sampling: SamplingRequest,
+        state: RequestState,
+        *,
+        cache_salt: str | None = None,
+    ) -> None: ...
+
+
+class SubmitTo:
+    """A RAG turn's submit step: ``driver.submit`` as it is at call time (a wrapper or a test's
+    spy put on the driver after the engine was built is seen), keyword ``cache_salt``. O(1)."""
+
+    __slots__ = ("_driver",)
+
+    def __init__(self, driver: Submits) -> None:
+        self._driver = driver
+
+    def __call__(
+        self,
+        token_ids: tuple[int, ...],
+        sampling: SamplingRequest,
+        state: RequestState,
+        *,
+        cache_salt: str | None,
+    ) -> None:
+        self._driver.submit(token_ids, sampling, state, cache_salt=cache_salt)
+
+
 @dataclass(slots=True, eq=False)
 class RequestState:
     """Progress of one request. Fields below ``done`` are written only by the driver thread

@@ -44,6 +44,7 @@ from craft_rag.engine.driver import (
     RequestCancelled,
     RequestIds,
     RequestState,
+    SubmitTo,
 )
 from craft_rag.engine.engine_settings import (
     BackendParts,
@@ -257,7 +258,7 @@ class CraftEngine(RequestForms):
         self._rag = RagTurns(
             self._namespaces,
             self.prompt_renderer,
-            self._driver.submit,
+            SubmitTo(self._driver),
             self._backend,
             check_salt=self._salt,
             block_hasher=block_hasher,
