@@ -11,6 +11,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from bench_cli_spy import spy_run_suites
 
 from craft_rag_bench.bench import tiers
 from craft_rag_bench.bench.cache_sizes import WorkingSet
@@ -324,14 +325,7 @@ def test_cli_options_reach_the_suite_sizes(
     from craft_rag.cli import build_parser
     from craft_rag_bench.bench import cli
 
-    seen: list[BenchContext] = []
-
-    def run_suites(ctx: BenchContext, names: list[str], out: Path,
-                   plots: bool = True) -> dict[str, Any]:
-        seen.append(ctx)
-        return {}
-
-    monkeypatch.setattr(cli, "run_suites", run_suites)
+    seen = spy_run_suites(monkeypatch)
     args = build_parser().parse_args(
         ["bench", "tiers", "--pool-requests", "3", "--tier-ram-mib", "256",
          "--tier-disk-mib", "1024", "--out", str(tmp_path / "out")])

@@ -9,6 +9,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from bench_cli_spy import spy_run_suites
 
 from craft_rag.chunk import make_chunk
 from craft_rag.prompt import PromptAssembler, PromptFormat
@@ -180,14 +181,7 @@ def test_cli_bound_only_flag_reaches_the_sizes(
     from craft_rag.cli import build_parser
     from craft_rag_bench.bench import cli
 
-    seen: list[BenchContext] = []
-
-    def run_suites(ctx: BenchContext, names: list[str], out: Path,
-                   plots: bool = True) -> dict[str, Any]:
-        seen.append(ctx)
-        return {}
-
-    monkeypatch.setattr(cli, "run_suites", run_suites)
+    seen = spy_run_suites(monkeypatch)
     for flags, expected in (([], False), (["--bound-only"], True)):
         args = build_parser().parse_args(
             ["bench", "tiers", *flags, "--out", str(tmp_path / "out")])

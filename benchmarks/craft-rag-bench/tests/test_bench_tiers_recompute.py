@@ -9,6 +9,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from bench_cli_spy import spy_run_suites
 
 from craft_rag.engine import TokensRequest
 from craft_rag_bench.bench.context import BenchContext
@@ -218,14 +219,7 @@ def test_cli_systems_and_verify_reach_the_sizes(
     from craft_rag.cli import build_parser
     from craft_rag_bench.bench import cli
 
-    seen: list[BenchContext] = []
-
-    def run_suites(ctx: BenchContext, names: list[str], out: Path,
-                   plots: bool = True) -> dict[str, Any]:
-        seen.append(ctx)
-        return {}
-
-    monkeypatch.setattr(cli, "run_suites", run_suites)
+    seen = spy_run_suites(monkeypatch)
     args = build_parser().parse_args(
         ["bench", "tiers", "--systems", "craft_tier_pgdsf, craft", "--verify-tier-hits",
          "--out", str(tmp_path / "out")])
