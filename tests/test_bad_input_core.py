@@ -443,7 +443,8 @@ def test_registry_lookups_name_what_they_look_up_and_every_valid_name() -> None:
         get_promotion_rule: "unknown promotion rule 'x'; choose one of ['served', 'threshold']",
         get_routing_policy: (
             "unknown routing policy 'x'; choose one of "
-            "['craft_joint', 'least_loaded', 'prefix_fixed_order', 'round_robin']"
+            "['craft_joint', 'least_loaded', 'prefix_blocks', 'prefix_craft_order', "
+            "'prefix_fixed_order', 'round_robin']"
         ),
     }
     for lookup, message in expected.items():

@@ -246,7 +246,8 @@ def test_unknown_policy_names_the_valid_ones() -> None:
     with pytest.raises(ValueError, match="round_robin"):
         get_routing_policy("nope")
     assert sorted(ROUTING_POLICIES) == [
-        "craft_joint", "least_loaded", "prefix_fixed_order", "round_robin"
+        "craft_joint", "least_loaded", "prefix_blocks", "prefix_craft_order",
+        "prefix_fixed_order", "round_robin",
     ]
 
 

@@ -48,6 +48,7 @@ def test_registries_keep_their_names() -> None:
     assert list(ORDERING_POLICIES) == ["retriever", "frequency", "tree"]
     assert list(ROUTING_POLICIES) == [
         "round_robin", "least_loaded", "prefix_fixed_order", "craft_joint",
+        "prefix_blocks", "prefix_craft_order",
     ]
     assert list(PROMOTION_RULES) == ["threshold", "served"]
     assert get_policy("tree").name == "tree"

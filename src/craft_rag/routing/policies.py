@@ -5,7 +5,10 @@ Each policy is a tiny object with ``choose(request, view) -> Candidate`` looked 
 policy the replicas' planners use under it. Policies read state and change nothing but their
 own cursor (``round_robin``).
 
-The two KV-aware policies share one cost, in predicted seconds of waiting plus prefill
+``prefix_craft_order`` (:class:`PrefixCraftOrder`) models an existing serving layer (llm-d,
+Dynamo) fed prompts the application ordered with CRAFT, scoring in Dynamo's KV blocks;
+``prefix_blocks`` is the same layer fed retriever-ordered prompts (its users today). The
+other two KV-aware policies share one cost, in predicted seconds of waiting plus prefill
 (the form of Dynamo's ``overlap_weight * prefill_blocks + decode_blocks``, with our fitted
 TTFT model instead of block counts and no decode term, since TTFT here is prefill-bound)::
 
@@ -166,6 +169,10 @@ class ClusterView:
 class RoutingPolicy(Protocol):
     name: str
     ordering: str
+    app_ordering: str | None
+    """The ordering policy of the *application's* planner, which orders each prompt before it
+    reaches the router (the replicas' planners then keep that order); None: the chunks reach
+    the router in retriever order and the replica's planner orders them."""
 
     def choose(self, request: RouteRequest, view: ClusterView) -> Candidate:
         """The replica to serve ``request`` (``view.healthy`` is never empty)."""
@@ -177,6 +184,7 @@ class RoundRobin:
 
     name = "round_robin"
     ordering = "tree"
+    app_ordering: str | None = None
 
     def __init__(self) -> None:
         self._next = 0  # owner: this policy object
@@ -193,6 +201,7 @@ class LeastLoaded:
 
     name = "least_loaded"
     ordering = "tree"
+    app_ordering: str | None = None
 
     def choose(self, request: RouteRequest, view: ClusterView) -> Candidate:
         return _with_tree_prediction(view.least_loaded(), request, view)
@@ -218,6 +227,7 @@ class _KVAware:
 
     name = ""
     ordering = ""
+    app_ordering: str | None = None
 
     def match_end(self, tree: ChunkPrefixTree, request: RouteRequest) -> PrefixNode | None:
         raise NotImplementedError
@@ -308,8 +318,67 @@ class CraftJoint(_KVAware):
         return tree.match_subset(request.key_set)
 
 
+class PrefixCraftOrder:
+    """What an llm-d / Dynamo user gets by adding only craft-rag's reorder step: the
+    application's planner (one per app, not per replica: it does not know where a prompt
+    goes) orders the chunks with CRAFT ``tree``, and the serving layer's router places the
+    prompt *as given* by its longest exact cached prefix plus its load, the way Dynamo's KV
+    router scores workers, in KV blocks::
+
+        cost(r) = overlap_weight * (prompt_blocks - overlap_blocks(r)) + active_blocks(r)
+
+    ``overlap_blocks(r)``: whole blocks of the prompt's cached prefix on ``r`` (the fixed-order
+    match, at most ``prompt_tokens - 1`` tokens); ``active_blocks(r)``: blocks of the prompts in
+    flight there (the simulator models prefill only, so every in-flight request is still in
+    prefill; Dynamo's "potential decode blocks" less the new request's own, which is the same
+    on every replica); ``overlap_weight = 1`` (Dynamo's default ``--kv-overlap-score-weight``).
+    No assignment bound: neither system has one (Dynamo's busy threshold is off by default).
+    Least cost wins at temperature 0; exact ties go to the fewest assigned, then lowest index
+    (a deterministic stand-in for a choice the systems leave to sampling or to the first
+    scored endpoint). The candidate's ``cost_s`` is still the TTFT-model cost, so decisions
+    report predicted seconds like every policy. O(N) per decision plus one fixed-order match
+    per replica holding one of the request's chunks at its root."""
+
+    name = "prefix_craft_order"
+    ordering = "retriever"
+    app_ordering: str | None = "tree"
+    overlap_weight = 1.0
+
+    def choose(self, request: RouteRequest, view: ClusterView) -> Candidate:
+        block = view.block_size
+        prompt_blocks = request.prompt_tokens / block
+        holders = {r.index for r in view.holders(request)} if request.keys else set()
+        best: Replica | None = None
+        best_key = (float("inf"), 0, 0)
+        best_cached, best_end = 0, None
+        for replica in view.healthy:
+            end = None
+            if replica.index in holders:
+                tree = replica.tree(request.salt)
+                assert tree is not None
+                end = fixed_match_end(tree, request.keys)
+            cached = view.cached_tokens_at(end, request)
+            load = replica.load
+            cost = self.overlap_weight * (prompt_blocks - cached // block) + (
+                load.prompt_tokens / block
+            )
+            key = (cost, load.assigned, replica.index)
+            if key < best_key:
+                best, best_key, best_cached, best_end = replica, key, cached, end
+        assert best is not None, "view.healthy is never empty"
+        return view.candidate(best, request, best_cached, best_end)
+
+
+class PrefixBlocks(PrefixCraftOrder):
+    """:class:`PrefixCraftOrder`'s scoring on the retriever order: what an llm-d / Dynamo user
+    has without craft-rag, the baseline that isolates the gain of the reorder step alone."""
+
+    name = "prefix_blocks"
+    app_ordering: str | None = None
+
+
 ROUTING_POLICIES: Mapping[str, Callable[[], RoutingPolicy]] = registry_by_name(
-    RoundRobin, LeastLoaded, PrefixFixedOrder, CraftJoint
+    RoundRobin, LeastLoaded, PrefixFixedOrder, CraftJoint, PrefixBlocks, PrefixCraftOrder
 )
 
 DEFAULT_ROUTING_POLICY = "craft_joint"

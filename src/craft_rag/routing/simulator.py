@@ -27,6 +27,7 @@ from dataclasses import dataclass, field, replace
 from typing import Any
 
 from craft_rag.metrics import percentile
+from craft_rag.planner import CraftPlanner, Plan
 from craft_rag.prefix_cache_sim import SimulatedPrefixCache, block_hashes
 from craft_rag.prompt import PromptAssembler, PromptFormat
 from craft_rag.routing.policies import ROUTING_POLICIES
@@ -170,6 +171,7 @@ def prepare_trace(
 @dataclass(slots=True)
 class _InFlight:
     decision: RouteDecision
+    app_plan: Plan | None
     replica: int
     prefix_tokens: int
     spans: list[tuple[int, int]]
@@ -219,6 +221,16 @@ def simulate(
         clock=lambda: now[0],
     )
     ids = router.replica_ids
+    # A policy modelling an existing serving layer gets prompts the application already
+    # ordered: one app planner (per app, blind to placement) orders every request and learns
+    # from the serving replica's reuse report, as a client of one gateway URL would; it hears
+    # no KV events (they are per replica).
+    app_ordering = router.policy.app_ordering
+    app_planner = (
+        CraftPlanner(replace(router.planner_config, policy=app_ordering), clock=lambda: now[0])
+        if app_ordering is not None
+        else None
+    )
     index_of = {rid: i for i, rid in enumerate(ids)}
     evicted_now: list[BlockHash] = []
     caches = [
@@ -248,10 +260,10 @@ def simulate(
         now[0] = at
         d = item.decision
         replica = router.replica(d.replica)
+        reused = 0
         if replica.healthy and replica.epoch == d.epoch:
             if config.kv_events:
                 router.on_blocks_removed(d.replica, item.evicted, d.salt)
-            reused = 0
             for _, end in item.spans:
                 if end // block * block > item.cached:
                     break
@@ -264,6 +276,17 @@ def simulate(
                 block_hashes=_chunk_blocks(item.spans, item.hashes, block),
             )
         router.finish(d)
+        if app_planner is not None and item.app_plan is not None:
+            kept = d.plan.turn == 1 and item.app_plan.keys == d.plan.keys
+            if replica.healthy and replica.epoch == d.epoch and kept:
+                app_planner.commit(
+                    item.app_plan,
+                    prefix_tokens=item.prefix_tokens,
+                    chunk_token_counts=[e - s for s, e in item.spans],
+                    reused_chunks=reused,
+                )
+            else:  # lost with its replica, or a later turn (its history is the replica's)
+                app_planner.abort(item.app_plan)
 
     for i, request in enumerate(trace.requests):
         while faults and faults[0].at_request <= i:
@@ -288,8 +311,12 @@ def simulate(
         now[0] = arrival
         history = histories.get(conv, head) if conv is not None else head
         estimate = trace.prompt_tokens[i] + len(history) - len(head)
+        chunks, app_plan = request.chunks, None
+        if app_planner is not None:  # the app's step, not the router's: not timed
+            app_plan = app_planner.plan(chunks)
+            chunks = app_plan.ordered
         started, cpu_started = time.perf_counter_ns(), time.thread_time_ns()
-        decision = router.route(request.chunks, prompt_tokens=estimate, conversation_id=conv)
+        decision = router.route(chunks, prompt_tokens=estimate, conversation_id=conv)
         cpu_ns.append(time.thread_time_ns() - cpu_started)
         decision_ns.append(time.perf_counter_ns() - started)
         placement_ns.append(decision_ns[-1] - decision.plan_ns)
@@ -306,7 +333,7 @@ def simulate(
         evicted_now.clear()
         cached = caches[r].serve(tokens)
         item = _InFlight(
-            decision, r, len(history), spans,
+            decision, app_plan, r, len(history), spans,
             [BlockHash(h) for h in block_hashes(tokens, block)], cached, list(evicted_now),
         )
         if conv is not None:
