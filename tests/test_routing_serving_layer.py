@@ -4,6 +4,8 @@ the simulator, the application's planner that orders prompts before they reach t
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 
 from craft_rag.chunk import Chunk, make_chunk
@@ -156,11 +158,7 @@ def test_one_replica_with_the_app_planner_is_the_single_engine() -> None:
     round-robin's replica planner sees, so the served prompts and cached tokens are equal."""
     prepared = prepare_trace(shuffled_trace(), HashingTokenizer())
     config = SimConfig(replicas=1, capacity_tokens=512, load=0.5, kv_events=False)
-    app = simulate(prepared, SimConfig(**{**_fields(config), "policy": "prefix_craft_order"}))
-    single = simulate(prepared, SimConfig(**{**_fields(config), "policy": "round_robin"}))
+    app = simulate(prepared, replace(config, policy="prefix_craft_order"))
+    single = simulate(prepared, replace(config, policy="round_robin"))
     assert app.cached_token_fraction == single.cached_token_fraction
     assert 0.0 < app.cached_token_fraction < 1.0  # evictions happened, and reuse
-
-
-def _fields(config: SimConfig) -> dict[str, object]:
-    return {k: getattr(config, k) for k in config.__slots__}
