@@ -18,9 +18,13 @@ import threading
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Generic, Protocol, TypeVar
+from typing import TYPE_CHECKING, Generic, Protocol, TypeVar, cast
 
 from craft_rag.engine.results import SamplingRequest, StepOutput
+from craft_rag.scheduling.admission import AdmissionQueue
+
+if TYPE_CHECKING:
+    from craft_rag.engine.admission import Admission
 
 T = TypeVar("T")
 E = TypeVar("E")
@@ -31,7 +35,8 @@ class EngineBackend(Protocol):
     VLLMBackend` implements them over vLLM. None of these is called concurrently.
 
     ``add_request`` is called with ``cache_salt=`` only for salted requests, so a backend
-    without salt support still serves unsalted ones (the engine refuses salts for it)."""
+    without salt support still serves unsalted ones (the engine refuses salts for it), and
+    with ``priority=`` only under priority admission (:mod:`craft_rag.engine.admission`)."""
 
     def add_request(
         self,
@@ -106,11 +111,14 @@ class SubmitTo:
 class RequestState:
     """Progress of one request. Fields below ``done`` are written only by the driver thread
     until ``done`` is set; read them after ``done.wait()``. ``on_delta`` runs on the driver
-    thread with each delta and the time it arrived: keep it O(1) (a queue put)."""
+    thread with each delta and the time it arrived: keep it O(1) (a queue put).
+    ``predicted_cached_tokens`` (set by whoever makes the state, before submitting: the plan's
+    prediction) ranks the request under cache-aware admission."""
 
     request_id: str
     on_delta: Callable[[StepOutput, float], object] | None = None
     on_done: Callable[[], object] | None = None
+    predicted_cached_tokens: int = 0
     done: threading.Event = field(default_factory=threading.Event)
     submitted_at: float = 0.0
     first_token_at: float | None = None
@@ -122,6 +130,9 @@ class RequestState:
     tier_ram_tokens: int = 0
     tier_disk_tokens: int = 0
     error: BaseException | None = None
+    held_s: float | None = None
+    """Seconds craft-rag's admission queue held the request (0 when vLLM's priority scheduler
+    ordered it; ``None`` with admission off)."""
 
     @property
     def text(self) -> str:
@@ -240,19 +251,59 @@ def aborted_error(request_id: str) -> RequestCancelled:
     return RequestCancelled(f"request {request_id} was aborted")
 
 
+class _Prioritised(Protocol):
+    """A backend taking vLLM's ``priority=`` (the in-process vLLM one does)."""
+
+    def add_request(
+        self,
+        request_id: str,
+        token_ids: Sequence[int],
+        sampling: SamplingRequest,
+        cache_salt: str | None = None,
+        priority: int | None = None,
+    ) -> None: ...
+
+
+@dataclass(frozen=True, slots=True)
+class _Held:
+    """A request in craft-rag's admission queue: what ``add_request`` needs later."""
+
+    token_ids: tuple[int, ...]
+    sampling: SamplingRequest
+    state: RequestState
+    cache_salt: str | None
+
+
 class EngineDriver(RequestTable[RequestState]):
     """Steps ``backend`` on a daemon thread while any request is unfinished.
 
+    ``admission`` (:mod:`craft_rag.engine.admission`): with ``uses_priority`` each request
+    goes to the backend at once with ``priority=`` its key; with ``max_running`` requests wait
+    in an :class:`~craft_rag.scheduling.admission.AdmissionQueue` (owned under ``_cond``) and
+    at most that many are in the backend (``_running``). ``_admit_lock`` keeps the queue's
+    order into the backend; lock order: ``_admit_lock``, then ``_cond`` (released), then
+    ``_engine_lock``.
+
     Cost: one ``backend.step()`` per iteration (a forward pass over the batch); dispatching a
-    delta is O(1). The thread sleeps on a condition when there is no work.
+    delta is O(1); admission O(log n) per request.
     """
 
     def __init__(
-        self, backend: EngineBackend, *, clock: Callable[[], float] = time.perf_counter
+        self,
+        backend: EngineBackend,
+        *,
+        clock: Callable[[], float] = time.perf_counter,
+        admission: Admission | None = None,
     ) -> None:
         super().__init__(clock)
         self._backend = backend
         self._engine_lock = threading.Lock()
+        self._admission = admission
+        self._queue: AdmissionQueue[_Held] | None = None  # owner: guarded by _cond
+        if admission is not None and admission.max_running is not None:
+            self._queue = AdmissionQueue(admission.order, clock=clock)
+        self._running: set[str] = set()  # owner: guarded by _cond (queue mode only)
+        self._admit_lock = threading.Lock()
         self._thread = threading.Thread(target=self._loop, name="craft-engine-driver", daemon=True)
         self._thread.start()
 
@@ -267,26 +318,88 @@ class EngineDriver(RequestTable[RequestState]):
         cache_salt: str | None,
     ) -> None:
         """Queue the request in the backend (errors from ``add_request``, e.g. an invalid
-        prompt, propagate) and wake the stepping thread."""
-        with self._engine_lock:
-            if cache_salt is None:
-                self._backend.add_request(entry.request_id, token_ids, sampling)
-            else:
-                self._backend.add_request(
-                    entry.request_id, token_ids, sampling, cache_salt=cache_salt
-                )
+        prompt, propagate) and wake the stepping thread; under queue admission, hold it and
+        let in what fits (an error then fails the request instead)."""
+        admission, priority = self._admission, None
+        if admission is not None:
+            key = admission.key(entry.predicted_cached_tokens, len(token_ids))
+            if self._queue is not None:
+                with self._cond:
+                    held = _Held(token_ids, sampling, entry, cache_salt)
+                    self._queue.push_keyed(entry.request_id, held, key)
+                self._admit()
+                return
+            priority, entry.held_s = key, 0.0
+        self._add(entry.request_id, token_ids, sampling, cache_salt, priority)
         with self._cond:
             self._cond.notify_all()
 
+    def _add(
+        self,
+        request_id: str,
+        token_ids: tuple[int, ...],
+        sampling: SamplingRequest,
+        cache_salt: str | None,
+        priority: int | None,
+    ) -> None:
+        with self._engine_lock:
+            if priority is not None:
+                backend = cast(_Prioritised, self._backend)
+                backend.add_request(
+                    request_id, token_ids, sampling, cache_salt=cache_salt, priority=priority
+                )
+            elif cache_salt is None:
+                self._backend.add_request(request_id, token_ids, sampling)
+            else:
+                self._backend.add_request(request_id, token_ids, sampling, cache_salt=cache_salt)
+
+    def _admit(self) -> None:
+        """Move held requests into the backend, lowest key first, while fewer than
+        ``max_running`` are there. O(log n) per request let in."""
+        if self._queue is None:
+            return
+        assert self._admission is not None and self._admission.max_running is not None
+        limit = self._admission.max_running
+        with self._admit_lock:
+            while True:
+                with self._cond:
+                    if len(self._running) >= limit or (admitted := self._queue.pop()) is None:
+                        return
+                    self._running.add(admitted.request_id)
+                held, rid = admitted.item, admitted.request_id
+                held.state.held_s = admitted.held_s
+                try:
+                    self._add(rid, held.token_ids, held.sampling, held.cache_salt, None)
+                except Exception as exc:  # e.g. a prompt too long: fail only this request
+                    with self._cond:
+                        self._running.discard(rid)
+                    if self._pop(rid) is not None:
+                        held.state._fail(exc, self._clock())
+                    continue
+                with self._cond:
+                    alive = rid in self._states
+                    self._cond.notify_all()
+                if not alive:  # aborted between leaving the queue and entering the backend
+                    self._abort_in_backend(rid)
+
+    def _abort_in_backend(self, request_id: str) -> None:
+        with self._engine_lock:
+            self._backend.abort([request_id])
+        with self._cond:
+            self._running.discard(request_id)
+
     def abort(self, request_id: str) -> bool:
-        """Stop a request if still running (its state fails with :class:`RequestCancelled`).
-        Returns whether it was running."""
+        """Stop a request if still running or held (its state fails with
+        :class:`RequestCancelled`). Returns whether it was running."""
         state = self._pop(request_id)
         if state is None:
             return False
-        with self._engine_lock:
-            self._backend.abort([request_id])
+        with self._cond:
+            held = self._queue.remove(request_id) if self._queue is not None else None
+        if held is None:
+            self._abort_in_backend(request_id)
         state._fail(aborted_error(request_id), self._clock())
+        self._admit()
         return True
 
     def exclusive(self, fn: Callable[[], T]) -> T:
@@ -308,8 +421,12 @@ class EngineDriver(RequestTable[RequestState]):
                 self._fail_all(exc)
                 continue
             now = self._clock()
+            finished = False
             for out in outputs:
                 with self._cond:
+                    if out.finished:
+                        finished = True
+                        self._running.discard(out.request_id)
                     state = (
                         self._states.pop(out.request_id, None)
                         if out.finished
@@ -321,19 +438,24 @@ class EngineDriver(RequestTable[RequestState]):
                     state._deliver(out, now)
                 except Exception as exc:  # a consumer's callback broke: fail only that request
                     self._drop(state, exc, now)
+            if finished:
+                self._admit()
 
     def _drop(self, state: RequestState, error: BaseException, now: float) -> None:
         """Stop one request on the driver's side (its consumer failed) and fail it."""
         if self._pop(state.request_id) is not None:
-            with self._engine_lock:
-                self._backend.abort([state.request_id])
+            self._abort_in_backend(state.request_id)
         if not state.done.is_set():
             state._fail(error, now)
+        self._admit()
 
     def _fail_all(self, exc: Exception) -> None:
         with self._cond:
             states = list(self._states.values())
             self._states.clear()
+            self._running.clear()
+            if self._queue is not None:
+                self._queue.drain()
         try:
             with self._engine_lock:
                 self._backend.abort([s.request_id for s in states])
@@ -348,6 +470,9 @@ class EngineDriver(RequestTable[RequestState]):
     def close(self) -> None:
         """Fail whatever is in flight with :class:`RequestCancelled` and stop the thread."""
         now, states = self._clock(), self._close_table()
+        with self._cond:
+            if self._queue is not None:
+                self._queue.drain()
         for state in states:
             state._fail(RequestCancelled("the engine was closed"), now)
         self._thread.join(timeout=30)

@@ -32,6 +32,7 @@ from collections.abc import Sequence
 from typing import Unpack
 
 from craft_rag.chunk import Chunk
+from craft_rag.engine.admission import admission_of
 from craft_rag.engine.backends.server.backend import ServerSettings
 from craft_rag.engine.backends.vllm.backend import EngineSettings, EngineStartError
 from craft_rag.engine.chat_format import model_renderer
@@ -251,7 +252,10 @@ class CraftEngine(RequestForms):
             turn_layout=groups.conversation.turn_layout,
             chat_assembler=chat_assembler,
         )
-        self._driver = wiring.driver(on_server_lost=self._namespaces.on_all_blocks_cleared)
+        self._driver = wiring.driver(
+            on_server_lost=self._namespaces.on_all_blocks_cleared,
+            admission=admission_of(self.settings),
+        )
         # The turn's steps call these objects of the modules that own them (no call back into
         # this facade mid-turn): the salt check, the event barrier, ids and the driver's submit.
         self._salt = SaltCheck(wiring.takes_salt, type(self._backend).__name__)

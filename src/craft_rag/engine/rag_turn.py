@@ -219,7 +219,13 @@ class RagTurns:
                 )
                 raise RuntimeError(msg)
             rendered = self.render(plan, question, view)
-            state = RequestState(self._request_ids(), on_delta=on_delta, on_done=on_done)
+            state = RequestState(
+                self._request_ids(),
+                on_delta=on_delta,
+                on_done=on_done,
+                # The CP-Tree's predicted reusable prefix: what cache-aware admission ranks by.
+                predicted_cached_tokens=plan.matched_tokens or 0,
+            )
             self._submit(rendered.prompt.token_ids, sampling, state, cache_salt=salt)
         except BaseException:
             self.give_up_plan(planner, plan, caller_plan)

@@ -313,6 +313,7 @@ def plain_report(flight: InFlight) -> ReuseReport:
         salted=flight.cache_salt is not None,
         tier_ram_tokens=ram,
         tier_disk_tokens=disk,
+        admission_held_ms=None if state.held_s is None else state.held_s * 1000.0,
     )
 
 

@@ -245,6 +245,11 @@ class ReuseReport:
     """Of ``cached_tokens``, those loaded from the KV tiers' RAM tier (0 without tiers)."""
     tier_disk_tokens: int = 0
     """Of ``cached_tokens``, those loaded from the KV tiers' disk tier (0 without tiers)."""
+    admission_held_ms: float | None = None
+    """With cache-aware admission on (``EngineSettings.admission``/``admission_queue``): how
+    long craft-rag's admission queue held the request before it entered vLLM (part of
+    ``ttft_ms``); 0 when vLLM's priority scheduler ordered it (that wait shows only in
+    ``ttft_ms``). ``None`` with admission off."""
 
     @property
     def cached_fraction(self) -> float:

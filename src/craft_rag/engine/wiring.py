@@ -17,6 +17,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Literal, Protocol
 
+from craft_rag.engine.admission import Admission
 from craft_rag.engine.backends.server.backend import ServerBackend, ServerSettings, connect_server
 from craft_rag.engine.backends.server.driver import ServerDriver
 from craft_rag.engine.backends.vllm.backend import EngineSettings, VLLMBackend
@@ -72,12 +73,25 @@ class Wiring:
     block_hasher: BlockHasher | None
     takes_salt: bool
 
-    def driver(self, on_server_lost: Callable[[], object]) -> EngineDriver | ServerDriver:
+    def driver(
+        self, on_server_lost: Callable[[], object], admission: Admission | None = None
+    ) -> EngineDriver | ServerDriver:
         """The driver (starts its thread for an in-process backend). ``on_server_lost`` runs
-        when a server is unreachable: a restarted server's cache is empty."""
+        when a server is unreachable: a restarted server's cache is empty. ``admission``: the
+        engine's (:mod:`craft_rag.engine.admission`); a server takes only its priority form
+        (``ValueError`` for ``admission_queue``)."""
         if isinstance(self.backend, ServerBackend):
-            return ServerDriver(self.backend, on_server_lost=on_server_lost)
-        return EngineDriver(self.backend)
+            if admission is not None and not admission.uses_priority:
+                msg = (
+                    "admission_queue holds requests for the in-process engine only; with "
+                    "server=, leave it None and start the server with --scheduling-policy "
+                    "priority (craft-rag serve --admission cache_aware)"
+                )
+                raise ValueError(msg)
+            return ServerDriver(
+                self.backend, on_server_lost=on_server_lost, admission=admission
+            )
+        return EngineDriver(self.backend, admission=admission)
 
 
 @dataclass(frozen=True, slots=True)

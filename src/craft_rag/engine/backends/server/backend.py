@@ -237,11 +237,17 @@ class ServerBackend:
     # ---- HTTP --------------------------------------------------------------------------------
 
     def body(
-        self, token_ids: Sequence[int], sampling: SamplingRequest, cache_salt: str | None
+        self,
+        token_ids: Sequence[int],
+        sampling: SamplingRequest,
+        cache_salt: str | None,
+        priority: int | None = None,
     ) -> dict[str, Any]:
         """The ``/v1/completions`` request body. ``read_prefix_cache=False`` (the no-cache
         baseline) has no server equivalent: it becomes a fresh random salt, so nothing cached
-        can match (and what it caches, nothing else reads)."""
+        can match (and what it caches, nothing else reads). ``priority`` (cache-aware
+        admission; lower runs first) needs a server run with ``--scheduling-policy priority``
+        (the server refuses a non-zero priority otherwise)."""
         body: dict[str, Any] = {
             **dict(sampling.extra),
             "model": self.model_name,
@@ -257,6 +263,8 @@ class ServerBackend:
             body["seed"] = sampling.seed
         if sampling.stop:
             body["stop"] = list(sampling.stop)
+        if priority is not None:
+            body["priority"] = priority
         if not sampling.read_prefix_cache:
             import secrets
 
@@ -271,16 +279,20 @@ class ServerBackend:
         sampling: SamplingRequest,
         cache_salt: str | None,
         cancelled: threading.Event | None = None,
+        *,
+        priority: int | None = None,
     ) -> Iterator[dict[str, Any]]:
-        """Run one completion and yield its SSE deltas as ``{"token_ids", "text"}``, then
-        ``{"done": True, "finish_reason", "cached_tokens"}``. Retries happen only before the
-        first delta. Stops early (closing the stream, so the server aborts the request) once
-        ``cancelled`` is set. After a connection loss the server is checked again first
-        (module doc). Every event is checked (:mod:`.answers`); more
-        tokens than ``max_tokens``, an impossible ``cached_tokens``, output after the
+        """Run one completion (``priority``: see :meth:`body`) and yield its SSE deltas as
+        ``{"token_ids", "text"}``, then ``{"done": True, "finish_reason", "cached_tokens"}``.
+        Retries happen only before the first delta. Stops early (closing the stream, so the
+        server aborts the request) once ``cancelled`` is set. After a connection loss the
+        server is checked again first (module doc). Every event is checked (:mod:`.answers`);
+        more tokens than ``max_tokens``, an impossible ``cached_tokens``, output after the
         ``finish_reason`` or an event naming another model is a ``ServerError`` before the
         final delta, so nothing of the request is committed."""
-        return self._stream(token_ids, sampling, cache_salt, cancelled, check=True)
+        return self._stream(
+            token_ids, sampling, cache_salt, cancelled, check=True, priority=priority
+        )
 
     def _stream(
         self,
@@ -290,10 +302,11 @@ class ServerBackend:
         cancelled: threading.Event | None,
         *,
         check: bool,
+        priority: int | None = None,
     ) -> Iterator[dict[str, Any]]:
         import httpx
 
-        body = self.body(token_ids, sampling, cache_salt)
+        body = self.body(token_ids, sampling, cache_salt, priority)
         what = "POST /v1/completions"
         base = self.settings.base_url
 

@@ -18,7 +18,7 @@ from __future__ import annotations
 import threading
 import time
 from collections.abc import Callable
-from typing import TypeVar
+from typing import TYPE_CHECKING, TypeVar
 
 from craft_rag.engine.backends.server.backend import ServerBackend, step_output
 from craft_rag.engine.backends.server.settings import ServerUnavailable
@@ -30,6 +30,9 @@ from craft_rag.engine.driver import (
     aborted_error,
 )
 from craft_rag.engine.results import SamplingRequest
+
+if TYPE_CHECKING:
+    from craft_rag.engine.admission import Admission
 
 T = TypeVar("T")
 
@@ -48,9 +51,13 @@ class ServerDriver(RequestTable[tuple[RequestState, threading.Event]]):
         *,
         on_server_lost: Callable[[], object] | None = None,
         clock: Callable[[], float] = time.perf_counter,
+        admission: Admission | None = None,
     ) -> None:
+        """``admission`` (its priority form only): each request's body carries ``priority``,
+        its admission key; the server must run ``--scheduling-policy priority``."""
         super().__init__(clock)
         self._backend = backend
+        self._admission = admission
         self._on_lost = on_server_lost
         self._exclusive = threading.Lock()
         self._threads: set[threading.Thread] = set()  # owner: _cond
@@ -68,9 +75,13 @@ class ServerDriver(RequestTable[tuple[RequestState, threading.Event]]):
         """Stream the request on its own thread. Errors (server down, HTTP errors) arrive as
         ``state.error`` (raised by the engine when the request is finished)."""
         state, cancelled = entry
+        priority = None
+        if self._admission is not None:
+            priority = self._admission.key(state.predicted_cached_tokens, len(token_ids))
+            state.held_s = 0.0  # the server holds and orders it
         thread = threading.Thread(
             target=self._run,
-            args=(token_ids, sampling, state, cache_salt, cancelled),
+            args=(token_ids, sampling, state, cache_salt, cancelled, priority),
             name=f"craft-server-{state.request_id}",
             daemon=True,
         )
@@ -85,9 +96,17 @@ class ServerDriver(RequestTable[tuple[RequestState, threading.Event]]):
         state: RequestState,
         cache_salt: str | None,
         cancelled: threading.Event,
+        priority: int | None = None,
     ) -> None:
         try:
-            for delta in self._backend.stream(token_ids, sampling, cache_salt, cancelled):
+            stream = (
+                self._backend.stream(token_ids, sampling, cache_salt, cancelled)
+                if priority is None
+                else self._backend.stream(
+                    token_ids, sampling, cache_salt, cancelled, priority=priority
+                )
+            )
+            for delta in stream:
                 out = step_output(state.request_id, delta)
                 if out.finished and self._pop(state.request_id) is None:
                     return  # aborted meanwhile: abort already failed the state

