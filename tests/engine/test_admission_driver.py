@@ -92,8 +92,10 @@ def test_a_held_request_aborted_never_reaches_the_engine() -> None:
     backend, clock = FakeBackend(step_gate=gate), Clock()
     driver = queued_driver("cache_aware", backend, clock)
     try:
-        busy, held, other = submit(driver, "busy", 0), submit(driver, "held", 90), submit(
-            driver, "other", 0
+        busy, held, other = (
+            submit(driver, "busy", 0),
+            submit(driver, "held", 90),
+            submit(driver, "other", 0),
         )
         assert driver.abort("held") and not driver.abort("held")
         assert isinstance(held.error, RequestCancelled)
@@ -186,7 +188,8 @@ def test_the_engine_serves_the_predicted_warm_turn_first_and_reports_the_hold() 
     settings = EngineSettings(admission="cache_aware", admission_queue=1)
     engine, backend = make_fake_engine(FakeBackend(step_gate=gate), settings=settings)
     try:
-        warm_chunks, cold_chunks = make_chunks(4, words=40), make_chunks(4, words=40, prefix="cold", seed=9)
+        warm_chunks = make_chunks(4, words=40)
+        cold_chunks = make_chunks(4, words=40, prefix="cold", seed=9)
         gate.set()
         engine.generate(warm_chunks, "first?", max_tokens=1)  # warms the CP-Tree
         gate.clear()

@@ -44,6 +44,11 @@ from craft_rag.engine.backends.server.settings import KV_EVENTS_PORT_OFFSET
 from craft_rag.engine.cpu_dtype import default_dtype
 from craft_rag.kvtiers.policies import TIER_POLICIES
 from craft_rag.kvtiers.tier_settings import KVTierSettings
+from craft_rag.scheduling.admission import (
+    ADMISSION_POLICIES,
+    DEFAULT_ADMISSION,
+    get_admission_policy,
+)
 from craft_rag.validation import check_int
 
 DEFAULT_PORT = 8000
@@ -70,7 +75,10 @@ class ServeConfig:
     ``--kv-transfer-config``; ``None`` (the default): no tiers. ``shutdown_timeout``: vLLM's
     ``--shutdown-timeout`` in seconds; ``None``: :data:`TIER_SHUTDOWN_TIMEOUT_S` when
     ``kv_tiers`` has a disk tier (so a SIGTERM reaches the connector's shutdown), else vLLM's
-    own default (0: the EngineCore is killed at once)."""
+    own default (0: the EngineCore is killed at once). ``admission``: ``"fcfs"`` (the default,
+    vLLM's own order) or ``"cache_aware"``, which starts vLLM with ``--scheduling-policy
+    priority`` so the priorities clients send (``EngineSettings(admission="cache_aware")``,
+    :mod:`craft_rag.engine.admission`) order its waiting requests."""
 
     model: str
     host: str = "127.0.0.1"
@@ -86,8 +94,13 @@ class ServeConfig:
     dtype: str = field(default_factory=default_dtype)
     kv_tiers: KVTierSettings | None = None
     shutdown_timeout: int | None = None
+    admission: str = DEFAULT_ADMISSION
 
     def __post_init__(self) -> None:
+        get_admission_policy(self.admission)  # ValueError naming the valid ones
+        if self.admission != DEFAULT_ADMISSION and "--scheduling-policy" in self.extra_args:
+            msg = "give admission or --scheduling-policy in extra_args, not both"
+            raise ValueError(msg)
         if self.kv_tiers is not None and not isinstance(self.kv_tiers, KVTierSettings):
             msg = f"kv_tiers must be a KVTierSettings or None, got {self.kv_tiers!r}"
             raise ValueError(msg)
@@ -174,6 +187,9 @@ def server_command(config: ServeConfig, python: str = sys.executable) -> list[st
     )
     stop = config.stop_seconds
     stop_args = () if stop is None else ("--shutdown-timeout", str(stop))
+    # Clients send each request's admission key as its priority (lower first).
+    priority = config.admission != DEFAULT_ADMISSION
+    policy_args = ("--scheduling-policy", "priority") if priority else ()
     return [
         python,
         "-m",
@@ -204,6 +220,7 @@ def server_command(config: ServeConfig, python: str = sys.executable) -> list[st
         json.dumps(events),
         *tier_args,
         *stop_args,
+        *policy_args,
         *config.extra_args,
     ]
 
@@ -309,6 +326,15 @@ def add_serve_parser(subparsers: Any) -> None:
         help="compute dtype (default: bfloat16 on CPUs with AVX-512/AMX, float32 on x86 "
         "CPUs without, where bf16 matmuls run ~4-5x slower)",
     )
+    serve.add_argument(
+        "--admission",
+        choices=sorted(ADMISSION_POLICIES),
+        default=DEFAULT_ADMISSION,
+        help="request admission: fcfs (vLLM's order) or cache_aware (vLLM runs "
+        "--scheduling-policy priority; clients with EngineSettings(admission='cache_aware') "
+        "send priorities that serve mostly-cached requests first, none overtaken by 32 or "
+        "more later ones)",
+    )
     tiers = serve.add_argument_group(
         "KV tiers",
         "keep prompt blocks evicted from vLLM's KV pool in RAM and on disk and load them back "
@@ -394,6 +420,7 @@ def _run_serve(args: argparse.Namespace) -> int:
         log_level=args.log_level,
         dtype=args.dtype or default_dtype(),
         kv_tiers=tiers,
+        admission=args.admission,
     )
     argv = server_command(config)
     if args.print_command:
