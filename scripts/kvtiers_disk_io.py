@@ -12,7 +12,8 @@ times reading the run back *verified* (checksums and token ids) the way the stor
   the per-block file's bytes, header then payload, back to back): one sequential read, then the
   same header check and payload blake2b per block.
 
-It also times a warm read (page cache hot) and the payload checksum alone, and prints the
+It also times a warm read (page cache hot), a cold read without any verification (the I/O
+part alone) and the payload checksum alone, and prints the
 per-block compute time of this engine's cost model (``craft_rag.kvtiers.cost_model``) for
 comparison. One JSON line per (layout, R) on stderr as it goes, the whole result on stdout.
 """
@@ -74,6 +75,15 @@ def _write(folder: Path, layout: str, blocks: list[Block], payloads: list[bytes]
                 tmp = disk_tier.write_block(folder, key, parent, toks, prefix, payload)
                 handle.write(tmp.read_bytes())  # type: ignore[arg-type]
                 tmp.unlink()
+
+
+def _read_raw(folder: Path) -> int:
+    """The I/O part alone: read every file of ``folder`` whole, no parsing, no checksum."""
+    total = 0
+    for path in sorted(folder.iterdir()):
+        with open(path, "rb") as handle:
+            total += len(handle.read())
+    return total
 
 
 def _read(folder: Path, layout: str, keys: list[BlockKey], blocks: list[Block]) -> int:
@@ -145,6 +155,7 @@ def main(argv: list[str] | None = None) -> int:
         for layout in ("per-block", "segment"):
             cold: list[float] = []
             warm: list[float] = []
+            raw: list[float] = []
             for rep in range(args.reps):
                 folder = root / f"{layout}-{runs}-{rep}"
                 folder.mkdir(mode=0o700)
@@ -157,6 +168,10 @@ def main(argv: list[str] | None = None) -> int:
                 t0 = time.perf_counter()
                 _read(folder, layout, keys, blocks)
                 warm.append(time.perf_counter() - t0)
+                _drop_cache(folder)
+                t0 = time.perf_counter()
+                _read_raw(folder)
+                raw.append(time.perf_counter() - t0)
                 assert n == runs * BLOCK_BYTES
                 shutil.rmtree(folder)
             row = {
@@ -165,6 +180,9 @@ def main(argv: list[str] | None = None) -> int:
                 "cold_ms_per_block_median": round(1e3 * statistics.median(cold) / runs, 3),
                 "cold_ms_per_block_min": round(1e3 * min(cold) / runs, 3),
                 "warm_ms_per_block_median": round(1e3 * statistics.median(warm) / runs, 3),
+                "cold_unverified_ms_per_block_median": round(
+                    1e3 * statistics.median(raw) / runs, 3
+                ),
             }
             results.append(row)
             print(json.dumps(row), file=sys.stderr, flush=True)

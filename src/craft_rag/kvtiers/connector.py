@@ -265,7 +265,14 @@ class CraftTierConnector(KVConnectorBase_V1):
                 self._load_errors.add(block_id)
 
     def wait_for_layer_load(self, layer_name: str) -> None:
-        return  # loads are complete before the forward starts
+        """Returns at once: every load is injected before the forward starts.
+
+        vLLM's CPU runner calls this once per attention layer, so the API would allow a
+        layer-pipelined load; it is not one because blocks are read and verified at scheduling
+        time (a corrupt one shortens the promise, whatever vLLM's ``kv_load_failure_policy``)
+        and a block's checksum covers all its layers (docs/kv-tiers.md, "Disk layout and
+        ContiguousKV")."""
+        return
 
     def save_kv_layer(
         self, layer_name: str, kv_layer: torch.Tensor, attn_metadata: AttentionMetadata,
