@@ -12,9 +12,12 @@ Built in: ``hf_prefill`` runs a separate copy of the served model in Hugging Fac
 ``end`` and returns positions ``[start, end)``. It is exact up to the numerics of a second
 implementation, so it measures whether KV computed outside vLLM can stand in for vLLM's own,
 and it is the connector's way to compute tokens vLLM cannot (any span that is not a suffix).
-Its KV counts as *recomputed*; a chunk-cache source's counts as *fixed*.
+Its KV counts as *recomputed*; a chunk-cache source's counts as *fixed*. ``chunk_head_only``
+is naive chunk reuse (a chunk's variant computed after the head only, re-rotated to its new
+position, nothing recomputed; :mod:`craft_rag.chunkcache`). The built-ins share one model.
 Cost of ``hf_prefill``: one forward over ``end`` tokens (the model's own prefill cost, on the
-scheduler's thread); the model is loaded once per connector (~3 s, ~0.6 GB for SmolLM2-135M).
+scheduler's thread); the model is loaded once per connector (~3 s, ~0.6 GB for SmolLM2-135M),
+with eager attention (:func:`craft_rag.chunkcache.layers.load_model`).
 """
 
 from __future__ import annotations
@@ -26,7 +29,15 @@ from typing import Any, ClassVar, Protocol
 
 import torch
 
-__all__ = ["BUILTIN_SOURCES", "HFPrefillSource", "KVSource", "LayerKV", "build_sources"]
+__all__ = [
+    "BUILTIN_SOURCES",
+    "HFPrefillSource",
+    "HeadOnlyChunkSource",
+    "KVSource",
+    "LayerKV",
+    "LazyModel",
+    "build_sources",
+]
 
 LayerKV = tuple[list[torch.Tensor], list[torch.Tensor]]
 """Per-layer keys and values, each ``[tokens, kv_heads, head_size]``."""
@@ -43,28 +54,44 @@ class KVSource(Protocol):
     ) -> LayerKV | None: ...
 
 
-class HFPrefillSource:
-    """K/V of ``[start, end)`` from a ``transformers`` copy of the model run over
-    ``token_ids[:end]`` (positions from 0, as vLLM's prefill). ``spec`` must be empty.
-    Thread-safe lazy load; the model is never trained or mutated."""
+class LazyModel:
+    """One ``transformers`` float32 copy of the served model, loaded on first use and shared by
+    the built-in sources (thread-safe; never trained or mutated)."""
 
-    counts_as: ClassVar[str] = "recomputed"
-
-    def __init__(self, model_dir: str, **_: Any) -> None:
+    def __init__(self, model_dir: str) -> None:
         self._model_dir = model_dir
         self._model: Any = None
         self._lock = threading.Lock()
 
-    def _load(self) -> Any:
+    def get(self) -> Any:
         with self._lock:
             if self._model is None:
-                from transformers import AutoModelForCausalLM
+                from craft_rag.chunkcache.layers import load_model
 
-                model = AutoModelForCausalLM.from_pretrained(self._model_dir, dtype=torch.float32)
-                model.requires_grad_(False)
-                model.train(False)
-                self._model = model
+                self._model = load_model(self._model_dir)
         return self._model
+
+
+def _to_rows(keys: Sequence[torch.Tensor], values: Sequence[torch.Tensor]) -> LayerKV:
+    """HF ``[kv_heads, tokens, head]`` per layer -> ``[tokens, kv_heads, head]`` per layer."""
+    return ([k.transpose(0, 1).contiguous() for k in keys],
+            [v.transpose(0, 1).contiguous() for v in values])
+
+
+def _check_span(token_ids: Sequence[int], start: int, end: int) -> None:
+    if not 0 <= start < end <= len(token_ids):
+        msg = f"span [{start}, {end}) outside a prompt of {len(token_ids)} tokens"
+        raise ValueError(msg)
+
+
+class HFPrefillSource:
+    """K/V of ``[start, end)`` from the model copy run over ``token_ids[:end]`` (positions from
+    0, as vLLM's prefill). ``spec`` must be empty."""
+
+    counts_as: ClassVar[str] = "recomputed"
+
+    def __init__(self, model_dir: str, model: LazyModel | None = None, **_: Any) -> None:
+        self._model = model or LazyModel(model_dir)
 
     def kv(
         self, token_ids: Sequence[int], start: int, end: int, spec: Mapping[str, Any]
@@ -72,20 +99,50 @@ class HFPrefillSource:
         if spec:
             msg = f"hf_prefill takes no span fields; got {sorted(spec)}"
             raise ValueError(msg)
-        if not 0 <= start < end <= len(token_ids):
-            msg = f"span [{start}, {end}) outside a prompt of {len(token_ids)} tokens"
+        _check_span(token_ids, start, end)
+        from craft_rag.chunkcache.blend import full_prefill
+
+        kv = full_prefill(self._model.get(), token_ids[:end]).slice(start, end)
+        return _to_rows(kv.keys, kv.values)
+
+
+class HeadOnlyChunkSource:
+    """Naive chunk reuse, 0% recomputed: the span is a chunk whose cache variant was computed
+    after the prompt's head only (``token_ids[:head_end]``, span field ``head_end`` <=
+    ``start``), as if cached when the chunk first followed the system prompt, then re-rotated
+    from position ``head_end`` to ``start`` (:mod:`craft_rag.chunkcache`). With
+    ``head_end == start`` it is exact (a re-rotation by 0); otherwise the chunk has not seen
+    the tokens between, which is the approximation chunk-caches make. The variant is computed
+    on demand (there is no variant store yet): the measurement path for naive reuse.
+    Cost: one forward over ``head_end + end - start`` tokens."""
+
+    counts_as: ClassVar[str] = "fixed"
+
+    def __init__(self, model_dir: str, model: LazyModel | None = None, **_: Any) -> None:
+        self._model = model or LazyModel(model_dir)
+
+    def kv(
+        self, token_ids: Sequence[int], start: int, end: int, spec: Mapping[str, Any]
+    ) -> LayerKV | None:
+        _check_span(token_ids, start, end)
+        head_end = spec.get("head_end")
+        if (set(spec) != {"head_end"} or isinstance(head_end, bool)
+                or not isinstance(head_end, int) or not 0 <= head_end <= start):
+            msg = f"chunk_head_only takes one field, head_end, an int in [0, {start}]"
             raise ValueError(msg)
-        model = self._load()
-        with torch.inference_mode():
-            out = model(torch.tensor([list(token_ids[:end])]), use_cache=True)
-        keys = [layer.keys[0, :, start:end].transpose(0, 1).contiguous()
-                for layer in out.past_key_values.layers]
-        values = [layer.values[0, :, start:end].transpose(0, 1).contiguous()
-                  for layer in out.past_key_values.layers]
-        return keys, values
+        from craft_rag.chunkcache.blend import full_prefill
+        from craft_rag.chunkcache.layers import rope_of
+
+        model = self._model.get()
+        ids = list(token_ids[:head_end]) + list(token_ids[start:end])
+        kv = full_prefill(model, ids).slice(head_end, len(ids)).moved_to(start, rope_of(model))
+        return _to_rows(kv.keys, kv.values)
 
 
-BUILTIN_SOURCES: Mapping[str, type] = {"hf_prefill": HFPrefillSource}
+BUILTIN_SOURCES: Mapping[str, type] = {
+    "hf_prefill": HFPrefillSource,
+    "chunk_head_only": HeadOnlyChunkSource,
+}
 """Sources every connector knows, by the name a span's ``source`` field uses."""
 
 
@@ -112,4 +169,6 @@ def build_sources(model_dir: str, extra: Mapping[str, str] | None = None) -> dic
             msg = f"kv source {name!r} shadows a built-in; choose another name"
             raise ValueError(msg)
         classes[name] = _import(path)
-    return {name: cls(model_dir) for name, cls in classes.items()}
+    shared = LazyModel(model_dir)  # the built-ins share one model copy
+    return {name: cls(model_dir, model=shared) if name in BUILTIN_SOURCES else cls(model_dir)
+            for name, cls in classes.items()}
