@@ -176,9 +176,12 @@ def serve_on_replicas(
     """Serve ``trace`` (single-turn requests, one at a time) through a :class:`Router` over
     real engines (``CraftEngine(server=URL)`` each), every engine starting from an empty
     prefix cache and a fresh planner configured as the policy's replicas. The router reads the
-    engines' own planners (kept true by their KV events); each engine commits its plan.
+    engines' own planners (kept true by their KV events); each engine commits its plan. A policy
+    with an ``app_ordering`` (a serving layer fed ordered prompts) gets its prompts ordered by
+    one app planner first, which commits each served plan with the engine's reuse report.
     Returns :func:`craft_rag_bench.demo.request_summary` (cached-token fraction, mean/p50/p99
     TTFT), every TTFT (in trace order) and requests per replica."""
+    from dataclasses import replace
     from typing import cast
 
     from craft_rag.planner import CraftPlanner
@@ -197,18 +200,33 @@ def serve_on_replicas(
         if not engine.reset_prefix_cache():
             msg = "could not reset a replica's prefix cache (requests still running?)"
             raise RuntimeError(msg)
+    app_ordering = router.policy.app_ordering
+    app = None if app_ordering is None else CraftPlanner(
+        replace(router.planner_config, policy=app_ordering)
+    )
     ttfts: list[float] = []
     cached = prompt = 0
     per_replica = dict.fromkeys(engines, 0)
     for request in trace:
-        decision = router.route(request.chunks, prompt_tokens=prompt_tokens(request))
+        chunks, app_plan = request.chunks, None
+        if app is not None:
+            app_plan = app.plan(chunks)
+            chunks = app_plan.ordered
+        decision = router.route(chunks, prompt_tokens=prompt_tokens(request))
         try:
             result = engines[decision.replica].generate(
                 list(decision.plan.ordered), request.query, plan=decision.plan,
                 max_tokens=max_tokens,
             )
+        except BaseException:
+            if app is not None and app_plan is not None:
+                app.abort(app_plan)
+            raise
         finally:
             router.finish(decision)
+        if app is not None and app_plan is not None:
+            app.commit(app_plan, prefix_tokens=result.report.prefix_tokens,
+                       reused_chunks=result.report.reused_chunks)
         ttfts.append(result.report.ttft_ms)
         cached += result.report.cached_tokens
         prompt += result.report.prompt_tokens
