@@ -39,7 +39,7 @@ class Assembled:
 
     token_ids: tuple[int, ...]
     kv: LayerKV
-    spans: tuple[tuple[int, ...], ...]
+    spans: tuple[tuple[int, int], ...]
     recomputed: int = 0
 
 
@@ -140,30 +140,54 @@ def continue_greedy(model: Any, kv: LayerKV, tail_ids: Sequence[int], max_new_to
     """Prefill ``tail_ids`` (the question) on top of the span ``kv`` with the HF model, then
     decode greedily up to ``max_new_tokens`` tokens (stopping after an ``eos_ids`` token).
     ``kv`` is not modified. Cost: one prefill of the tail plus one step per token."""
+    return continue_greedy_batch(model, [kv], tail_ids, max_new_tokens, eos_ids=eos_ids)[0]
+
+
+def continue_greedy_batch(model: Any, kvs: Sequence[LayerKV], tail_ids: Sequence[int],
+                          max_new_tokens: int, *, eos_ids: frozenset[int] = frozenset()
+                          ) -> list[Continuation]:
+    """:func:`continue_greedy` for several spans of the same length at once (one batch: the
+    variants of one prompt). Each result is cut after its first ``eos_ids`` token; the batch
+    runs until every row stopped or ``max_new_tokens``. ``ValueError`` for spans of different
+    lengths or an empty tail. Cost: one batched tail prefill plus one batched step per token."""
     import torch
 
     if not tail_ids:
         msg = "tail_ids is empty: the question must add at least one token"
         raise ValueError(msg)
+    if not kvs or len({kv.num_tokens for kv in kvs}) != 1:
+        msg = "continue_greedy_batch needs one or more spans of the same length"
+        raise ValueError(msg)
+    from transformers import DynamicCache
+
     dev = device_of(model)
-    cache = to_hf_cache(kv)
-    pos = kv.num_tokens
-    ids = torch.tensor([list(tail_ids)], dtype=torch.int64, device=dev)
-    tokens: list[int] = []
+    batch = len(kvs)
+    cache = DynamicCache()
+    for i in range(len(kvs[0].keys)):
+        cache.update(torch.stack([kv.keys[i] for kv in kvs]),
+                     torch.stack([kv.values[i] for kv in kvs]), i)
+    pos = kvs[0].num_tokens
+    ids = torch.tensor([list(tail_ids)] * batch, dtype=torch.int64, device=dev)
+    tokens: list[list[int]] = [[] for _ in range(batch)]
+    done = [False] * batch
     first: torch.Tensor | None = None
     with torch.no_grad():
         for _ in range(max(1, max_new_tokens)):
-            position_ids = torch.arange(pos, pos + ids.shape[1], device=dev)[None]
+            position_ids = torch.arange(pos, pos + ids.shape[1], device=dev)[None].expand(
+                batch, -1)
             out = model(input_ids=ids, position_ids=position_ids, past_key_values=cache,
                         use_cache=True)
-            logits = out.logits[0, -1].to(torch.float32)
+            logits = out.logits[:, -1].to(torch.float32)
             if first is None:
                 first = logits
             pos += int(ids.shape[1])
-            nxt = int(torch.argmax(logits))
-            tokens.append(nxt)
-            if nxt in eos_ids or len(tokens) >= max_new_tokens:
+            nxt = logits.argmax(dim=-1)
+            for b, t in enumerate(nxt.tolist()):
+                if not done[b]:
+                    tokens[b].append(int(t))
+                    done[b] = int(t) in eos_ids or len(tokens[b]) >= max_new_tokens
+            if all(done):
                 break
-            ids = torch.tensor([[nxt]], dtype=torch.int64, device=dev)
+            ids = nxt[:, None]
     assert first is not None
-    return Continuation(first, tuple(tokens))
+    return [Continuation(first[b], tuple(tokens[b])) for b in range(batch)]

@@ -85,13 +85,15 @@ SUITES: dict[str, Suite] = {
     "chat": _lazy("chat"),
     "cache-sizes": _lazy("cache_sizes"),
     "tiers": _lazy("tiers"),
+    "chunk-cache": _lazy("chunk_cache_quality"),
 }
 """Suite name -> function; ``all`` runs them in this order (engine suites last), except
 :data:`NOT_IN_ALL`."""
 
-NOT_IN_ALL = frozenset({"cache-sizes", "tiers"})
+NOT_IN_ALL = frozenset({"cache-sizes", "tiers", "chunk-cache"})
 """Suites ``all`` skips: ``cache-sizes`` starts one engine per KV size, ``tiers`` one engine
-process per system (minutes); run them alone."""
+process per system (minutes), ``chunk-cache`` runs the model layer by layer in torch (an hour
+at n=100 on 2 CPU cores); run them alone."""
 
 ENGINE_SUITES = frozenset({"ttft", "kv", "quality", "topk", "load", "chat", "cache-sizes",
                            "tiers"})
