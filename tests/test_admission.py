@@ -65,7 +65,7 @@ def test_fcfs_ignores_predictions() -> None:
 def test_equal_keys_tie_to_the_earlier_arrival() -> None:
     # arrival 0 with f=0 and arrival 1 with f=1/32 get the same key (32 * SCALE).
     order = AdmissionOrder("cache_aware", 32)
-    queue = AdmissionQueue(order, clock=FakeClock())
+    queue: AdmissionQueue[str] = AdmissionQueue(order, clock=FakeClock())
     assert queue.push("a", "a", 0, 64) == 32 * PRIORITY_SCALE
     assert queue.push("b", "b", 2, 64) == 32 * PRIORITY_SCALE
     assert pop_all(queue) == ["a", "b"]

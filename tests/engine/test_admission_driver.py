@@ -3,14 +3,16 @@
 from __future__ import annotations
 
 import threading
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 import pytest
 
 from craft_rag.engine import EngineSettings
 from craft_rag.engine.admission import Admission, admission_of
 from craft_rag.engine.backends.server.backend import ServerBackend
+from craft_rag.engine.backends.server.driver import ServerDriver
 from craft_rag.engine.driver import EngineDriver, RequestCancelled, RequestState
 from craft_rag.engine.results import RagRequest, SamplingRequest
 from craft_rag.scheduling import PRIORITY_SCALE, AdmissionOrder
@@ -177,7 +179,7 @@ def test_engine_settings_switch() -> None:
 
 def test_a_server_body_carries_the_priority() -> None:
     backend = object.__new__(ServerBackend)
-    backend.model_name = "m"  # type: ignore[misc]
+    backend.model_name = "m"
     body = ServerBackend.body(backend, [1, 2], SamplingRequest(), None, 1234)
     assert body["priority"] == 1234
     assert "priority" not in ServerBackend.body(backend, [1, 2], SamplingRequest(), None)
@@ -214,3 +216,45 @@ def test_the_report_has_no_hold_with_admission_off() -> None:
         assert result.report.admission_held_ms is None
     finally:
         engine.close()
+
+
+class RecordingServer:
+    """Stands in for ``ServerBackend.stream``: records the priority each request carried."""
+
+    def __init__(self) -> None:
+        self.priorities: list[int | None] = []
+
+    def stream(
+        self,
+        token_ids: Sequence[int],
+        sampling: SamplingRequest,
+        cache_salt: str | None,
+        cancelled: threading.Event | None = None,
+        *,
+        priority: int | None = None,
+    ) -> Iterator[dict[str, Any]]:
+        self.priorities.append(priority)
+        yield {"token_ids": [7], "text": "x"}
+        yield {"done": True, "finish_reason": "length", "cached_tokens": 0}
+
+
+def test_the_server_driver_sends_each_request_its_key() -> None:
+    server = RecordingServer()
+    admission = Admission(AdmissionOrder("cache_aware", 32))
+    driver = ServerDriver(server, admission=admission)  # type: ignore[arg-type]
+    try:
+        cold, warm = submit_to(driver, "cold", 0), submit_to(driver, "warm", 100)
+        assert cold.done.wait(5) and warm.done.wait(5)
+        assert cold.error is None and warm.error is None
+        assert sorted(server.priorities) == sorted(  # type: ignore[type-var]
+            [32 * PRIORITY_SCALE, 33 * PRIORITY_SCALE - int(32 * PRIORITY_SCALE * 0.99)]
+        )
+        assert cold.held_s == 0.0 and warm.held_s == 0.0
+    finally:
+        driver.close()
+
+
+def submit_to(driver: ServerDriver, name: str, predicted: int) -> RequestState:
+    state = RequestState(name, predicted_cached_tokens=predicted)
+    driver.submit(PROMPT, SamplingRequest(max_tokens=1), state)
+    return state
