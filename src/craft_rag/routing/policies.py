@@ -332,12 +332,12 @@ class PrefixCraftOrder:
     flight there (the simulator models prefill only, so every in-flight request is still in
     prefill; Dynamo's "potential decode blocks" less the new request's own, which is the same
     on every replica); ``overlap_weight = 1`` (Dynamo's default ``--kv-overlap-score-weight``).
-    No assignment bound: neither system has one (Dynamo's busy threshold is off by default).
-    Least cost wins at temperature 0; exact ties go to the fewest assigned, then lowest index
-    (a deterministic stand-in for a choice the systems leave to sampling or to the first
-    scored endpoint). The candidate's ``cost_s`` is still the TTFT-model cost, so decisions
-    report predicted seconds like every policy. O(N) per decision plus one fixed-order match
-    per replica holding one of the request's chunks at its root."""
+    No assignment bound: neither system's score has one (Dynamo's optional busy threshold
+    aside). Least cost wins (Dynamo at temperature 0); exact ties go to the fewest assigned,
+    then the lowest index (our deterministic rule). The candidate's ``cost_s`` is still the
+    TTFT-model cost, so decisions report predicted seconds like every policy. O(N) per
+    decision plus one fixed-order match per replica holding one of the request's chunks at
+    its root."""
 
     name = "prefix_craft_order"
     ordering = "retriever"
