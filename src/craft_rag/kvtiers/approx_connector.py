@@ -107,7 +107,9 @@ class CraftApproxConnector(CraftTierConnector):
         finally:
             transfer.kv_connector_extra_config = extra
         model = vllm_config.model_config
-        self._models = {str(model.model), str(getattr(model, "served_model_name", model.model))}
+        served = getattr(model, "served_model_name", None) or []
+        served = [served] if isinstance(served, str) else list(served)
+        self._models = {str(model.model), *map(str, served)}  # what "model" may name
         self._sources: dict[str, KVSource] = build_sources(
             str(model.model), extra.get("kv_sources")
         )
@@ -231,10 +233,12 @@ class CraftApproxConnector(CraftTierConnector):
         state = self._state(request)
         exact, load_async = super().get_num_new_matched_tokens(request, num_computed_tokens)
         entry = self._ask(request)
-        if entry is None or entry.request is None or exact is None:
+        if entry is None or exact is None:
             return exact, load_async
         if entry.pool_tokens is None:
             entry.pool_tokens = num_computed_tokens
+        if entry.request is None:
+            return exact, load_async
         exact_end = num_computed_tokens + exact
         if entry.staged_at != num_computed_tokens or entry.exact_end != exact_end:
             entry.staged, entry.staged_at = None, num_computed_tokens

@@ -1,0 +1,148 @@
+"""CraftApproxConnector on the real in-process vLLM CPU engine: injected KV, isolation, refusals.
+
+One engine (own process, :func:`craft_rag.testing.rerun_in_own_process`) covers: KV from the
+transformers copy of the model gives vLLM's own greedy answer; deliberately perturbed KV changes
+the answer but never reaches another request (no prefix hit from its blocks, nothing written to
+the tiers); a request-scoped request's exact prefix comes from the tiers; bad requests (no
+scoped salt, unknown source, missing variant, wrong model, a span over the last token) are
+computed normally and say why.
+"""
+
+from __future__ import annotations
+
+import random
+from typing import Any
+
+import pytest
+
+from craft_rag.testing import rerun_in_own_process
+
+pytestmark = pytest.mark.engine
+
+BLOCK = 32
+PROMPT_LEN = 200
+MIB = 1 << 20
+
+
+def make_prompt(seed: int, n: int = PROMPT_LEN) -> list[int]:
+    rng = random.Random(seed)
+    return [rng.randrange(1000, 40000) for _ in range(n)]
+
+
+def make_llm() -> Any:
+    from vllm import LLM
+    from vllm.config import KVTransferConfig
+
+    from craft_rag.engine.cpu_dtype import default_dtype
+    from craft_rag.engine.model import resolve_model
+
+    extra = {"ram_bytes": 256 * MIB,
+             "kv_sources": {"noisy": "approx_sources:NoisySource",
+                            "missing": "approx_sources:MissingSource"}}
+    return LLM(
+        model=resolve_model(None), dtype=default_dtype(), enforce_eager=True, block_size=BLOCK,
+        enable_prefix_caching=True, kv_cache_memory_bytes=256 * MIB, max_model_len=1024,
+        seed=0, disable_log_stats=True,
+        kv_transfer_config=KVTransferConfig(
+            kv_connector="CraftApproxConnector",
+            kv_connector_module_path="craft_rag.kvtiers.approx_connector",
+            kv_role="kv_both", kv_connector_extra_config=extra,
+        ),
+    )
+
+
+def run(llm: Any, tokens: list[int], salt: str | None = None,
+        approx: dict[str, Any] | None = None) -> Any:
+    from vllm import SamplingParams
+
+    extra = {"kv_transfer_params": {"craft_approx": approx}} if approx is not None else None
+    params = SamplingParams(max_tokens=12, temperature=0.0, extra_args=extra)
+    prompt: dict[str, Any] = {"prompt_token_ids": tokens}
+    if salt is not None:
+        prompt["cache_salt"] = salt
+    (out,) = llm.generate([prompt], params, use_tqdm=False)
+    return out
+
+
+def greedy(out: Any) -> list[int]:
+    return list(out.outputs[0].token_ids)
+
+
+def reuse(out: Any) -> dict[str, Any]:
+    from craft_rag.kvtiers.approx_params import reuse_counts_of
+
+    counts = reuse_counts_of(out.kv_transfer_params, prompt_len=len(out.prompt_token_ids))
+    assert counts is not None, out.kv_transfer_params
+    return counts.to_params()
+
+
+def span(start: int, end: int, source: str, **spec: Any) -> dict[str, Any]:
+    return {"start": start, "end": end, "source": source, **spec}
+
+
+def test_injected_kv_isolation_and_refusals() -> None:
+    if rerun_in_own_process(__file__, "test_injected_kv_isolation_and_refusals", timeout=2400):
+        return
+    from craft_rag.kvtiers.approx_params import request_scoped_salt
+
+    llm = make_llm()
+    last = PROMPT_LEN - 1
+    p = make_prompt(1)
+    # the from-scratch answer, under a tenant nobody else uses (its blocks serve no one here)
+    ref = run(llm, p, salt="reference")
+    assert ref.num_cached_tokens == 0
+
+    # (1) KV of the transformers copy, injected: vLLM computes only the last token, same answer
+    hf = run(llm, make_prompt(2), salt=request_scoped_salt(),
+             approx={"spans": [span(0, last, "hf_prefill")]})
+    hf_ref = run(llm, make_prompt(2), salt="reference")
+    assert reuse(hf) == {"exact": 0, "fixed": 0, "recomputed": last, "computed": 1,
+                         "refused": None}
+    assert hf.num_cached_tokens == last
+    assert greedy(hf) == greedy(hf_ref)
+
+    # (2) perturbed KV changes the answer (so the checks below can fail) ...
+    bad = run(llm, p, salt=request_scoped_salt(),
+              approx={"spans": [span(0, last, "noisy", scale=3.0)]})
+    assert reuse(bad)["fixed"] == last and reuse(bad)["refused"] is None
+    assert greedy(bad) != greedy(ref)
+    # ... and a plain request with the same prompt gets no hit from its blocks (pool or tiers)
+    plain = run(llm, p)
+    assert plain.num_cached_tokens == 0, plain.num_cached_tokens
+    assert (plain.kv_transfer_params or {}).get("craft_tiers") == {"ram_tokens": 0,
+                                                                   "disk_tokens": 0}
+    assert greedy(plain) == greedy(ref)
+
+    # (3) a scoped request's exact prefix comes from the tiers (plain's write-through), the
+    # approximate span after it from its source; nothing of it is written to the tiers
+    half = 4 * BLOCK
+    p2 = p[:half] + make_prompt(4, PROMPT_LEN - half)
+    p2_ref = run(llm, p2, salt="reference")
+    mixed = run(llm, p2, salt=request_scoped_salt(),
+                approx={"spans": [span(half, last, "noisy", scale=3.0)]})
+    assert reuse(mixed) == {"exact": half, "fixed": last - half, "recomputed": 0,
+                            "computed": 1, "refused": None}
+    assert mixed.kv_transfer_params["craft_tiers"]["ram_tokens"] == half
+    assert greedy(mixed) != greedy(p2_ref)
+    again = run(llm, p2)  # pool: p's exact blocks; no tier block of p2 past them
+    assert again.num_cached_tokens == half, again.num_cached_tokens
+    assert again.kv_transfer_params["craft_tiers"]["ram_tokens"] == 0
+    assert greedy(again) == greedy(p2_ref)
+
+    # (4) refusals: computed normally (same answer as from scratch), with the reason
+    q = make_prompt(3)
+    q_ref = run(llm, q, salt="reference")
+    cases: list[tuple[str | None, dict[str, Any], str]] = [
+        (None, {"spans": [span(0, last, "noisy")]}, "request-scoped"),
+        ("scoped", {"spans": [span(0, last, "nope")]}, "unknown source"),
+        ("scoped", {"spans": [span(0, last, "missing", variant="ab")]}, "no KV"),
+        ("scoped", {"model": "other-model", "spans": [span(0, last, "noisy")]}, "wrong model"),
+        ("scoped", {"spans": [span(0, PROMPT_LEN, "noisy")]}, "last prompt token"),
+        ("scoped", {"spans": [span(0, last, "hf_prefill", variant="x")]}, "no span fields"),
+    ]
+    for salt, approx, why in cases:
+        out = run(llm, q, salt=request_scoped_salt() if salt else None, approx=approx)
+        counts = reuse(out)
+        assert counts["refused"] is not None and why in counts["refused"], (why, counts)
+        assert counts["fixed"] == counts["recomputed"] == 0
+        assert greedy(out) == greedy(q_ref), why
