@@ -37,6 +37,7 @@ import json
 import math
 import random
 import statistics
+import sys
 import time
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass
@@ -201,7 +202,7 @@ def measure(
                      "variants": variants, "seconds": time.perf_counter() - t0})
         if progress:
             print(f"[chunk-cache] {ei + 1}/{len(examples)} {ex.id} "
-                  f"{time.perf_counter() - t0:.1f}s", flush=True)
+                  f"{time.perf_counter() - t0:.1f}s", file=sys.stderr, flush=True)
     return rows
 
 
