@@ -21,6 +21,6 @@ def model() -> Any:
     import torch
 
     torch.manual_seed(0)
-    # One thread: on a shared 2-core box several threads per process thrash (5x slower here).
-    torch.set_num_threads(1)
+    # No torch.set_num_threads here: the thread count is process-wide, and the session's shared
+    # vLLM engine fails its CPU attention check (thread_num 2 vs 1) once it is changed.
     return load_model(folder)

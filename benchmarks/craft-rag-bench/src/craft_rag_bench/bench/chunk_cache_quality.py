@@ -337,12 +337,18 @@ def run(ctx: BenchContext) -> dict[str, Any]:
     fractions = (0.0, 0.3) if ctx.quick else FRACTIONS
     alphas = (0.5,) if ctx.quick else ALPHAS
     max_new = 4 if ctx.quick else GREEDY_TOKENS
-    torch.set_num_threads(1)  # several threads thrash on a shared 2-core machine
     examples = prepare(DATASETS, n, ctx.seed, max_chunk_tokens=32 if ctx.quick else None)
     folder = default_model_dir()
-    rows = measure(load_model(folder), examples, fractions=fractions, alphas=alphas,
-                   max_new_tokens=max_new, eos_ids=generation_eos_ids(folder),
-                   progress=ctx.progress)
+    # One thread (several thrash on a shared 2-core machine), restored afterwards: the count is
+    # process-wide, and an in-process vLLM engine fails its CPU attention check once it changed.
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        rows = measure(load_model(folder), examples, fractions=fractions, alphas=alphas,
+                       max_new_tokens=max_new, eos_ids=generation_eos_ids(folder),
+                       progress=ctx.progress)
+    finally:
+        torch.set_num_threads(threads)
     tok = load_tokenizer(folder, fallback=False)
     results = score(rows, UniqueTextScorer(ctx.embedder()), tok.decode)  # type: ignore[attr-defined]
     return {"suite": "chunk-cache", "model": folder.name, "device": str(torch.device("cpu")),
