@@ -30,6 +30,8 @@ import time
 from pathlib import Path
 from typing import Any
 
+from craft_rag.metrics import lcp
+
 TOP = 20
 SQUAD = Path("/work/shared/data/squad")
 BLOCK = 32
@@ -71,15 +73,6 @@ def kl(p: dict[int, float], q: dict[int, float]) -> float:
     floor = min(q.values())
     total = sum(math.exp(lp) * (lp - q.get(t, floor)) for t, lp in p.items())
     return max(total, 0.0)
-
-
-def agree_prefix(a: list[int], b: list[int]) -> int:
-    n = 0
-    for x, y in zip(a, b, strict=False):
-        if x != y:
-            break
-        n += 1
-    return n
 
 
 def main() -> None:
@@ -176,7 +169,7 @@ def main() -> None:
                 "max_abs_logprob_diff_top5": max(
                     abs(p[t] - q.get(t, -1e9)) for t in sorted(p, key=p.__getitem__)[-5:]),
                 "greedy16_equal": g == g_base,
-                "greedy_prefix": agree_prefix(g, g_base),
+                "greedy_prefix": lcp(g, g_base),
             }
         rows.append(row)
         print(i, json.dumps(row), flush=True)
