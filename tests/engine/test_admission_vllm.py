@@ -1,7 +1,7 @@
 """Cache-aware admission on the real in-process vLLM engine, under concurrent load.
 
-vLLM runs one request at a time (``max_num_seqs=1``) so the service order is observable: while
-a long request runs, two cold RAG turns and then a warm one (its chunks cached by an earlier
+vLLM runs one request at a time (``max_num_seqs=1``) so the service order is observable: once
+a long request has started (its first token seen), two cold RAG turns and then a warm one (its chunks cached by an earlier
 turn) arrive. Admission must serve the warm turn before the cold ones, the cold ones in arrival
 order, and lose nothing. Once through vLLM's priority scheduler (keys as ``priority``), once
 through craft-rag's own queue (vLLM's FCFS scheduler). Each engine has its own config, hence
@@ -9,6 +9,8 @@ its own process (:func:`craft_rag.testing.rerun_in_own_process`).
 """
 
 from __future__ import annotations
+
+import time
 
 import pytest
 
@@ -38,6 +40,12 @@ def serve_under_load(queue: int | None) -> None:
                 sampling=SamplingRequest(max_tokens=96),
             )
         )
+        # The busy request must be running before the others arrive: submitted together, the
+        # priority scheduler would rightly pick the warm turn first (CI saw exactly that).
+        deadline = time.monotonic() + 600.0
+        while busy._flight.state.first_token_at is None and not busy.done():
+            assert time.monotonic() < deadline, "the busy request never started"
+            time.sleep(0.005)
         one = SamplingRequest(max_tokens=4)
         cold1 = engine.submit(
             RagRequest(make_chunks(4, words=60, prefix="c1"), "Q1?", sampling=one)
