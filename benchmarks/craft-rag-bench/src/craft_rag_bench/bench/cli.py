@@ -139,6 +139,10 @@ def add_bench_parser(subparsers: Any) -> None:
                    help="ttft: serve every system N times in mirrored order (A B .. B A), each "
                    "pass from an empty cache, TTFT over all passes (default 1; 2 against load "
                    "drift on a shared machine)")
+    p.add_argument("--admission-factors", default=None,
+                   help="load: FCFS vs cache-aware admission at these Poisson rates, as "
+                   "multiples of the low-load service rate, e.g. 0.5,1,2,4 (default; quick "
+                   "1,4), or none to skip the comparison")
     p.add_argument("--seed", type=seed_int, default=0)
     p.add_argument("--block-size", type=int_range(1, 1 << 16), default=32,
                    help="engine KV block size")
@@ -195,6 +199,10 @@ def run_bench(args: argparse.Namespace) -> int:
         cache_sizes = parse_cache_sizes(args.cache_sizes)
     if args.distinct is not None:
         ctx.with_sizes(overhead_distinct=args.distinct)
+    if getattr(args, "admission_factors", None) is not None:
+        from craft_rag_bench.bench.load_admission import parse_factors
+
+        ctx.with_sizes(admission_factors=parse_factors(args.admission_factors))
     if getattr(args, "ttft_passes", None) is not None:
         ctx.with_sizes(ttft_passes=args.ttft_passes)
     if replicas is not None:

@@ -58,6 +58,12 @@ class BenchSizes:
     each pass from an empty cache; TTFT statistics are over every pass (``--ttft-passes``)."""
     load_requests: int = 16
     load_rates: tuple[float, ...] = (0.5, 1.0, 2.0, 4.0)
+    admission_requests: int = 64
+    """``load`` suite, admission comparison: single-turn requests per workload (SQuAD,
+    HotpotQA) served under FCFS and under cache-aware admission."""
+    admission_factors: tuple[float, ...] = (0.5, 1.0, 2.0, 4.0)
+    """``load`` suite, admission comparison: Poisson rates as multiples of the low-load service
+    rate (``--admission-factors``; empty: no comparison)."""
     topk_requests: int = 12
     topks: tuple[int, ...] = (3, 5, 10)
     quality_requests: int = 20
@@ -89,6 +95,8 @@ class BenchSizes:
     def __post_init__(self) -> None:
         for i, rate in enumerate(self.load_rates):
             check_number(rate, f"load_rates[{i}] (requests per second)", positive=True)
+        for i, factor in enumerate(self.admission_factors):
+            check_number(factor, f"admission_factors[{i}] (x the service rate)", positive=True)
 
 
 FULL = BenchSizes()
@@ -104,6 +112,8 @@ QUICK = BenchSizes(
     ttft_max_tokens=2,
     load_requests=3,
     load_rates=(1.0, 4.0),
+    admission_requests=6,
+    admission_factors=(1.0, 4.0),
     topk_requests=3,
     topks=(3, 5),
     quality_requests=3,

@@ -8,6 +8,9 @@ requests. The SLO is RAGCache's: 5x the low-load TTFT, taken as the mean TTFT of
 caching serving the same requests one at a time (no queueing; one SLO for every system).
 Throughput at the SLO is the highest offered rate whose mean TTFT stays within it, with the
 completed requests per second there.
+
+``admission`` (:mod:`craft_rag_bench.bench.load_admission`): FCFS vs cache-aware admission side
+by side, each on its own engine, on SQuAD and HotpotQA (issue 30's targets).
 """
 
 from __future__ import annotations
@@ -119,6 +122,9 @@ def run(ctx: BenchContext) -> dict[str, Any]:
             "max_rate_within_slo": best["rate"] if best else None,
             "throughput_rps": best["throughput_rps"] if best else None,
         }
+    from craft_rag_bench.bench.load_admission import run_admission
+
+    admission = run_admission(ctx)  # closes the bench's engine; the next suite restarts it
     return {
         "suite": "load",
         "workload": workload,
@@ -128,4 +134,5 @@ def run(ctx: BenchContext) -> dict[str, Any]:
         "slo_ms": slo,
         "points": points,
         "at_slo": at_slo,
+        "admission": admission,
     }

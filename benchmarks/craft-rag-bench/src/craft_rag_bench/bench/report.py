@@ -176,7 +176,16 @@ def _load(r: Mapping[str, Any]) -> list[str]:
     return [*_table(["system", "rate req/s", "mean ms", "p50 ms", "p99 ms", "throughput req/s",
                      "cached tokens"], rows), "",
             f"SLO = 5x low-load TTFT = {_f(r['slo_ms'])} ms:", "",
-            *_table(["system", "max rate within SLO", "throughput there (req/s)"], slo)]
+            *_table(["system", "max rate within SLO", "throughput there (req/s)"], slo),
+            *_load_admission(r.get("admission"))]
+
+
+def _load_admission(adm: Mapping[str, Any] | None) -> list[str]:
+    if not adm:  # results written before the comparison existed
+        return []
+    from craft_rag_bench.bench.load_admission import report_lines
+
+    return ["", *report_lines(adm)]
 
 
 def _topk(r: Mapping[str, Any]) -> list[str]:
