@@ -185,7 +185,8 @@ def test_load_report_keeps_old_results_and_adds_the_comparison() -> None:
     lines = _load(old)  # a result written before the comparison: no admission key
     assert not any("Admission" in x for x in lines)
     skipped = {**old, "admission": {"skipped": "no rates (--admission-factors none)"}}
-    assert _load(skipped)[-1] == "Admission comparison skipped: no rates (--admission-factors none)."
+    assert _load(skipped)[-1] == (
+        "Admission comparison skipped: no rates (--admission-factors none).")
 
 
 def test_cli_admission_factors_reach_the_suite_sizes(
@@ -204,4 +205,4 @@ def test_cli_admission_factors_reach_the_suite_sizes(
     args = build_parser().parse_args(["bench", "load", "--admission-factors", "0,1"])
     with pytest.raises(ValueError, match="--admission-factors"):
         cli.run_bench(args)
-    assert load_admission.TARGETS == load_admission.Targets(1.2, 1.15, 1.5)
+    assert load_admission.Targets(1.2, 1.15, 1.5) == load_admission.TARGETS
