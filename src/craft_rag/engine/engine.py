@@ -320,6 +320,12 @@ class CraftEngine(RequestForms):
         return self._backend.block_size
 
     @property
+    def requests_in_flight(self) -> int:
+        """Requests the engine serves or holds now (waiting, prefilling or decoding), every
+        salt and kind together: a load signal (speculative pipelining's queue gate). O(1)."""
+        return self._driver.in_flight()
+
+    @property
     def tokenizer(self) -> Tokenizer:
         """The tokenizer prompts are built with (text -> ids exactly as the engine sends them)."""
         return self.assembler.tokenizer
