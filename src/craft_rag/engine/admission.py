@@ -32,6 +32,8 @@ from craft_rag.scheduling.admission import (
 )
 from craft_rag.validation import check_int, check_optional_int
 
+__all__ = ["Admission", "AdmissionFields", "admission_of", "check_admission"]
+
 
 class AdmissionFields(Protocol):
     """The admission fields of ``EngineSettings`` (a protocol: the settings module imports
@@ -45,8 +47,6 @@ class AdmissionFields(Protocol):
 
     @property
     def admission_queue(self) -> int | None: ...
-
-__all__ = ["Admission", "AdmissionFields", "admission_of", "check_admission"]
 
 
 @dataclass(frozen=True, slots=True)

@@ -1,29 +1,9 @@
-"""Request scheduling ahead of the engine: cache-aware admission (:mod:`.admission`)."""
+"""Request scheduling ahead of the engine: cache-aware admission (:mod:`.admission`).
 
-from craft_rag.scheduling.admission import (
-    ADMISSION_POLICIES,
-    DEFAULT_ADMISSION,
-    DEFAULT_WINDOW,
-    PRIORITY_SCALE,
-    AdmissionOrder,
-    AdmissionPolicy,
-    AdmissionQueue,
-    Admitted,
-    CacheAware,
-    FirstComeFirstServed,
-    get_admission_policy,
-)
+The public names are each module's ``__all__`` (listed once, there)."""
 
-__all__ = [
-    "ADMISSION_POLICIES",
-    "DEFAULT_ADMISSION",
-    "DEFAULT_WINDOW",
-    "PRIORITY_SCALE",
-    "AdmissionOrder",
-    "AdmissionPolicy",
-    "AdmissionQueue",
-    "Admitted",
-    "CacheAware",
-    "FirstComeFirstServed",
-    "get_admission_policy",
-]
+from craft_rag.scheduling import admission
+from craft_rag.scheduling.admission import *  # noqa: F403
+
+__all__: list[str] = []
+__all__ += admission.__all__
