@@ -43,6 +43,7 @@ EXPECTED = {
     "ServerRejected",
     "ServerSettings",
     "ServerUnavailable",
+    "SpeculativePrefill",
     "StreamChunk",
     "acondense",
     "condense",

@@ -37,6 +37,7 @@ from craft_rag.engine.model import (
     prepare_default_model,
     resolve_model,
 )
+from craft_rag.engine.pipelining import SpeculativePrefill
 from craft_rag.engine.requests import RequestHandle
 from craft_rag.engine.results import (
     SAMPLING_KEYWORDS,
@@ -90,6 +91,7 @@ __all__ = [
     "ServerRejected",
     "ServerSettings",
     "ServerUnavailable",
+    "SpeculativePrefill",
     "StreamChunk",
     "TokensRequest",
     "TurnCostModel",
