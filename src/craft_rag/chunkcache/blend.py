@@ -24,7 +24,14 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from craft_rag.chunkcache.layers import LayerKV, device_of, embed, rope_of, run_layers
+from craft_rag.chunkcache.layers import (
+    AttentionObserver,
+    LayerKV,
+    device_of,
+    embed,
+    rope_of,
+    run_layers,
+)
 from craft_rag.chunkcache.selection import Selection
 from craft_rag.chunkcache.variants import ChunkKV
 
@@ -101,10 +108,13 @@ def assemble(model: Any, head_ids: Sequence[int], head_kv: LayerKV,
 
 
 def blend_prefill(model: Any, head_ids: Sequence[int], head_kv: LayerKV,
-                  chunks: Sequence[ChunkKV], selection: Selection) -> Assembled:
+                  chunks: Sequence[ChunkKV], selection: Selection, *,
+                  observer: AttentionObserver | None = None) -> Assembled:
     """:func:`assemble`, then recompute ``selection``'s tokens through every layer against the
-    assembled KV. ``ValueError`` when the selection does not fit the chunks. Cost: see the
-    module docstring."""
+    assembled KV. ``observer`` sees each layer's attention of the selected tokens (rows in
+    chunk order, then index order; :data:`~craft_rag.chunkcache.layers.AttentionObserver`).
+    ``ValueError`` when the selection does not fit the chunks. Cost: see the module
+    docstring."""
     import torch
 
     if len(selection.per_chunk) != len(chunks):
@@ -123,7 +133,7 @@ def blend_prefill(model: Any, head_ids: Sequence[int], head_kv: LayerKV,
     sel = torch.tensor(slots, dtype=torch.int64, device=dev)
     ids = torch.tensor([base.token_ids[i] for i in slots], dtype=torch.int64, device=dev)
     with torch.no_grad():
-        _, kv = run_layers(model, embed(model, ids), sel, base.kv)
+        _, kv = run_layers(model, embed(model, ids), sel, base.kv, observer=observer)
     return Assembled(base.token_ids, kv, base.spans, recomputed=len(slots))
 
 

@@ -95,6 +95,21 @@ class ChunkKV:
         return segment_hash(self.model_id, self.token_ids)
 
 
+def context_impact(inter: Sequence[float], prior_lens: Sequence[int], head_inter: float,
+                   head_len: int, intra: float, n: int) -> float:
+    """CCI of a chunk of ``n`` tokens (module docstring) from its attention sums, each summed
+    over query and key tokens and averaged over heads and layers: ``inter[j]`` to prior chunk
+    ``j`` of ``prior_lens[j]`` tokens, ``head_inter`` to the head of ``head_len`` tokens,
+    ``intra`` to itself. Clamped into (0, 1)."""
+    a = sum(x / (n * m) for x, m in zip(inter, prior_lens, strict=True))
+    if head_len:
+        a += head_inter / (n * head_len)
+    b = intra / (n * n)
+    ratio = a / b if b > 0 else math.inf
+    # Clamped away from 0 and 1 so a variant always keeps a defined CCI in (0, 1).
+    return min(max(1.0 / (1.0 + math.exp(-min(ratio, 50.0))), 1e-12), 1.0 - 1e-12)
+
+
 def compute_chunk_kv(
     model: Any,
     head_ids: Sequence[int],
@@ -146,13 +161,8 @@ def compute_chunk_kv(
         _, kv = run_layers(model, embed(model, ids), positions, empty_kv(model, positions),
                            observer=observe)
     inter = [x / layers for x in inter]
-    a = sum(x / (n * len(c)) for x, c in zip(inter, prior_chunks, strict=True))
-    if head_ids:
-        a += head_inter / layers / (n * len(head_ids))
-    b = intra / layers / (n * n)
-    ratio = a / b if b > 0 else math.inf
-    # Clamped away from 0 and 1 so a variant always keeps a defined CCI in (0, 1).
-    cci = min(max(1.0 / (1.0 + math.exp(-min(ratio, 50.0))), 1e-12), 1.0 - 1e-12)
+    cci = context_impact(inter, [len(c) for c in prior_chunks], head_inter / layers,
+                         len(head_ids), intra / layers, n)
     return ChunkKV(
         model_id=model_id,
         token_ids=tuple(int(t) for t in chunk_ids),

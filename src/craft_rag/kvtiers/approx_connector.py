@@ -32,9 +32,10 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, ClassVar
 
 from craft_rag.kvtiers.approx_params import (
+    CHUNK_SOURCE,
     REUSE_PARAMS_KEY,
     ApproxRequest,
     ReuseCounts,
@@ -42,9 +43,14 @@ from craft_rag.kvtiers.approx_params import (
     parse_approx,
     tenant_salt,
 )
-from craft_rag.kvtiers.connector import CraftTierConnector, CraftTierMetadata, _RequestState
-from craft_rag.kvtiers.keys import chain_keys
-from craft_rag.kvtiers.kv_sources import KVSource, LayerKV, build_sources
+from craft_rag.kvtiers.blend_source import (
+    DEFAULT_CHUNK_CACHE_BYTES,
+    DEFAULT_VARIANTS,
+    BlendAssembler,
+    ChunkCacheStore,
+)
+from craft_rag.kvtiers.connector import TIER_PARAMS_KEY, CraftTierConnector, CraftTierMetadata
+from craft_rag.kvtiers.kv_sources import KVSource, LayerKV, LazyModel, build_sources
 from craft_rag.kvtiers.layout_cpu_tokens import slot_mapping, write_tokens
 
 if TYPE_CHECKING:
@@ -61,7 +67,6 @@ __all__ = ["CraftApproxConnector", "CraftApproxMetadata"]
 logger = logging.getLogger(__name__)
 
 GAP_SOURCE = "hf_prefill"
-_OWN_KEYS = frozenset({"kv_sources"})
 
 
 @dataclass
@@ -83,6 +88,7 @@ class _Approx:
     exact_end: int = 0
     staged: LayerKV | None = None
     kinds: dict[str, int] = field(default_factory=dict)  # counts_as -> tokens
+    served: bool = False  # its staged K/V was handed to vLLM
 
 
 class CraftApproxConnector(CraftTierConnector):
@@ -90,47 +96,45 @@ class CraftApproxConnector(CraftTierConnector):
     docstring. Invariant (scheduler role): a promise beyond the tier blocks is backed by
     staged, checked K/V of exactly ``[exact_end, end)``."""
 
+    extra_config_keys: ClassVar[frozenset[str]] = frozenset(
+        {"kv_sources", "chunk_cache_bytes", "chunk_cache_variants"}
+    )
+
     def __init__(
         self, vllm_config: VllmConfig, role: KVConnectorRole, kv_cache_config: KVCacheConfig
     ) -> None:
-        # The tier settings parser rejects keys it does not know, so it sees the config
-        # without ours for the length of the base constructor (both roles are built from one
-        # config object, so it is restored, not consumed).
-        transfer = vllm_config.kv_transfer_config
-        assert transfer is not None, "a connector is built only with a kv_transfer_config"
-        extra = dict(transfer.kv_connector_extra_config or {})
-        transfer.kv_connector_extra_config = {k: v for k, v in extra.items() if k not in _OWN_KEYS}
-        try:
-            super().__init__(
-                vllm_config=vllm_config, role=role, kv_cache_config=kv_cache_config
-            )
-        finally:
-            transfer.kv_connector_extra_config = extra
+        super().__init__(vllm_config=vllm_config, role=role, kv_cache_config=kv_cache_config)
+        extra = self.extra_config
         model = vllm_config.model_config
         served = getattr(model, "served_model_name", None) or []
         served = [served] if isinstance(served, str) else list(served)
         self._models = {str(model.model), *map(str, served)}  # what "model" may name
+        own_sources = extra.get("kv_sources") or {}
+        if CHUNK_SOURCE in own_sources:
+            msg = f"kv source {CHUNK_SOURCE!r} is the chunk-cache assembler; choose another name"
+            raise ValueError(msg)
+        shared = LazyModel(str(model.model))
         self._sources: dict[str, KVSource] = build_sources(
-            str(model.model), extra.get("kv_sources")
+            str(model.model), own_sources, model=shared
+        )
+        self._assembler = BlendAssembler(
+            str(model.model), shared,
+            ChunkCacheStore(extra.get("chunk_cache_bytes", DEFAULT_CHUNK_CACHE_BYTES),
+                            extra.get("chunk_cache_variants", DEFAULT_VARIANTS)),
         )
         self._approx: dict[str, _Approx] = {}
         self._writes: list[tuple[list[int], int, int, list[Any], list[Any]]] = []
 
     # ------------------------------------------------------------ scheduler role
 
-    def _state(self, request: Request) -> _RequestState:
-        """As the tier connector's, but keyed under the tenant salt, and a request-scoped
-        request never saves (its blocks are approximate or came from the tiers)."""
-        state = self._requests.get(request.request_id)
-        if state is None:
-            tokens = list(request.prompt_token_ids or [])
-            salt = self._namespace + "|" + (tenant_salt(request.cache_salt) or "")
-            keys = chain_keys(tokens, self._block_size, salt)
-            state = _RequestState(request=request, token_ids=tokens, keys=keys)
-            if is_request_scoped(request.cache_salt):
-                state.saved_upto = len(keys)
-            self._requests[request.request_id] = state
-        return state
+    def _salt_for(self, request: Request) -> str | None:
+        """Tier keys under the tenant salt (a request-scoped salt's tenant part)."""
+        return tenant_salt(request.cache_salt)
+
+    def _saves_blocks(self, request: Request) -> bool:
+        """A request-scoped request never saves (its blocks are approximate or came from the
+        tiers)."""
+        return not is_request_scoped(request.cache_salt)
 
     def _ask(self, request: Request) -> _Approx | None:
         entry = self._approx.get(request.request_id)
@@ -142,7 +146,7 @@ class CraftApproxConnector(CraftTierConnector):
         prompt_len = len(request.prompt_token_ids or [])
         entry = _Approx(counts=ReuseCounts(), request=None)
         try:
-            entry.request = parse_approx(params, prompt_len, self._sources)
+            entry.request = parse_approx(params, prompt_len, {*self._sources, CHUNK_SOURCE})
         except ValueError as e:
             entry.counts.refused = f"bad request: {e}"
         if entry.request is not None:
@@ -181,11 +185,38 @@ class CraftApproxConnector(CraftTierConnector):
         heads = int(model.get_num_kv_heads(self._vllm_config.parallel_config))
         return layers, heads, int(model.get_head_size())
 
-    def _build(self, state: _RequestState, entry: _Approx, exact_end: int) -> int:
+    def _build_blend(self, request: Request, entry: _Approx, exact_end: int) -> int:
+        """Stage K/V of ``[exact_end, end)`` from the chunk-cache assembler
+        (:mod:`~craft_rag.kvtiers.blend_source`); the number of tokens staged (0: refused)."""
+        ask = entry.request
+        assert ask is not None and ask.blend is not None
+        tokens = list(request.prompt_token_ids or [])
+        try:
+            result = self._assembler.assemble(
+                tokens, [(s.start, s.end) for s in ask.spans], ask.blend,
+                tenant_salt(request.cache_salt),
+            )
+        except ValueError as e:
+            entry.counts.refused = f"chunk spans: {e}"
+            return 0
+        kv = result.rows(exact_end)
+        why = self._check(kv, ask.end - exact_end)
+        if why is not None:
+            entry.counts.refused = why
+            return 0
+        exact, fixed, recomputed = result.counts(exact_end)
+        entry.staged = kv
+        entry.kinds = {"exact": exact, "fixed": fixed, "recomputed": recomputed}
+        entry.exact_end = exact_end
+        return ask.end - exact_end
+
+    def _build(self, request: Request, entry: _Approx, exact_end: int) -> int:
         """Stage K/V of ``[exact_end, end)``; the number of tokens staged (0: refused)."""
         ask = entry.request
         assert ask is not None
-        tokens = state.token_ids
+        if ask.blend is not None:
+            return self._build_blend(request, entry, exact_end)
+        tokens = list(request.prompt_token_ids or [])
         pieces: list[tuple[int, int, str, Any]] = []
         if exact_end < ask.start:
             pieces.append((exact_end, ask.start, GAP_SOURCE, {}))
@@ -230,7 +261,6 @@ class CraftApproxConnector(CraftTierConnector):
         """The tier connector's exact blocks, then (for a request that asks, under the rule)
         the approximate run up to its last span's end. Builds all K/V now (see module doc);
         a repeated call with the same ``num_computed_tokens`` reuses what was staged."""
-        state = self._state(request)
         exact, load_async = super().get_num_new_matched_tokens(request, num_computed_tokens)
         entry = self._ask(request)
         if entry is None or exact is None:
@@ -242,7 +272,7 @@ class CraftApproxConnector(CraftTierConnector):
         exact_end = num_computed_tokens + exact
         if entry.staged_at != num_computed_tokens or entry.exact_end != exact_end:
             entry.staged, entry.staged_at = None, num_computed_tokens
-            if exact_end < entry.request.end and self._build(state, entry, exact_end) == 0:
+            if exact_end < entry.request.end and self._build(request, entry, exact_end) == 0:
                 entry.request = None  # refused: computed normally from here on
                 return exact, load_async
         if entry.staged is None:
@@ -265,8 +295,8 @@ class CraftApproxConnector(CraftTierConnector):
         super().update_state_after_alloc(request, blocks, exact)
         block_ids = list(blocks.get_block_ids()[0])
         self._writes.append((block_ids, entry.exact_end, entry.request.end, *staged))
-        entry.staged = None
-        entry.counts.exact = (entry.pool_tokens or 0) + exact
+        entry.staged, entry.served = None, True
+        entry.counts.exact = (entry.pool_tokens or 0) + exact + entry.kinds.get("exact", 0)
         entry.counts.fixed = entry.kinds.get("fixed", 0)
         entry.counts.recomputed = entry.kinds.get("recomputed", 0)
 
@@ -281,14 +311,14 @@ class CraftApproxConnector(CraftTierConnector):
         self, request: Request, block_ids: list[int]
     ) -> tuple[bool, dict[str, Any] | None]:
         """The tier connector's report, plus ``craft_reuse`` for a request that asked."""
-        state = self._requests.get(request.request_id)
-        tier_tokens = (state.ram_tokens + state.disk_tokens) if state is not None else 0
         delay, params = super().request_finished(request, block_ids)
         entry = self._approx.pop(request.request_id, None)
         if entry is None:
             return delay, params
         counts = entry.counts
-        if counts.fixed == 0 and counts.recomputed == 0:  # refused or never scheduled
+        if not entry.served:  # refused or never scheduled
+            tiers = (params or {}).get(TIER_PARAMS_KEY) or {}
+            tier_tokens = int(tiers.get("ram_tokens", 0)) + int(tiers.get("disk_tokens", 0))
             counts.exact = (entry.pool_tokens or 0) + tier_tokens
         prompt_len = len(request.prompt_token_ids or [])
         counts.computed = prompt_len - counts.exact - counts.fixed - counts.recomputed

@@ -8,9 +8,16 @@ A request asks in vLLM's per-request ``kv_transfer_params`` (in-process
 ``kv_transfer_params`` under a server)::
 
     {"craft_approx": {"model": "/path/or/name",            # optional; must be the served model
-                      "spans": [{"start": 96, "end": 240, "source": "chunk",
-                                 "variant": "9f0c..."},     # source-specific fields pass through
-                                {"start": 240, "end": 400, "source": "chunk", "variant": "..."}]}}
+                      "spans": [{"start": 96, "end": 240, "source": "hf_prefill"},
+                                {"start": 240, "end": 400, "source": "noisy",
+                                 "scale": 2.0}]}}        # source-specific fields pass through
+
+or, for chunks served from chunk-caches with selective recomputation (every span a chunk,
+everything before the first one the exact head; ``blend`` optional, defaults shown)::
+
+    {"craft_approx": {"spans": [{"start": 96, "end": 240, "source": "chunk"},
+                                {"start": 240, "end": 400, "source": "chunk"}],
+                      "blend": {"rule": "kv_deviation", "fraction": 0.3}}}
 
 **Isolation rule.** vLLM registers every block a request holds in its prefix cache under the
 hash of the block's tokens *and the request's* ``cache_salt``; KV loaded by a connector is
@@ -26,13 +33,15 @@ the ones before came from the tiers already).
 
 Every request that asked reports, in ``RequestOutput.kv_transfer_params["craft_reuse"]``, its
 prompt tokens by origin (:class:`ReuseCounts`): ``exact`` (pool or tier hit), ``fixed``
-(approximate KV from a chunk-cache), ``recomputed`` (computed by the connector's own model copy)
+(approximate KV from a chunk-cache, re-rotated and not recomputed), ``recomputed`` (computed by
+the connector's own model copy: selected tokens, chunks without a cache, a head it computed)
 and ``computed`` (by vLLM), plus ``refused``: why approximate KV was not used (``None`` when it
 was). A refused request is computed normally: wrong KV is never the fallback.
 """
 
 from __future__ import annotations
 
+import math
 import secrets
 from collections.abc import Collection, Mapping
 from dataclasses import dataclass, field
@@ -41,8 +50,11 @@ from typing import Any
 __all__ = [
     "APPROX_PARAMS_KEY",
     "APPROX_SALT_PREFIX",
+    "BLEND_RULES",
+    "CHUNK_SOURCE",
     "REUSE_PARAMS_KEY",
     "ApproxRequest",
+    "BlendParams",
     "KVSpan",
     "ReuseCounts",
     "is_request_scoped",
@@ -57,6 +69,17 @@ APPROX_PARAMS_KEY = "craft_approx"
 
 REUSE_PARAMS_KEY = "craft_reuse"
 """Key of the per-request :class:`ReuseCounts` in the finished request's ``kv_transfer_params``."""
+
+CHUNK_SOURCE = "chunk"
+"""The span source that names a chunk to serve from chunk-caches with selective recomputation
+(:mod:`craft_rag.kvtiers.blend_source`); a request's spans are either all ``chunk`` or none."""
+
+BLEND_RULES = ("cci", "kv_deviation", "random")
+"""Token selection rules (``craft_rag.chunkcache.selection.RANKERS``, named here so this module
+stays framework-free; a test keeps the two equal)."""
+
+DEFAULT_BLEND_RULE = "kv_deviation"
+DEFAULT_BLEND_FRACTION = 0.3
 
 APPROX_SALT_PREFIX = "craft-approx:"
 _NONCE_HEX = 32
@@ -110,6 +133,49 @@ class KVSpan:
 
 
 @dataclass(frozen=True, slots=True)
+class BlendParams:
+    """How ``chunk`` spans are fixed: rank tokens by ``rule`` (:data:`BLEND_RULES`) and recompute
+    ``fraction`` of every cached chunk (``ceil(fraction x |C|)`` tokens), or, with ``alpha``
+    set instead, Cache-Craft's CFO count ``ceil(min(1, alpha x CCI x (1 - beta')) x |C|)``.
+    Invariant: exactly one of ``fraction`` and ``alpha`` is set; ``0 <= fraction <= 1``,
+    ``alpha >= 0`` and finite."""
+
+    rule: str = DEFAULT_BLEND_RULE
+    fraction: float | None = DEFAULT_BLEND_FRACTION
+    alpha: float | None = None
+
+
+def _number(value: object, what: str, upper: float | None) -> float:
+    if (isinstance(value, bool) or not isinstance(value, int | float) or not math.isfinite(value)
+            or value < 0 or (upper is not None and value > upper)):
+        bound = f"in [0, {upper}]" if upper is not None else ">= 0 and finite"
+        msg = f"{what} must be a number {bound}; got {value!r:.60}"
+        raise ValueError(msg)
+    return float(value)
+
+
+def parse_blend(raw: object) -> BlendParams:
+    """The ``blend`` field of a ``craft_approx`` request (``None``: the defaults,
+    ``kv_deviation`` at 30%). ``ValueError`` naming what to fix."""
+    if raw is None:
+        return BlendParams()
+    if not isinstance(raw, Mapping) or not set(raw) <= {"rule", "fraction", "alpha"}:
+        msg = f"{APPROX_PARAMS_KEY}.blend must be a mapping of 'rule', 'fraction' or 'alpha'"
+        raise ValueError(msg)
+    rule = raw.get("rule", DEFAULT_BLEND_RULE)
+    if not isinstance(rule, str) or rule not in BLEND_RULES:
+        msg = f"blend rule {rule!r:.60} unknown; valid: {list(BLEND_RULES)}"
+        raise ValueError(msg)
+    if "fraction" in raw and "alpha" in raw:
+        msg = "blend takes 'fraction' (fixed share) or 'alpha' (Cache-Craft CFO), not both"
+        raise ValueError(msg)
+    if "alpha" in raw:
+        return BlendParams(rule, None, _number(raw["alpha"], "blend alpha", None))
+    fraction = _number(raw.get("fraction", DEFAULT_BLEND_FRACTION), "blend fraction", 1.0)
+    return BlendParams(rule, fraction, None)
+
+
+@dataclass(frozen=True, slots=True)
 class ApproxRequest:
     """A validated ``craft_approx`` request. Invariants: spans are sorted, non-empty,
     non-overlapping and contiguous (each starts where the previous ends), and the last ends
@@ -117,6 +183,8 @@ class ApproxRequest:
 
     spans: tuple[KVSpan, ...]
     model: str | None = None
+    blend: BlendParams | None = None
+    """Set (defaults filled in) exactly when the spans are ``chunk`` spans."""
 
     @property
     def start(self) -> int:
@@ -145,8 +213,9 @@ def parse_approx(params: object, prompt_len: int, sources: Collection[str]) -> A
     raw = params.get(APPROX_PARAMS_KEY)
     if raw is None:
         return None
-    if not isinstance(raw, Mapping) or not set(raw) <= {"model", "spans"}:
-        msg = f"{APPROX_PARAMS_KEY} must be a mapping with 'spans' (and optional 'model')"
+    if not isinstance(raw, Mapping) or not set(raw) <= {"model", "spans", "blend"}:
+        msg = (f"{APPROX_PARAMS_KEY} must be a mapping with 'spans' (and optional 'model', "
+               "'blend')")
         raise ValueError(msg)
     model = raw.get("model")
     if model is not None and not isinstance(model, str):
@@ -173,6 +242,9 @@ def parse_approx(params: object, prompt_len: int, sources: Collection[str]) -> A
             msg = f"span {i} starts at {start}, not where span {i - 1} ends ({spans[-1].end})"
             raise ValueError(msg)
         spec = {k: v for k, v in item.items() if k not in _SPAN_KEYS}
+        if source == CHUNK_SOURCE and spec:
+            msg = f"span {i}: '{CHUNK_SOURCE}' spans take no other fields; got {sorted(spec)}"
+            raise ValueError(msg)
         spans.append(KVSpan(start, end, source, spec))
     if spans[-1].end > prompt_len - 1:
         msg = (
@@ -180,7 +252,15 @@ def parse_approx(params: object, prompt_len: int, sources: Collection[str]) -> A
             f"(<= {prompt_len - 1})"
         )
         raise ValueError(msg)
-    return ApproxRequest(tuple(spans), model)
+    chunked = [s.source == CHUNK_SOURCE for s in spans]
+    if any(chunked) and not all(chunked):
+        msg = f"'{CHUNK_SOURCE}' spans cannot be mixed with other sources in one request"
+        raise ValueError(msg)
+    if not any(chunked) and raw.get("blend") is not None:
+        msg = f"blend applies to '{CHUNK_SOURCE}' spans only"
+        raise ValueError(msg)
+    blend = parse_blend(raw.get("blend")) if any(chunked) else None
+    return ApproxRequest(tuple(spans), model, blend)
 
 
 @dataclass(slots=True)

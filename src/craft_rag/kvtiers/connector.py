@@ -44,7 +44,7 @@ import logging
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, ClassVar
 
 from vllm.distributed.kv_events import (
     MEDIUM_CPU,
@@ -196,6 +196,10 @@ class CraftTierConnector(KVConnectorBase_V1):
     """
 
     _cache_hit_source = CacheHitSource.HOST
+    extra_config_keys: ClassVar[frozenset[str]] = frozenset()
+    """Keys of ``kv_connector_extra_config`` a subclass reads itself (from
+    :attr:`extra_config`); the tier settings parser never sees them. Empty here: an unknown key
+    is an error."""
 
     def __init__(
         self, vllm_config: VllmConfig, role: KVConnectorRole, kv_cache_config: KVCacheConfig
@@ -205,8 +209,13 @@ class CraftTierConnector(KVConnectorBase_V1):
             msg = "CraftTierConnector supports tensor_parallel_size=1 (one KV shard per block)"
             raise ValueError(msg)
         self._block_size = int(vllm_config.cache_config.block_size)
-        extra = self._kv_transfer_config.kv_connector_extra_config
-        self._settings = KVTierSettings.from_extra(extra)
+        extra = dict(self._kv_transfer_config.kv_connector_extra_config or {})
+        self.extra_config: dict[str, Any] = {
+            k: v for k, v in extra.items() if k in self.extra_config_keys
+        }
+        self._settings = KVTierSettings.from_extra(
+            {k: v for k, v in extra.items() if k not in self.extra_config_keys}
+        )
         self._namespace = engine_namespace(vllm_config)
         # scheduler role
         self._store: TieredBlockStore | None = None
@@ -303,13 +312,25 @@ class CraftTierConnector(KVConnectorBase_V1):
 
     # ------------------------------------------------------------ scheduler role
 
+    def _salt_for(self, request: Request) -> str | None:
+        """The salt the request's tier keys are chained under (here its ``cache_salt``).
+        Subclass hook: called once per request."""
+        return request.cache_salt
+
+    def _saves_blocks(self, request: Request) -> bool:
+        """Whether the request's computed prompt blocks are written to the tiers (here:
+        always). Subclass hook: called once per request."""
+        return True
+
     def _state(self, request: Request) -> _RequestState:
         state = self._requests.get(request.request_id)
         if state is None:
             tokens = list(request.prompt_token_ids or [])
-            salt = self._namespace + "|" + (request.cache_salt or "")
+            salt = self._namespace + "|" + (self._salt_for(request) or "")
             keys = chain_keys(tokens, self._block_size, salt)
             state = _RequestState(request=request, token_ids=tokens, keys=keys)
+            if not self._saves_blocks(request):
+                state.saved_upto = len(keys)
             self._requests[request.request_id] = state
         return state
 

@@ -58,9 +58,9 @@ class LazyModel:
     """One ``transformers`` float32 copy of the served model, loaded on first use and shared by
     the built-in sources (thread-safe; never trained or mutated)."""
 
-    def __init__(self, model_dir: str) -> None:
+    def __init__(self, model_dir: str, loaded: Any = None) -> None:
         self._model_dir = model_dir
-        self._model: Any = None
+        self._model: Any = loaded  # an already loaded copy (tests), else loaded on first use
         self._lock = threading.Lock()
 
     def get(self) -> Any:
@@ -158,17 +158,19 @@ def _import(path: str) -> type:
     return obj
 
 
-def build_sources(model_dir: str, extra: Mapping[str, str] | None = None) -> dict[str, KVSource]:
+def build_sources(model_dir: str, extra: Mapping[str, str] | None = None, *,
+                  model: LazyModel | None = None) -> dict[str, KVSource]:
     """One instance of every built-in source and of each ``extra`` one (``name ->
     'package.module:Class'``, from the operator's connector config, never from a request),
-    each constructed as ``Class(model_dir)``. ``ValueError`` for a bad path or a name that
-    shadows a built-in. Nothing loads a model until a span asks for it."""
+    each constructed as ``Class(model_dir)``. The built-ins share ``model`` (a new
+    :class:`LazyModel` by default). ``ValueError`` for a bad path or a name that shadows a
+    built-in. Nothing loads a model until a span asks for it."""
     classes = dict(BUILTIN_SOURCES)
     for name, path in (extra or {}).items():
         if name in classes:
             msg = f"kv source {name!r} shadows a built-in; choose another name"
             raise ValueError(msg)
         classes[name] = _import(path)
-    shared = LazyModel(model_dir)  # the built-ins share one model copy
+    shared = model or LazyModel(model_dir)  # the built-ins share one model copy
     return {name: cls(model_dir, model=shared) if name in BUILTIN_SOURCES else cls(model_dir)
             for name, cls in classes.items()}
