@@ -50,6 +50,7 @@ from craft_rag.engine.results import (
     StreamChunk,
     TokensRequest,
 )
+from craft_rag.engine.routed_engine import RoutedEngine  # CraftEngine(server=[url, ...])
 from craft_rag.engine.turn_layout import (
     APPEND_ONLY,
     DEFAULT_TURN_LAYOUT,
@@ -86,6 +87,7 @@ __all__ = [
     "RequestCancelled",
     "RequestHandle",
     "ReuseReport",
+    "RoutedEngine",
     "SamplingRequest",
     "ServerError",
     "ServerRejected",

@@ -29,7 +29,7 @@ from __future__ import annotations
 import functools
 import threading
 from collections.abc import Sequence
-from typing import Unpack
+from typing import ClassVar, Unpack
 
 from craft_rag.chunk import Chunk
 from craft_rag.engine.admission import admission_of
@@ -119,12 +119,28 @@ class CraftEngine(RequestForms):
     a context manager).
     """
 
+    several_servers: ClassVar[type[CraftEngine] | None] = None
+    """The class ``CraftEngine(server=[url, url, ...])`` makes: set once, when
+    :mod:`craft_rag.engine.routed_engine` is imported (by this package's ``__init__``), so
+    this module does not import it back."""
+
+    def __new__(cls, *args: object, **kwargs: object) -> CraftEngine:
+        # server=[url, url, ...]: one engine over several replicas (the same request forms).
+        if cls is CraftEngine and isinstance(kwargs.get("server"), list | tuple):
+            routed = CraftEngine.several_servers
+            if routed is None:  # pragma: no cover - the package __init__ imports it
+                msg = "import craft_rag.engine (it registers the several-server engine)"
+                raise RuntimeError(msg)
+            return super().__new__(routed)
+        return super().__new__(cls)
+
     def __init__(
         self,
         settings: EngineSettings | None = None,
         planner: CraftPlanner | None = None,
         *,
-        server: str | ServerSettings | None = None,
+        server: str | ServerSettings | Sequence[str | ServerSettings] | None = None,
+        routing: str | None = None,
         planners: PlannerSettings | None = None,
         rendering: RenderingSettings | None = None,
         conversation: ConversationSettings | None = None,
@@ -159,7 +175,11 @@ class CraftEngine(RequestForms):
         through instead of an in-process engine; ``settings.model`` then names the local folder
         of the served model's tokenizer and chat template (see
         :mod:`craft_rag.engine.backends.server.backend`; ``ServerUnavailable``/``ValueError``
-        name the fix).
+        name the fix). A list of them (``server=[url, url, ...]``) makes one engine over
+        several replicas: every request is routed with ``routing`` (default
+        ``"craft_joint"``: placement and chunk order chosen together) and committed to the
+        chosen replica's CP-Tree (:class:`~craft_rag.engine.routed_engine.RoutedEngine`;
+        docs/routing.md). ``routing`` with one server is a ``ValueError``.
 
         ``store``: planner state shared with other workers (``memory://``,
         ``sqlite:///path/state.db``, ``redis://host:6379/0``; see :mod:`craft_rag.stores`): the
@@ -177,6 +197,12 @@ class CraftEngine(RequestForms):
 
         ``ImportError`` (vLLM or converter missing) and :class:`EngineStartError` name the fix.
         """
+        if routing is not None or not (server is None or isinstance(server, str | ServerSettings)):
+            msg = (
+                "routing= spreads requests over several servers: pass server=[url, url, ...] "
+                "to CraftEngine itself (one server needs no routing)"
+            )
+            raise ValueError(msg)
         groups = group_keywords(planners, rendering, conversation, parts, flat)
         self.settings = settings or EngineSettings()
         rendering, parts = groups.rendering, groups.parts

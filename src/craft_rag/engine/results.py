@@ -250,6 +250,15 @@ class ReuseReport:
     long craft-rag's admission queue held the request before it entered vLLM (part of
     ``ttft_ms``); 0 when vLLM's priority scheduler ordered it (that wait shows only in
     ``ttft_ms``). ``None`` with admission off."""
+    replica: str | None = None
+    """With several servers (``CraftEngine(server=[url, ...])``): the replica that served the
+    request (its URL without credentials); ``None`` with one engine."""
+    rehomed: bool = False
+    """With several servers: this conversation turn restarted on a new home replica (its old
+    home went down, so the turn was planned and sent as a first turn there)."""
+    retries: int = 0
+    """With several servers: how often the request was sent again to another replica because
+    its replica was unreachable before the first token."""
 
     @property
     def cached_fraction(self) -> float:
