@@ -58,6 +58,9 @@ DEFAULT_LOG_LEVEL = "error"
 #: Seconds vLLM may take to stop when a disk tier is on (``--shutdown-timeout``): enough to
 #: finish a short in-flight request and close the tier store.
 TIER_SHUTDOWN_TIMEOUT_S = 30
+#: The module that runs vLLM's OpenAI server when tiers are on: vLLM's own server, whose
+#: streamed completions also carry the tier connector's ``kv_transfer_params``.
+TIER_SERVER_MODULE = "craft_rag.kvtiers.api_server"
 #: The compute dtypes ``craft-rag serve`` passes to vLLM's ``--dtype``.
 DTYPES = ("float32", "bfloat16", "float16", "auto")
 
@@ -190,10 +193,13 @@ def server_command(config: ServeConfig, python: str = sys.executable) -> list[st
     # Clients send each request's admission key as its priority (lower first).
     priority = config.admission != DEFAULT_ADMISSION
     policy_args = ("--scheduling-policy", "priority") if priority else ()
+    # With tiers, vLLM's server runs through craft_rag.kvtiers.api_server (the same argv):
+    # its streamed completions then carry each request's tier counts.
+    entry = "vllm.entrypoints.openai.api_server" if tiers is None else TIER_SERVER_MODULE
     return [
         python,
         "-m",
-        "vllm.entrypoints.openai.api_server",
+        entry,
         "--model",
         config.model,
         "--served-model-name",
