@@ -143,3 +143,37 @@ def test_bad_input(make_fake_engine: MakeEngine) -> None:
         SpeculativePrefill(engine).run([["not a chunk"]], QUESTION)  # type: ignore[list-item]
     with pytest.raises(ValueError, match="no stage"):
         SpeculativePrefill(engine).run([], QUESTION)
+
+
+@pytest.mark.engine
+def test_real_engine_restart_and_reuse(craft_engine: CraftEngine) -> None:
+    """The shared vLLM engine (tiny prompts, 2 reply tokens): a restart commits only the final
+    request, which is served from the kept speculation's prefill and answers exactly as the
+    non-pipelined request does."""
+    from craft_rag.chunk import make_chunk
+    from craft_rag.planner import CraftPlanner, PlannerConfig
+
+    def fresh() -> None:
+        craft_engine.set_planner(CraftPlanner(PlannerConfig(policy="tree")))
+        craft_engine.reset_prefix_cache()
+
+    loire = make_chunk("The Loire river flows west past old castles and vineyards.", id="loire")
+    curie = make_chunk("Marie Curie won Nobel prizes in physics and in chemistry.", id="curie")
+    alps = make_chunk(
+        "Mont Blanc is the highest mountain of the Alps, on the French side.", id="alps"
+    )
+    question = "Which river flows west?"
+    sampling = SamplingRequest(max_tokens=2)
+    fresh()
+    out = SpeculativePrefill(craft_engine).run(
+        [[loire, curie], [alps, loire], [alps, loire]], question, sampling=sampling
+    )
+    assert (out.report.speculations, out.report.restarts, out.report.reused) == (2, 1, True)
+    assert craft_engine.planner.stats.commits == 1 and craft_engine.planner.waiting() == 0
+    block = craft_engine.block_size
+    prompt = out.result.prompt_token_ids
+    assert out.result.report.cached_tokens == (len(prompt) - 1) // block * block > 0
+    fresh()
+    expected = craft_engine.generate([alps, loire], question, sampling=sampling)
+    assert expected.report.cached_tokens == 0
+    assert (prompt, out.result.token_ids) == (expected.prompt_token_ids, expected.token_ids)

@@ -13,7 +13,10 @@ plan this module makes with the request's planner and hands in with ``plan=``:
 - **kept** (the final set is its set): the final request waits for the speculation's prefill to
   end (its one token), ends it without a commit (the plan is released) and serves *the same
   plan* with the caller's sampling, so the prompt is token for token the speculation's and vLLM
-  serves its prefill from the prefix cache; that request is committed as any other.
+  serves its prefill from the prefix cache; that request is committed as any other. The
+  order is the plan's, made at the stage where the set first appeared: where the planner has
+  no reason to prefer an order it keeps the retriever's order *of that stage*, so the prompt
+  equals the non-pipelined one when the retriever's order inside the set did not change.
 
 Only single requests (no conversation) are pipelined: a conversation turn's prompt depends on
 the reply budget (old turns dropped to fit), which a prefill-only speculation does not share.
