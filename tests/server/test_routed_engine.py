@@ -258,3 +258,20 @@ def test_bad_arguments(fakes: Fakes, model_dir: Path) -> None:
         with pytest.raises(ValueError, match="plan="):
             e.generate(chunks(2), "q?", plan="plan-1", max_tokens=1)
         assert loads_zero(e)
+
+
+def test_concurrent_requests_survive_a_replica_loss(engine: CraftEngine, fakes: Fakes) -> None:
+    assert isinstance(engine, RoutedEngine)
+    warm = [engine.generate(chunks(2, f"w{i}"), "q?", max_tokens=1) for i in range(4)]
+    assert {w.report.replica for w in warm} == set(fakes.urls)
+    fakes.stop(0)
+    # The same chunk sets again, all submitted before any is waited for: those routed to the
+    # dead replica (their chunks are cached there) are retried on the live one, those routed
+    # after the first failure marked it down go to the live one at once; none fails.
+    requests = [RagRequest(chunks(2, f"w{i}"), "again?") for i in range(4)]
+    results = engine.generate_batch(requests, sampling=SamplingRequest(max_tokens=2))
+    assert {r.report.replica for r in results} == {fakes.urls[1]}
+    lost = sum(w.report.replica == fakes.urls[0] for w in warm)
+    assert 1 <= sum(r.report.retries for r in results) <= lost
+    assert loads_zero(engine)
+    engine.router._check_invariants()
