@@ -56,15 +56,21 @@ class FakeTarget:
         return self.others + sum(not s.aborted for s in self.speculations)
 
 
-class Tick:
-    """A fake clock: each read advances one second."""
+class Clock:
+    """A fake clock that moves only when a test advances it."""
 
     def __init__(self) -> None:
         self.now = 0.0
 
     def __call__(self) -> float:
-        self.now += 1.0
         return self.now
+
+
+def timed(clock: Clock, stages: list[list[str]], seconds: float) -> Iterator[list[str]]:
+    """Each stage's search takes ``seconds`` on ``clock``."""
+    for stage in stages:
+        clock.now += seconds
+        yield stage
 
 
 def pipeline(
@@ -132,28 +138,27 @@ def test_a_known_last_stage_is_served_not_speculated() -> None:
 
 def test_disabled_searches_then_serves() -> None:
     target = FakeTarget()
-    clock = Tick()
-    out = pipeline(target, enabled=False, clock=clock).run([["a"], ["b"], ["b"]])
+    clock = Clock()
+    stages = timed(clock, [["a"], ["b"], ["b"]], 2.0)
+    out = pipeline(target, enabled=False, clock=clock).run(stages)
     assert target.speculations == [] and target.served == [(("b",), None)]
-    assert out.report.search_s == out.report.non_overlapped_search_s == 1.0
+    assert out.report.search_s == out.report.non_overlapped_search_s == 6.0
 
 
 def test_non_overlapped_search_time_ends_when_the_final_set_was_speculated() -> None:
-    clock = Tick()
+    clock = Clock()
+    stages = timed(clock, [["a"], ["b"], ["b"], ["b"]], 10.0)  # "b" found by the second stage
+    out = pipeline(FakeTarget(), clock=clock).run(stages)
+    assert out.report.search_s == 40.0
+    assert out.report.non_overlapped_search_s == 20.0
+    assert out.report.speculate_s == 0.0  # starting speculations took no (fake) time
 
-    def stages() -> Iterator[list[str]]:
-        yield ["a"]
-        clock.now += 10.0  # stage 2's search
-        yield ["b"]
-        clock.now += 10.0  # stages 3 and 4 run while "b" is prefilled
-        yield ["b"]
-        clock.now += 10.0
-        yield ["b"]
 
-    out = pipeline(FakeTarget(), clock=clock).run(stages())
-    # Reads: start 1, speculation "a" 2, speculation "b" 13, search end 34.
-    assert out.report.search_s == 33.0
-    assert out.report.non_overlapped_search_s == 12.0
+def test_non_overlapped_search_time_is_all_of_it_without_a_kept_speculation() -> None:
+    clock = Clock()
+    stages = timed(clock, [["a"], ["a"], ["b"]], 1.0)
+    out = pipeline(FakeTarget(), clock=clock).run(stages, total=3)
+    assert (out.report.search_s, out.report.non_overlapped_search_s) == (3.0, 3.0)
 
 
 def test_no_stage_is_an_error() -> None:

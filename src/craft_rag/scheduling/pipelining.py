@@ -223,9 +223,12 @@ class PipelineReport:
     ``reused``: the final request's set was the last speculation's (its prefill was reused);
     ``wasted_tokens``: prompt tokens speculative prefills computed that the final prompt does
     not reuse (an upper bound for one aborted before its first token: its whole uncached
-    prompt); ``search_s``: the whole staged search; ``non_overlapped_search_s``: search time
-    not overlapped with a prefill of the final set (RAGCache's T1; ``search_s`` when the final
-    set was never speculated on, as without pipelining)."""
+    prompt); ``search_s``: time spent in the staged search (drawing stages from the
+    iterable); ``non_overlapped_search_s``: search time not overlapped with a prefill of the
+    final set (RAGCache's T1: the search before the kept speculation started; ``search_s``
+    when the final set was never speculated on, as without pipelining); ``speculate_s``: time
+    this thread spent aborting and starting speculations (plan, render, submit) between
+    stages."""
 
     stages: int
     speculations: int
@@ -235,6 +238,7 @@ class PipelineReport:
     wasted_tokens: int
     search_s: float
     non_overlapped_search_s: float
+    speculate_s: float
 
 
 @dataclass(frozen=True, slots=True)
@@ -251,7 +255,7 @@ class PipelinedOutcome(Generic[C, R]):
 class _Running(Generic[S]):
     keys: frozenset[Hashable]
     speculation: S
-    started_s: float
+    search_s: float  # the search time before it started
 
 
 class SpeculativePipeline(Generic[C, S, R]):
@@ -293,32 +297,38 @@ class SpeculativePipeline(Generic[C, S, R]):
         ``ValueError`` (after aborting any speculation) when ``stages`` yields nothing; an
         error from the search or the target aborts every speculation and propagates. Cost:
         the search, plus one plan and render per speculation."""
-        started = self._clock()
+        clock = self._clock
         running: _Running[S] | None = None
         dropped: list[S] = []
         count = speculations = gated = 0
+        search_s = speculate_s = 0.0  # this thread's time in the search / starting speculations
         final: tuple[C, ...] | None = None
+        iterator = iter(stages)
         try:
-            for stage in stages:
+            while True:
+                before = clock()
+                stage = next(iterator, None)
+                search_s += clock() - before
+                if stage is None:
+                    break
                 count += 1
                 final = tuple(stage)
                 keys = frozenset(self._key(c) for c in final)
                 last = total is not None and count >= total
                 if not self.enabled or last or (running is not None and running.keys == keys):
                     continue
+                before = clock()
                 if running is not None:  # the set changed: the speculation is wrong
                     running.speculation.abort()
                     dropped.append(running.speculation)
                     running = None
-                if not final:
-                    continue
                 # Ours were aborted above (synchronously): every request counted is another's.
-                if self._target.in_flight() > self.max_in_flight:
+                if final and self._target.in_flight() > self.max_in_flight:
                     gated += 1
-                    continue
-                running = _Running(keys, self._target.speculate(final), self._clock())
-                speculations += 1
-            search_end = self._clock()
+                elif final:
+                    running = _Running(keys, self._target.speculate(final), search_s)
+                    speculations += 1
+                speculate_s += clock() - before
             if final is None:
                 msg = "the staged search yielded no stage; a retriever must yield a top-k"
                 raise ValueError(msg)
@@ -334,7 +344,7 @@ class SpeculativePipeline(Generic[C, S, R]):
                 spec.abort()
             raise
         wasted = sum(spec.wasted_tokens(prompt) for spec in dropped)
-        overlapped_from = running.started_s if kept is not None and running else search_end
+        non_overlapped = running.search_s if kept is not None and running else search_s
         return PipelinedOutcome(
             result=result,
             chunks=final,
@@ -345,7 +355,8 @@ class SpeculativePipeline(Generic[C, S, R]):
                 gated=gated,
                 reused=kept is not None,
                 wasted_tokens=wasted,
-                search_s=search_end - started,
-                non_overlapped_search_s=overlapped_from - started,
+                search_s=search_s,
+                non_overlapped_search_s=non_overlapped,
+                speculate_s=speculate_s,
             ),
         )

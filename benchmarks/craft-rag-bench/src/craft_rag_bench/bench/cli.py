@@ -86,6 +86,7 @@ SUITES: dict[str, Suite] = {
     "cache-sizes": _lazy("cache_sizes"),
     "tiers": _lazy("tiers"),
     "chunk-cache": _lazy("chunk_cache_quality"),
+    "pipeline": _lazy("pipeline"),
 }
 """Suite name -> function; ``all`` runs them in this order (engine suites last), except
 :data:`NOT_IN_ALL`."""
@@ -96,7 +97,7 @@ process per system (minutes), ``chunk-cache`` runs the model layer by layer in t
 at n=100 on 2 CPU cores); run them alone."""
 
 ENGINE_SUITES = frozenset({"ttft", "kv", "quality", "topk", "load", "chat", "cache-sizes",
-                           "tiers"})
+                           "tiers", "pipeline"})
 
 
 def add_bench_parser(subparsers: Any) -> None:
@@ -143,6 +144,9 @@ def add_bench_parser(subparsers: Any) -> None:
                    help="load: FCFS vs cache-aware admission at these Poisson rates, as "
                    "multiples of the low-load service rate, e.g. 0.5,1,2,4 (default; quick "
                    "1,4), or none to skip the comparison")
+    p.add_argument("--pipeline-vectors", type=int_range(1000, 100_000_000), default=None,
+                   help="pipeline: vectors in the synthetic IVF index, sized so that the search "
+                   "costs about a prefill on this machine (default 1,000,000; quick 20,000)")
     p.add_argument("--seed", type=seed_int, default=0)
     p.add_argument("--block-size", type=int_range(1, 1 << 16), default=32,
                    help="engine KV block size")
@@ -203,6 +207,8 @@ def run_bench(args: argparse.Namespace) -> int:
         from craft_rag_bench.bench.load_admission import parse_factors
 
         ctx.with_sizes(admission_factors=parse_factors(args.admission_factors))
+    if getattr(args, "pipeline_vectors", None) is not None:
+        ctx.with_sizes(pipeline_vectors=args.pipeline_vectors)
     if getattr(args, "ttft_passes", None) is not None:
         ctx.with_sizes(ttft_passes=args.ttft_passes)
     if replicas is not None:

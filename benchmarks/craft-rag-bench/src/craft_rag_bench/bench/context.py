@@ -92,6 +92,15 @@ class BenchSizes:
     """``tiers`` suite: serve each tier-hit prompt again from scratch and compare
     (``--verify-tier-hits``)."""
 
+    pipeline_requests: int = 40
+    """``pipeline`` suite: requests per system."""
+    pipeline_vectors: int = 1_000_000
+    """``pipeline`` suite: vectors in the synthetic IVF index (searched with nprobe = nlist)."""
+    pipeline_dim: int = 128
+    pipeline_nlist: int = 1024
+    pipeline_stages: int = 4
+    pipeline_top_k: int = 5
+
     def __post_init__(self) -> None:
         for i, rate in enumerate(self.load_rates):
             check_number(rate, f"load_rates[{i}] (requests per second)", positive=True)
@@ -126,6 +135,10 @@ QUICK = BenchSizes(
     routing_replicas=(2, 8),
     tiers_requests=8,
     tiers_max_tokens=4,
+    pipeline_requests=4,
+    pipeline_vectors=20_000,
+    pipeline_dim=64,
+    pipeline_nlist=64,
 )
 
 

@@ -255,6 +255,12 @@ def _tiers(r: Mapping[str, Any]) -> list[str]:
     return report_lines(r)
 
 
+def _pipeline(r: Mapping[str, Any]) -> list[str]:
+    from craft_rag_bench.bench.pipeline import report_lines
+
+    return report_lines(dict(r))
+
+
 SECTIONS: dict[str, tuple[str, Section]] = {
     "overhead": ("Planner overhead", _overhead),
     "overlap": ("Overlap: Prefix vs Total (Fig. 3) and replay under the three policies",
@@ -271,6 +277,8 @@ SECTIONS: dict[str, tuple[str, Section]] = {
                     "~10 requests (issue 16)", _cache_sizes),
     "tiers": ("KV tiers: prefix caching, CRAFT, and CRAFT with RAM/disk KV tiers (LRU, PGDSF) "
               "on a small pool", _tiers),
+    "pipeline": ("Speculative retrieval pipelining vs search-then-prefill (RAGCache 5.3)",
+                 _pipeline),
 }
 
 
