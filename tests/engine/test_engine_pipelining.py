@@ -131,6 +131,22 @@ def test_a_failing_search_leaves_no_trace(make_fake_engine: MakeEngine) -> None:
     assert engine.requests_in_flight == 0
 
 
+def test_prepare_hands_the_kept_plan_to_the_caller(make_fake_engine: MakeEngine) -> None:
+    engine, backend = make_fake_engine()
+    out = SpeculativePrefill(engine).prepare([[A, B], [C, D], [D, C]], QUESTION)
+    plan = out.result
+    assert out.report.restarts == 1 and out.report.reused
+    assert engine.planner.is_pending(plan) and engine.planner.stats.commits == 0
+    assert [c.key for c in plan.ordered] == [C.key, D.key]  # the speculation's order
+    served = engine.generate(list(plan.ordered), QUESTION, plan=plan, sampling=SAMPLING)
+    assert served.prompt_token_ids == speculative(backend)[-1]
+    assert served.report.cached_tokens > 0 and engine.planner.stats.commits == 1
+    # No speculation kept: a new pending plan for the final set.
+    fresh = SpeculativePrefill(engine).prepare([[A], [E]], QUESTION, total=2).result
+    assert engine.planner.is_pending(fresh) and [c.key for c in fresh.ordered] == [E.key]
+    assert engine.planner.abort(fresh) and engine.planner.waiting() == 0
+
+
 def test_bad_input(make_fake_engine: MakeEngine) -> None:
     engine, _ = make_fake_engine()
     with pytest.raises(ValueError, match="CraftEngine"):

@@ -133,6 +133,33 @@ class _EngineTarget:
         )
 
 
+class _PlanTarget:
+    """An :class:`_EngineTarget` whose final request is the caller's: ``serve`` returns the
+    final set's pending plan (the kept speculation's, its prefill done, or a new one)."""
+
+    __slots__ = ("_inner", "_planner")
+
+    def __init__(self, inner: _EngineTarget, planner: CraftPlanner) -> None:
+        self._inner = inner
+        self._planner = planner
+
+    def speculate(self, chunks: Sequence[Chunk]) -> EngineSpeculation:
+        return self._inner.speculate(chunks)
+
+    def in_flight(self) -> int:
+        return self._inner.in_flight()
+
+    def serve(
+        self, chunks: Sequence[Chunk], speculation: EngineSpeculation | None
+    ) -> tuple[Plan, Sequence[int]]:
+        if speculation is None:
+            return self._planner.plan(list(chunks)), ()
+        speculation.handle.wait()
+        speculation.aborted = True
+        speculation.handle.abort()  # given up: the plan is released, pending again
+        return speculation.plan, speculation.handle.prompt_token_ids
+
+
 class SpeculativePrefill:
     """Serve RAG requests whose retrieval runs in stages, prefilling the partial top-k while
     the search goes on (see the module docstring).
@@ -188,6 +215,37 @@ class SpeculativePrefill:
                 enabled=self.enabled,
                 clock=self._clock,
             )
+        )
+        return pipeline.run(_checked(stages), total=total)
+
+    def prepare(
+        self,
+        stages: Iterable[Sequence[Chunk]],
+        question: str,
+        *,
+        total: int | None = None,
+        cache_salt: str | None = None,
+        sampling: SamplingRequest | None = None,
+    ) -> PipelinedOutcome[Chunk, Plan]:
+        """As :meth:`run`, but the final request is left to the caller (a framework's LLM
+        step): the result is the final set's plan, made by ``engine.planner_for(cache_salt)``
+        and pending (neither claimed nor committed): the kept speculation's, whose prefill
+        has ended, or a new one. Serve it with ``RagRequest(..., plan=plan)`` (the same
+        ``question``, so the prompt is the speculation's) or find it by its chunk keys
+        (:meth:`craft_rag.CraftPlanner.reserve`); abort it in the planner if it is not
+        served. ``wasted_tokens`` counts a dropped speculation's prompt past the kept one's
+        shared prefix (all of it when none was kept)."""
+        if not isinstance(question, str) or not question.strip():
+            msg = "question must be a non-empty string"
+            raise ValueError(msg)
+        inner = _EngineTarget(self.engine, question, sampling or SamplingRequest(), cache_salt)
+        target = _PlanTarget(inner, self.engine.planner_for(cache_salt))
+        pipeline: SpeculativePipeline[Chunk, EngineSpeculation, Plan] = SpeculativePipeline(
+            target,
+            key=_chunk_key,
+            max_in_flight=self.max_in_flight,
+            enabled=self.enabled,
+            clock=self._clock,
         )
         return pipeline.run(_checked(stages), total=total)
 
