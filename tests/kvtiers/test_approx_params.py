@@ -9,6 +9,7 @@ import pytest
 from craft_rag.kvtiers.approx_params import (
     APPROX_PARAMS_KEY,
     REUSE_PARAMS_KEY,
+    BlendParams,
     KVSpan,
     ReuseCounts,
     is_request_scoped,
@@ -18,7 +19,7 @@ from craft_rag.kvtiers.approx_params import (
     tenant_salt,
 )
 
-SOURCES = ("hf_prefill", "chunk")
+SOURCES = ("hf_prefill", "mine", "chunk")
 NONCE = "0123456789abcdef0123456789abcdef"
 
 
@@ -29,7 +30,7 @@ def make_params(*spans: dict[str, Any], model: str | None = None) -> dict[str, A
     return {APPROX_PARAMS_KEY: body, "other_connector": 1}
 
 
-def make_span(start: int, end: int, source: str = "chunk", **spec: Any) -> dict[str, Any]:
+def make_span(start: int, end: int, source: str = "mine", **spec: Any) -> dict[str, Any]:
     return {"start": start, "end": end, "source": source, **spec}
 
 
@@ -37,8 +38,44 @@ def test_parse_valid_request_keeps_source_fields() -> None:
     got = parse_approx(make_params(make_span(0, 10, variant="ab"), make_span(10, 30, "hf_prefill"),
                                    model="m"), 31, SOURCES)
     assert got is not None
-    assert got.spans == (KVSpan(0, 10, "chunk", {"variant": "ab"}), KVSpan(10, 30, "hf_prefill"))
-    assert (got.start, got.end, got.model) == (0, 30, "m")
+    assert got.spans == (KVSpan(0, 10, "mine", {"variant": "ab"}), KVSpan(10, 30, "hf_prefill"))
+    assert (got.start, got.end, got.model, got.blend) == (0, 30, "m", None)
+
+
+def with_blend(blend: object, *spans: dict[str, Any]) -> dict[str, Any]:
+    params = make_params(*spans)
+    params[APPROX_PARAMS_KEY]["blend"] = blend
+    return params
+
+
+def test_parse_chunk_spans_get_blend_defaults() -> None:
+    got = parse_approx(make_params(make_span(4, 10, "chunk"), make_span(10, 20, "chunk")), 21,
+                       SOURCES)
+    assert got is not None and got.blend == BlendParams("kv_deviation", 0.3, None)
+    got = parse_approx(with_blend({"rule": "cci", "alpha": 2}, make_span(0, 5, "chunk")), 9,
+                       SOURCES)
+    assert got is not None and got.blend == BlendParams("cci", None, 2.0)
+    got = parse_approx(with_blend({"fraction": 1}, make_span(0, 5, "chunk")), 9, SOURCES)
+    assert got is not None and got.blend == BlendParams("kv_deviation", 1.0, None)
+
+
+@pytest.mark.parametrize(
+    ("params", "match"),
+    [
+        (make_params(make_span(0, 5, "chunk"), make_span(5, 8)), "cannot be mixed"),
+        (make_params(make_span(0, 5, "chunk", variant="x")), "take no other fields"),
+        (with_blend({"fraction": 0.3}, make_span(0, 5)), "chunk' spans only"),
+        (with_blend([], make_span(0, 5, "chunk")), "blend must be a mapping"),
+        (with_blend({"rule": "oracle"}, make_span(0, 5, "chunk")), "unknown; valid"),
+        (with_blend({"fraction": 1.5}, make_span(0, 5, "chunk")), r"in \[0, 1.0\]"),
+        (with_blend({"fraction": True}, make_span(0, 5, "chunk")), "fraction must be"),
+        (with_blend({"alpha": float("nan")}, make_span(0, 5, "chunk")), "alpha must be"),
+        (with_blend({"alpha": 1, "fraction": 0.1}, make_span(0, 5, "chunk")), "not both"),
+    ],
+)
+def test_parse_rejects_bad_blend(params: object, match: str) -> None:
+    with pytest.raises(ValueError, match=match):
+        parse_approx(params, 10, SOURCES)
 
 
 @pytest.mark.parametrize("params", [None, {}, {"other": 1}, "text", 3])

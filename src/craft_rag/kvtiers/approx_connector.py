@@ -15,6 +15,10 @@ connector serves it. A request with one (:mod:`craft_rag.kvtiers.approx_params`)
    from ``hf_prefill`` (vLLM accepts only one contiguous external run, so the connector
    computes what lies inside it);
 3. vLLM computes ``[A, prompt)``.
+A request whose spans are all ``chunk`` spans gets ``[E, A)`` from the chunk-cache assembler
+(:mod:`craft_rag.kvtiers.blend_source`: chunk-caches re-rotated, selected tokens recomputed
+against the assembled context, new chunks computed and stored), bounded by the extra config's
+``chunk_cache_bytes`` / ``chunk_cache_variants``.
 All of ``[E, A)`` is produced and checked (layer count, shapes, finite values) at scheduling
 time, before anything is promised: a missing source, a span a source cannot serve, a wrong
 model or a request without a request-scoped salt means the request is computed normally
