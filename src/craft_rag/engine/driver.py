@@ -18,7 +18,7 @@ import threading
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Generic, Protocol, TypeVar, cast
+from typing import TYPE_CHECKING, Generic, Protocol, TypeVar
 
 from craft_rag.engine.results import SamplingRequest, StepOutput
 from craft_rag.scheduling.admission import AdmissionQueue
@@ -36,7 +36,8 @@ class EngineBackend(Protocol):
 
     ``add_request`` is called with ``cache_salt=`` only for salted requests, so a backend
     without salt support still serves unsalted ones (the engine refuses salts for it), and
-    with ``priority=`` only under priority admission (:mod:`craft_rag.engine.admission`)."""
+    with ``priority=`` only under priority admission (:mod:`craft_rag.engine.admission`), so a
+    backend that takes no priority serves every request while admission is off."""
 
     def add_request(
         self,
@@ -44,6 +45,7 @@ class EngineBackend(Protocol):
         token_ids: Sequence[int],
         sampling: SamplingRequest,
         cache_salt: str | None = None,
+        priority: int | None = None,
     ) -> None: ...
 
     def step(self) -> list[StepOutput]: ...
@@ -251,19 +253,6 @@ def aborted_error(request_id: str) -> RequestCancelled:
     return RequestCancelled(f"request {request_id} was aborted")
 
 
-class _Prioritised(Protocol):
-    """A backend taking vLLM's ``priority=`` (the in-process vLLM one does)."""
-
-    def add_request(
-        self,
-        request_id: str,
-        token_ids: Sequence[int],
-        sampling: SamplingRequest,
-        cache_salt: str | None = None,
-        priority: int | None = None,
-    ) -> None: ...
-
-
 @dataclass(frozen=True, slots=True)
 class _Held:
     """A request in craft-rag's admission queue: what ``add_request`` needs later."""
@@ -344,8 +333,7 @@ class EngineDriver(RequestTable[RequestState]):
     ) -> None:
         with self._engine_lock:
             if priority is not None:
-                backend = cast(_Prioritised, self._backend)
-                backend.add_request(
+                self._backend.add_request(
                     request_id, token_ids, sampling, cache_salt=cache_salt, priority=priority
                 )
             elif cache_salt is None:

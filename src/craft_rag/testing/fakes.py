@@ -170,7 +170,10 @@ class FakeBackend:
         token_ids: Sequence[int],
         sampling: SamplingRequest,
         cache_salt: str | None = None,
+        priority: int | None = None,
     ) -> None:
+        # ``priority`` (cache-aware admission) is taken and ignored: every running request
+        # steps together here, so there is no waiting order to apply it to.
         if len(token_ids) + sampling.max_tokens > self.max_model_len:
             raise ValueError("prompt too long for the fake engine")
         # As vLLM: the salt is mixed into the first block's hash, so it changes every block's.
