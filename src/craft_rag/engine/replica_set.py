@@ -26,6 +26,7 @@ set's own lock guards only the probe bookkeeping and is never held while calling
 
 from __future__ import annotations
 
+import logging
 import threading
 import time
 from collections.abc import Callable, Sequence
@@ -57,6 +58,8 @@ __all__ = [
     "RoutedRequest",
     "replica_names",
 ]
+
+_log = logging.getLogger(__name__)
 
 DEFAULT_PROBE_INTERVAL_S = 5.0
 """Seconds between health probes of a replica that is down."""
@@ -91,6 +94,7 @@ class Attempt:
     decision: RouteDecision
     flight: InFlight | None = None
     done_early: bool = False
+    handled: bool = False  # its end was acted on (retried or ended): at most once
 
 
 class ReplicaSet:
@@ -384,6 +388,9 @@ class RoutedRequest:
             if attempt is not self._attempt:
                 attempt.done_early = True  # its start has not returned yet
                 return
+            if attempt.handled:
+                return
+            attempt.handled = True
             flight = attempt.flight
             assert flight is not None
             error = flight.state.error
@@ -398,6 +405,13 @@ class RoutedRequest:
             if retry:
                 self.retries += 1
         if lost:
+            _log.warning(
+                "replica %s lost (%s); request %s %s",
+                attempt.replica,
+                type(error).__name__,
+                self.state.request_id,
+                "retried elsewhere" if retry else "not retried",
+            )
             self._replicas.mark_down(attempt.replica)
         if retry:
             threading.Thread(target=self._retry, args=(attempt,), daemon=True).start()
@@ -408,9 +422,15 @@ class RoutedRequest:
         self._replicas.give_up_attempt(failed)
         try:
             attempt = self._replicas.start_attempt(self._request, self._attempt_done, self._delta)
-        except BaseException:  # no healthy replica left, or it failed to start
+        except BaseException as exc:  # no healthy replica left, or it failed to start
             failed_flight = failed.flight
-            self._end(failed_flight.state.error if failed_flight is not None else None)
+            error = failed_flight.state.error if failed_flight is not None else None
+            _log.warning(
+                "request %s: retry after %s failed: %r", self.state.request_id, failed.replica, exc
+            )
+            if error is not None:
+                error.add_note(f"retried on another replica, which failed to start: {exc!r}")
+            self._end(error if error is not None else exc)
             return
         assert attempt.flight is not None and self._flight is not None
         self._flight.token_ids = attempt.flight.token_ids
