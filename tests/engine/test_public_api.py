@@ -44,6 +44,8 @@ EXPECTED = {
     "ServerSettings",
     "ServerUnavailable",
     "SpeculativePrefill",
+    "IVFStagedSearch",
+    "PipelineReport",
     "StreamChunk",
     "acondense",
     "condense",

@@ -58,6 +58,7 @@ from craft_rag.engine.turn_layout import (
     TurnCostModel,
     TurnLayoutPolicy,
 )
+from craft_rag.scheduling.pipelining import IVFStagedSearch, PipelineReport
 from craft_rag.validation import validate_cache_salt
 
 __all__ = [
@@ -78,9 +79,11 @@ __all__ = [
     "EngineStartError",
     "GenerationResult",
     "HistoryBudget",
+    "IVFStagedSearch",
     "KVEventSync",
     "LayoutChoice",
     "MessagesRequest",
+    "PipelineReport",
     "PreparedModel",
     "RagRequest",
     "RenderedTurn",
