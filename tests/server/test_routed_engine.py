@@ -17,6 +17,7 @@ from fake_server import FakeServer, running
 
 from craft_rag.chunk import Chunk, make_chunk
 from craft_rag.engine.backends.server.backend import ServerSettings
+from craft_rag.engine.backends.server.settings import ServerUnavailable
 from craft_rag.engine.chat_format import jinja_renderer
 from craft_rag.engine.driver import RequestCancelled
 from craft_rag.engine.engine import CraftEngine, EngineSettings
@@ -190,6 +191,25 @@ def test_dead_replica_request_is_retried_before_first_token_and_rehomed(
     assert engine.check_replicas() == [home]
     assert engine.router.replica(home).healthy
     assert not engine.replica_engine(home).planner_for(None).prefix_tree.root.children
+
+
+def test_a_replica_refusing_at_the_start_is_marked_down_and_the_next_tried(
+    engine: CraftEngine, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    assert isinstance(engine, RoutedEngine)
+    one = engine.generate(chunks(3, "a"), "first?", conversation_id="c1", max_tokens=2)
+    home = one.report.replica
+    assert home is not None
+
+    def refuse(*args: Any, **kwargs: Any) -> Any:
+        raise ServerUnavailable("refused at the start")
+
+    monkeypatch.setattr(engine.replica_engine(home), "_start", refuse)
+    two = engine.generate(chunks(2, "b"), "second?", conversation_id="c1", max_tokens=2)
+    other = next(u for u in engine.replicas if u != home)
+    assert (two.report.replica, two.report.retries, two.report.rehomed) == (other, 1, True)
+    assert not engine.router.replica(home).healthy
+    assert loads_zero(engine)
 
 
 def test_no_replica_left_raises_the_servers_error(engine: CraftEngine, fakes: Fakes) -> None:

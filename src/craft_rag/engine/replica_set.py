@@ -164,8 +164,10 @@ class ReplicaSet:
             routed = replace(request, chunks=decision.plan.ordered, plan=decision.plan)
         try:
             attempt.flight = engine._start(routed, on_delta, lambda: attempt_done(attempt))
-        except BaseException:
+        except BaseException as exc:
             self._settle(attempt)
+            if isinstance(exc, ServerUnavailable):  # refused at the start: the replica is lost
+                self.mark_down(decision.replica)
             raise
         return attempt
 
@@ -318,9 +320,20 @@ class RoutedRequest:
     # ---- the handle's side ----
 
     def start(self, on_delta: OnDelta, on_done: OnDone) -> InFlight:
-        """Route and start the first attempt (errors propagate: nothing started)."""
+        """Route and start the first attempt; a replica that refuses it at the start
+        (``ServerUnavailable``) is marked down and the next one tried, once per replica.
+        Other errors propagate: nothing started."""
         self._on_delta, self._on_done = on_delta, on_done
-        attempt = self._replicas.start_attempt(self._request, self._attempt_done, self._delta)
+        while True:
+            try:
+                attempt = self._replicas.start_attempt(
+                    self._request, self._attempt_done, self._delta
+                )
+                break
+            except ServerUnavailable:  # its replica is marked down: try another, once each
+                if self.retries >= len(self._replicas.engines) - 1:
+                    raise
+                self.retries += 1
         assert attempt.flight is not None
         first = attempt.flight
         self.state.submitted_at = first.state.submitted_at
