@@ -182,6 +182,14 @@ class SpeculativePrefill:
             msg = f"engine must be a craft_rag.engine.CraftEngine, got {type(engine).__name__}"
             raise ValueError(msg)
         check_max_in_flight(max_in_flight)  # fails here, not at the first request
+        try:
+            engine.requests_in_flight  # noqa: B018 - the queue gate's signal must exist
+        except AttributeError as exc:  # e.g. a RoutedEngine (server=[...]): no one queue
+            msg = (
+                f"speculative pipelining needs one engine with a request queue; "
+                f"{type(engine).__name__} has none (serve through a single server or in-process)"
+            )
+            raise ValueError(msg) from exc
         self.engine = engine
         self.max_in_flight = max_in_flight
         self.enabled = enabled
