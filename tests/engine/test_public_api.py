@@ -37,6 +37,7 @@ EXPECTED = {
     "RenderedTurn",
     "RequestCancelled",
     "RequestHandle",
+    "RoutedEngine",
     "ReuseReport",
     "SamplingRequest",
     "ServerError",
