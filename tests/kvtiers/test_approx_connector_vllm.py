@@ -5,12 +5,16 @@ transformers copy of the model gives vLLM's own greedy answer; deliberately pert
 the answer but never reaches another request (no prefix hit from its blocks, nothing written to
 the tiers); a request-scoped request's exact prefix comes from the tiers; bad requests (no
 scoped salt, unknown source, missing variant, wrong model, a span over the last token) are
-computed normally and say why.
+computed normally and say why; chunk spans served from chunk-caches (kvtiers.blend_source): new
+chunks computed in full (vLLM's answer), reordered ones reused fixed with 30% recomputed, and their
+approximate KV never an exact hit for another request.
 """
 
 from __future__ import annotations
 
 import random
+import sys
+import time
 from typing import Any
 
 import pytest
@@ -146,3 +150,50 @@ def test_injected_kv_isolation_and_refusals() -> None:
         assert counts["refused"] is not None and why in counts["refused"], (why, counts)
         assert counts["fixed"] == counts["recomputed"] == 0
         assert greedy(out) == greedy(q_ref), why
+
+    t0 = time.perf_counter()
+    chunk_cache_section(llm)
+    print(f"chunk-cache section: {time.perf_counter() - t0:.1f} s", file=sys.stderr)
+
+
+def chunk_cache_section(llm: Any) -> None:
+    """(5) chunk spans: the assembler over the connector's chunk-cache store."""
+    from craft_rag.kvtiers.approx_params import request_scoped_salt
+
+    head = make_prompt(10, BLOCK)
+    c1, c2, c3 = make_prompt(11, 40), make_prompt(12, 40), make_prompt(13, 40)
+    tail = make_prompt(14, 20)
+
+    def chunks(*cs: list[int], blend: dict[str, Any] | None = None) -> dict[str, Any]:
+        spans, start = [], BLOCK
+        for c in cs:
+            spans.append(span(start, start + len(c), "chunk"))
+            start += len(c)
+        return {"spans": spans, **({"blend": blend} if blend is not None else {})}
+
+    # every chunk new: computed in full by the model copy (and stored) -> vLLM's own answer
+    first = head + c1 + c2 + c3 + tail
+    a = run(llm, first, salt=request_scoped_salt("t"), approx=chunks(c1, c2, c3))
+    a_ref = run(llm, first, salt="reference")
+    assert reuse(a) == {"exact": 0, "fixed": 0, "recomputed": 152, "computed": 20,
+                        "refused": None}
+    assert greedy(a) == greedy(a_ref)
+
+    # reordered: head from the head cache, chunks re-rotated, ceil(0.3 x 40) = 12 recomputed each
+    second = head + c3 + c1 + c2 + tail
+    ask = chunks(c3, c1, c2, blend={"rule": "kv_deviation", "fraction": 0.3})
+    b = run(llm, second, salt=request_scoped_salt("t"), approx=ask)
+    assert reuse(b) == {"exact": BLOCK, "fixed": 120 - 36, "recomputed": 36, "computed": 20,
+                        "refused": None}
+    assert b.num_cached_tokens == 152 and len(greedy(b)) > 0
+    # (tenants sharing no chunk-cache: tests/chunkcache/test_blend_source.py)
+
+    # isolation: a second request-scoped request with that prompt gets no exact hit from b's
+    # approximate blocks (nothing in the tiers; its fixed KV comes from the chunk-caches again)
+    again = run(llm, second, salt=request_scoped_salt("t"), approx=ask)
+    assert again.kv_transfer_params["craft_tiers"]["ram_tokens"] == 0
+    assert reuse(again) == reuse(b)
+    # ... and a plain request of the tenant gets no hit at all: computed from scratch
+    plain = run(llm, second, salt="t")
+    assert plain.num_cached_tokens == 0, plain.num_cached_tokens
+    assert plain.kv_transfer_params["craft_tiers"] == {"ram_tokens": 0, "disk_tokens": 0}
