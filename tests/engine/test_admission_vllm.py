@@ -1,11 +1,12 @@
 """Cache-aware admission on the real in-process vLLM engine, under concurrent load.
 
 vLLM runs one request at a time (``max_num_seqs=1``) so the service order is observable: once
-a long request has started (its first token seen), two cold RAG turns and then a warm one (its chunks cached by an earlier
-turn) arrive. Admission must serve the warm turn before the cold ones, the cold ones in arrival
-order, and lose nothing. Once through vLLM's priority scheduler (keys as ``priority``), once
-through craft-rag's own queue (vLLM's FCFS scheduler). Each engine has its own config, hence
-its own process (:func:`craft_rag.testing.rerun_in_own_process`).
+a long request has started (its first token seen), two cold RAG turns and then a warm one (its
+chunks cached by an earlier turn) arrive. Admission must serve the warm turn before the cold
+ones, the cold ones in arrival order, and lose nothing. Once through vLLM's priority scheduler
+(keys as ``priority``), once through craft-rag's own queue (vLLM's FCFS scheduler). Each
+engine has its own config, hence its own process
+(:func:`craft_rag.testing.rerun_in_own_process`).
 """
 
 from __future__ import annotations
