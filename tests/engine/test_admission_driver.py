@@ -9,11 +9,13 @@ from typing import Any
 
 import pytest
 
+from craft_rag.chunk import Chunk
 from craft_rag.engine import EngineSettings
 from craft_rag.engine.admission import Admission, admission_of
 from craft_rag.engine.backends.server.backend import ServerBackend
 from craft_rag.engine.backends.server.driver import ServerDriver
 from craft_rag.engine.driver import EngineDriver, RequestCancelled, RequestState
+from craft_rag.engine.history_budget import HistoryBudget
 from craft_rag.engine.results import RagRequest, SamplingRequest
 from craft_rag.scheduling import PRIORITY_SCALE, AdmissionOrder
 from craft_rag.testing import FakeBackend, make_chunks, make_fake_engine
@@ -258,3 +260,66 @@ def submit_to(driver: ServerDriver, name: str, predicted: int) -> RequestState:
     state = RequestState(name, predicted_cached_tokens=predicted)
     driver.submit(PROMPT, SamplingRequest(max_tokens=1), state)
     return state
+
+
+def test_a_later_turn_ranks_by_its_cached_history() -> None:
+    # An append-only turn starts with the previous prompt and reply (cached): it ranks warmer
+    # than a cold first turn of the same length that arrived before it.
+    backend = PriorityBackend()
+    engine, _ = make_fake_engine(backend, settings=EngineSettings(admission="cache_aware"))
+    renderer = engine.prompt_renderer
+    head = len(renderer.chat_assembler.head_ids)
+    try:
+        engine.submit(RagRequest(make_chunks(3, words=30), "first?", "c")).result()
+        new_chunks = make_chunks(1, words=10, prefix="new", seed=5)
+        length = head + renderer.history_tokens("c")
+        length += renderer.turn_token_count(new_chunks, "second?", "c")
+        words = next(  # a cold first turn of the second turn's length
+            w
+            for w in range(1, 400)
+            if head + renderer.turn_token_count(cold_chunk(w), "cold?", "d") >= length
+        )
+        cold = engine.submit(RagRequest(cold_chunk(words), "cold?", "d"))
+        second = engine.submit(RagRequest(new_chunks, "second?", "c"))
+        cold_result, second_result = cold.result(), second.result()
+        lengths = {rid: len(ids) for rid, ids, _ in backend.added}
+        assert lengths[cold.request_id] == lengths[second.request_id] == length
+        keys = backend.priorities
+        assert keys[cold.request_id] == 33 * PRIORITY_SCALE  # arrival 1, nothing cached
+        warm_key = keys[second.request_id]
+        assert warm_key is not None and warm_key < 33 * PRIORITY_SCALE
+        # arrival 2; the history predicted as the layout predicts it (whole blocks).
+        layout = second_result.report.layout
+        assert layout is not None and not layout.restart and layout.append_cached > length // 2
+        fraction = int(32 * PRIORITY_SCALE * layout.append_cached / length)
+        assert warm_key == 34 * PRIORITY_SCALE - fraction
+        assert cold_result.report.cached_tokens == 0
+    finally:
+        engine.close()
+
+
+def test_a_turn_after_dropped_turns_ranks_cold() -> None:
+    # The budget drops turn 1 once turn 2 is served: turn 3's history no longer starts the
+    # cached prompts (it differs right after the head), so nothing is predicted cached.
+    settings = EngineSettings(admission="cache_aware")
+    budget = HistoryBudget(max_tokens=200, keep_tokens=100)
+    backend = PriorityBackend()
+    engine, _ = make_fake_engine(backend, settings=settings, history_budget=budget)
+    try:
+        engine.submit(RagRequest(make_chunks(3, words=30), "first?", "c")).result()
+        second = engine.submit(RagRequest(make_chunks(1, prefix="b", seed=2), "second?", "c"))
+        assert second.result().report.dropped_turns == 0
+        third = engine.submit(RagRequest(make_chunks(1, prefix="t", seed=3), "third?", "c"))
+        assert third.result().report.dropped_turns == 1  # turn 1, left out since turn 2
+        warm_key, cold_key = (
+            backend.priorities[second.request_id],
+            backend.priorities[third.request_id],
+        )
+        assert warm_key is not None and warm_key < 33 * PRIORITY_SCALE
+        assert cold_key == 34 * PRIORITY_SCALE
+    finally:
+        engine.close()
+
+
+def cold_chunk(words: int) -> list[Chunk]:
+    return make_chunks(1, words=words, prefix="cold", seed=7)

@@ -114,8 +114,9 @@ class RequestState:
     """Progress of one request. Fields below ``done`` are written only by the driver thread
     until ``done`` is set; read them after ``done.wait()``. ``on_delta`` runs on the driver
     thread with each delta and the time it arrived: keep it O(1) (a queue put).
-    ``predicted_cached_tokens`` (set by whoever makes the state, before submitting: the plan's
-    prediction) ranks the request under cache-aware admission."""
+    ``predicted_cached_tokens`` (set by whoever makes the state, before submitting: a RAG
+    turn's :func:`~craft_rag.engine.rag_turn.predicted_cached_tokens`) ranks the request
+    under cache-aware admission."""
 
     request_id: str
     on_delta: Callable[[StepOutput, float], object] | None = None

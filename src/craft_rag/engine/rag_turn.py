@@ -58,7 +58,7 @@ from craft_rag.types import ChunkKey
 if TYPE_CHECKING:
     from craft_rag.engine.kv_events import BlockHasher
 
-__all__ = ["RagTurn", "RagTurns", "reused_chunk_count"]
+__all__ = ["RagTurn", "RagTurns", "predicted_cached_tokens", "reused_chunk_count"]
 
 
 class Submit(Protocol):
@@ -98,6 +98,38 @@ def reused_chunk_count(
     del block_size
     spans = chunks.chunk_spans if isinstance(chunks, AssembledPrompt) else chunks
     return chunks_inside_cache(spans, cached_tokens)
+
+
+def predicted_cached_tokens(
+    plan: Plan, rendered: RenderedTurn, close_tokens: int, block_size: int
+) -> int:
+    """The tokens of ``rendered``'s prompt predicted to be in the prefix cache, which
+    cache-aware admission ranks the request by (:mod:`craft_rag.scheduling.admission`).
+
+    - A single request or a conversation's first turn: the CP-Tree's match
+      (``plan.matched_tokens``; 0 when unknown).
+    - A later turn appended after the same live turns as its previous prompt: the head and
+      history in whole ``block_size`` blocks, less the previous reply's ``close_tokens`` (never
+      in a prompt) and its last token (sampled, never fed), as
+      :func:`~craft_rag.engine.turn_layout.predict_layout` predicts. The append-only prompt
+      starts with the previous prompt and reply, so the history counts as cached: nothing
+      tells the engine it was evicted (the CP-Tree holds chunks, not histories), nor, with a
+      shared store, that another worker served the previous turn.
+    - A restart (compacted history): the layout's ``restart_cached`` (the part of the old
+      prompt the new one still starts with).
+    - A turn whose prompt left out turns since the previous one (dropped to fit, or by the
+      history budget): 0, its history differs from the previous prompt's right after the
+      head.
+
+    O(1)."""
+    if rendered.conversation_id is None or plan.turn == 1:
+        return plan.matched_tokens or 0
+    if rendered.left_out:
+        return 0
+    if rendered.compacted_turns:
+        return rendered.layout.restart_cached if rendered.layout is not None else 0
+    block = max(block_size, 1)
+    return max(0, (rendered.prompt.prefix_tokens - close_tokens - 1) // block * block)
 
 
 @dataclass(slots=True)
@@ -146,6 +178,8 @@ class RagTurns:
         self._barrier = barrier
         counter = itertools.count(1)
         self._request_ids = request_ids or (lambda: f"craft-{next(counter)}")
+        # The answer close ends each stored reply but was never in a prompt (not cached).
+        self._close_tokens = len(renderer.chat_assembler.answer_ids(""))
 
     # ---- start: fit -> plan (or claim) -> render -> submit ------------------------------------
 
@@ -223,8 +257,10 @@ class RagTurns:
                 self._request_ids(),
                 on_delta=on_delta,
                 on_done=on_done,
-                # The CP-Tree's predicted reusable prefix: what cache-aware admission ranks by.
-                predicted_cached_tokens=plan.matched_tokens or 0,
+                # What cache-aware admission ranks by (the CP-Tree's match, or the history).
+                predicted_cached_tokens=predicted_cached_tokens(
+                    plan, rendered, self._close_tokens, self._cache.block_size
+                ),
             )
             self._submit(rendered.prompt.token_ids, sampling, state, cache_salt=salt)
         except BaseException:

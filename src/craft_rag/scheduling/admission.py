@@ -4,7 +4,8 @@ When requests queue, serving first those whose prompt is mostly cached lowers me
 cost little compute and use their cached blocks before eviction takes them. RAGCache ranks a
 waiting request by ``OrderPriority = cached tokens / tokens to compute`` inside a window that
 bounds starvation. craft-rag knows the predicted cached tokens before a request is admitted
-(the plan's ``matched_tokens``, from the CP-Tree).
+(the plan's ``matched_tokens``, from the CP-Tree; a conversation's later turn counts its
+history: :func:`craft_rag.engine.rag_turn.predicted_cached_tokens`).
 
 **One integer key per request, fixed at arrival.** Request number ``n`` (arrival order, from
 0) with predicted cache fraction ``f = cached / prompt`` (``= p / (1 + p)`` for
