@@ -322,6 +322,60 @@ class ConversationStore:
             state.version = version
             return True
 
+    def import_history(
+        self, conversation_id: ConversationId, history: ConversationHistory
+    ) -> bool:
+        """Take in a conversation moved from another store (another replica's engine, its
+        :meth:`history`): its live turns (chunk keys and token ids), its turn count (dropped
+        turns count, as empty turns) and the turns dropped since its last one; no turn in
+        flight. False (nothing changed) when the conversation is live here with turns or a
+        turn in flight. ``ValueError`` (nothing changed) for a bad id, a history with a turn
+        not known (None), keys that are not distinct strings per turn or token ids that are
+        not ints >= 0; ``RuntimeError`` on a replicated store (its log alone decides its
+        conversations). O(tokens)."""
+        cid = _checked_id(conversation_id)
+        if not isinstance(history, ConversationHistory):
+            msg = f"history: must be a ConversationHistory, got {type(history).__name__}"
+            raise ValueError(msg)
+        keys = [tuple(t) for t in history.keys]
+        if len(history.turns) != len(keys) or not (
+            len(keys) <= history.turn_count and 0 <= history.dropped_since <= history.turn_count
+        ):
+            msg = (
+                f"history: {len(history.turns)} token turns, {len(keys)} key turns, "
+                f"turn_count {history.turn_count}, dropped_since {history.dropped_since}"
+            )
+            raise ValueError(msg)
+        tokens: list[tuple[int, ...]] = []
+        for i, (ids, turn) in enumerate(zip(history.turns, keys, strict=True)):
+            if ids is None or not all(type(t) is int and t >= 0 for t in ids):
+                msg = f"history.turns[{i}]: must be known token ids (ints >= 0)"
+                raise ValueError(msg)
+            if not all(isinstance(k, str) and k for k in turn) or len(set(turn)) != len(turn):
+                msg = f"history.keys[{i}]: must be distinct non-empty chunk keys"
+                raise ValueError(msg)
+            tokens.append(tuple(ids))
+        if self.replicated:
+            msg = "a replicated store's conversations follow its shared log; import nothing"
+            raise RuntimeError(msg)
+        with self._lock:
+            now = self._now()
+            state = self._live(cid)
+            if state is not None and (state.turns or self._held(state, now)):
+                return False
+            dropped = history.turn_count - len(keys)
+            self._states[cid] = ConversationState(
+                sent={k for t in keys for k in t},
+                turns=[()] * dropped + keys,
+                last_used=now,
+                live_from=dropped,
+                tokens=[None] * dropped + list(tokens),
+                dropped_since=history.dropped_since,
+            )
+            self._states.move_to_end(cid)
+            self._evict(now)
+            return True
+
     def carry_tokens(self, other: ConversationStore) -> None:
         """Take ``other``'s token ids (and history version) for every turn both stores hold
         with the same keys at the same index, where this one does not know them (a snapshot,

@@ -178,7 +178,10 @@ def test_dead_replica_request_is_retried_before_first_token_and_rehomed(
     other = next(u for u in fakes.urls if u != home)
     assert two.report.replica == other
     assert two.report.retries == 1
-    assert two.report.rehomed and two.report.turn == 1  # restarted as a first turn there
+    # The history moved with it: the turn goes on there, nothing of it cached.
+    assert two.report.rehomed and two.report.turn == 2
+    assert engine.turn_count("c1") == 2
+    assert engine.replica_engine(home).turn_count("c1") == 0  # dropped on the lost one
     assert not engine.router.replica(home).healthy
     assert engine.router.home("c1") == other
     assert [f.replica for f in engine.faults] == [home]
@@ -191,6 +194,43 @@ def test_dead_replica_request_is_retried_before_first_token_and_rehomed(
     assert engine.check_replicas() == [home]
     assert engine.router.replica(home).healthy
     assert not engine.replica_engine(home).planner_for(None).prefix_tree.root.children
+
+
+def test_rehomed_conversation_keeps_its_history(engine: CraftEngine, fakes: Fakes) -> None:
+    """The earlier turns are in the first prompt on the new home (rendered there from the
+    carried history), the turn number goes on, and chunks sent before stay deduplicated."""
+    assert isinstance(engine, RoutedEngine)
+    docs = chunks(3, "a")
+    one = engine.generate(docs, "first question?", conversation_id="c1", max_tokens=2)
+    home = one.report.replica
+    assert home is not None
+    first_prompt = fakes.fakes[fakes.urls.index(home)].bodies[-1]["prompt"]
+    two = engine.generate(docs[:1], "second?", conversation_id="c1", max_tokens=2)
+    assert (two.report.replica, two.report.turn) == (home, 2)
+    home_prompt = fakes.fakes[fakes.urls.index(home)].bodies[-1]["prompt"]
+    engine.mark_down(home)
+    other = next(u for u in fakes.urls if u != home)
+    asked = len(fakes.fakes[fakes.urls.index(other)].bodies)
+    three = engine.generate(docs[1:] + chunks(1, "b"), "third?", conversation_id="c1", max_tokens=2)
+    assert (three.report.replica, three.report.rehomed, three.report.turn) == (other, True, 3)
+    bodies = fakes.fakes[fakes.urls.index(other)].bodies
+    assert len(bodies) == asked + 1
+    prompt = bodies[-1]["prompt"]
+    # Turns 1 and 2 (prompts and replies) come first, as on the old home, then turn 3.
+    assert prompt[: len(first_prompt)] == first_prompt
+    assert prompt[: len(home_prompt)] == home_prompt and len(prompt) > len(home_prompt)
+    # Chunks already in the history are not sent again; the new one is.
+    assert set(three.report.removed_duplicates) == {c.key for c in docs[1:]}
+    assert three.report.chunk_order == (chunks(1, "b")[0].key,)
+    # On the new home the history is computed from scratch, then reused by turn 4 there.
+    four = engine.generate(chunks(1, "c"), "fourth?", conversation_id="c1", max_tokens=2)
+    assert (four.report.replica, four.report.turn, four.report.rehomed) == (other, 4, False)
+    assert four.report.cached_tokens >= len(home_prompt) // 2
+    assert engine.export_conversation("c1") is not None
+    assert engine.replica_engine(home).export_conversation("c1") is None
+    with pytest.raises(RuntimeError, match="not supported"):
+        engine.import_conversation("c1", engine.export_conversation("c1"))  # type: ignore[arg-type]
+    assert loads_zero(engine)
 
 
 def test_a_replica_refusing_at_the_start_is_marked_down_and_the_next_tried(
@@ -208,6 +248,7 @@ def test_a_replica_refusing_at_the_start_is_marked_down_and_the_next_tried(
     two = engine.generate(chunks(2, "b"), "second?", conversation_id="c1", max_tokens=2)
     other = next(u for u in engine.replicas if u != home)
     assert (two.report.replica, two.report.retries, two.report.rehomed) == (other, 1, True)
+    assert two.report.turn == 2  # its history moved with it
     assert not engine.router.replica(home).healthy
     assert loads_zero(engine)
 

@@ -117,13 +117,14 @@ def test_two_real_replicas_route_stick_and_survive_a_kill(
         assert (turn2.report.replica, turn2.report.turn) == (conv.report.replica, 2)
         assert turn2.report.cached_tokens > conv.report.prompt_tokens // 2
         # Kill the conversation's replica: the next turn is retried on the other one before
-        # its first token and restarts there as a first turn.
+        # its first token and continues there (its history moved: turns 1-2 in the prompt).
         second_server.stop()
         turn3 = engine.generate(
             make_chunks("c")[:2], "Where is the river?", conversation_id="c1", max_tokens=1
         )
         assert turn3.report.replica == session_id
-        assert (turn3.report.retries, turn3.report.rehomed, turn3.report.turn) == (1, True, 1)
+        assert (turn3.report.retries, turn3.report.rehomed, turn3.report.turn) == (1, True, 3)
+        assert turn3.report.prompt_tokens > turn2.report.prompt_tokens
         assert [f.replica for f in engine.faults] == [conv.report.replica]
         assert not engine.router.replica(conv.report.replica).healthy
         assert all(load.requests == 0 for load in engine.router.load().values())

@@ -32,6 +32,7 @@ from collections.abc import Sequence
 from typing import ClassVar, Unpack
 
 from craft_rag.chunk import Chunk
+from craft_rag.conversation import ConversationHistory
 from craft_rag.engine.admission import admission_of
 from craft_rag.engine.backends.server.backend import ServerSettings
 from craft_rag.engine.backends.vllm.backend import EngineSettings, EngineStartError
@@ -93,6 +94,7 @@ from craft_rag.planner import CraftPlanner
 from craft_rag.prompt import PromptAssembler, PromptFormat
 from craft_rag.tokenizer import Tokenizer
 from craft_rag.types import ChunkKey
+from craft_rag.validation import validate_conversation_id
 
 __all__ = [
     "CraftEngine",
@@ -385,6 +387,43 @@ class CraftEngine(RequestForms):
         and prompt history; a conversation with the same id under another salt is another
         tenant's and stays. True if it was known. ``ValueError`` for a bad salt."""
         return self._rag.end_conversation(conversation_id, cache_salt)
+
+    def export_conversation(
+        self, conversation_id: str, *, cache_salt: str | None = None
+    ) -> ConversationHistory | None:
+        """``cache_salt``'s conversation as :meth:`import_conversation` takes it on another
+        engine of the same model and prompt format: its live turns (chunk keys and token ids),
+        its turn count and dropped turns. Conversation history is client-side state, so it can
+        move (a routed engine moves it off a lost replica). A turn in flight is not part of it.
+        None when unknown under that salt, without a recorded turn, or a live turn's tokens are
+        not known here (another worker's, not loaded). Read-only. ``ValueError`` for a bad id
+        or salt. O(turns)."""
+        cid = validate_conversation_id(conversation_id)
+        store = self._namespaces.held_store(validate_cache_salt(cache_salt))
+        history = store.history(cid) if store is not None and cid is not None else None
+        if history is None or not history.turn_count or None in history.turns:
+            return None
+        return history
+
+    def import_conversation(
+        self,
+        conversation_id: str,
+        history: ConversationHistory,
+        *,
+        cache_salt: str | None = None,
+    ) -> bool:
+        """Take in a conversation :meth:`export_conversation` gave (from another engine): its
+        next turn here continues it (turn numbers go on, its earlier turns are in the prompt,
+        computed here from scratch, and their chunks are deduplicated). False (nothing
+        changed) when the conversation is already live here with turns or a turn in flight.
+        ``ValueError`` for a bad id, salt or history; ``RuntimeError`` with a shared store
+        (``store=``: its log decides the conversations). O(tokens)."""
+        cid = validate_conversation_id(conversation_id)
+        if cid is None:
+            msg = "conversation_id: must be a non-empty string, got None"
+            raise ValueError(msg)
+        planner = self._namespaces.get(self._salt(cache_salt))
+        return planner.conversations.import_history(cid, history)
 
     def fit_turn(
         self,

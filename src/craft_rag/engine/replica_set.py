@@ -9,11 +9,13 @@ router's plan (``plan=``: that engine commits it to its own tree, with its own r
 and finished in the router (its load leaves the replica). Conversations stay on their replica
 while it is healthy; a replica that refuses connections or drops a request
 (:class:`~craft_rag.engine.backends.server.settings.ServerUnavailable`) is marked down: its
-trees are dropped and its conversations re-homed (their next turn restarts as a first turn on
-the new home: ``ReuseReport.rehomed``). A request that failed there before its first token is
-retried on another replica (:class:`RoutedRequest`; ``ReuseReport.retries``). A replica that is
-down is probed at most every ``probe_interval_s`` (in the background, when requests arrive) and
-rejoins empty (a fresh planner: no trees, no conversations) once it answers.
+trees are dropped and its conversations re-homed: each one's history (client-side state, held
+in this process) moves to its new home's engine, so its next turn continues there with its
+earlier turns in the prompt, computed from scratch (``ReuseReport.rehomed``). A request that
+failed there before its first token is retried on another replica (:class:`RoutedRequest`;
+``ReuseReport.retries``). A replica that is down is probed at most every ``probe_interval_s``
+(in the background, when requests arrive) and rejoins empty (a fresh planner: no trees, no
+conversations) once it answers.
 
 State owners: the router owns placement state (homes, loads, health); each replica's engine
 owns its trees and histories (its KV events keep them true). The router's state is kept behind
@@ -232,11 +234,42 @@ class ReplicaSet:
         """``replica`` is unreachable: the router drops its trees and load and re-homes its
         conversations (:class:`FaultReport`). Idempotent."""
         report = self.router.mark_down(replica)
+        if report.rehomed:
+            self._carry_histories(ReplicaId(replica), report)
         with self._lock:
             if report.nodes_dropped or report.inflight_lost or report.rehomed:
                 self.faults.append(report)
             self._last_probe = self._clock()
         return report
+
+    def _carry_histories(self, lost: ReplicaId, report: FaultReport) -> None:
+        """Move each re-homed conversation's history (client-side state: this process's, not
+        the lost server's) from the lost replica's engine to its new home's, then drop it
+        there: its next turn continues there (its earlier turns in the prompt, computed from
+        scratch). A turn in flight on the lost replica is not carried (it is given up or
+        retried). Not carried (its next turn starts over, as before): a conversation whose
+        new home already holds turns of it or a turn in flight. O(conversations x salts +
+        their tokens)."""
+        old = self.engines[lost]
+        cids = {cid for cid, target in report.rehomed if target is not None}
+        for salt, _ in old.prompt_renderer.stores.conversation_stores():
+            for cid in cids:
+                home = self.router.home(cid, salt=salt)
+                if home is None or home == lost:
+                    continue
+                history = old.export_conversation(cid, cache_salt=salt)
+                if history is None:
+                    continue
+                carried = self.engines[home].import_conversation(cid, history, cache_salt=salt)
+                if not carried:
+                    _log.warning(
+                        "conversation %r: history not carried from %s to %s (it holds the "
+                        "conversation already); its next turn starts there as a first turn",
+                        cid,
+                        lost,
+                        home,
+                    )
+                old.end_conversation(cid, cache_salt=salt)
 
     def mark_up(self, replica: str) -> None:
         """``replica`` is back: it rejoins empty (a fresh planner on its engine: no trees, no

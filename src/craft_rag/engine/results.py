@@ -254,8 +254,9 @@ class ReuseReport:
     """With several servers (``CraftEngine(server=[url, ...])``): the replica that served the
     request (its URL without credentials); ``None`` with one engine."""
     rehomed: bool = False
-    """With several servers: this conversation turn restarted on a new home replica (its old
-    home went down, so the turn was planned and sent as a first turn there)."""
+    """With several servers: this conversation turn is the first on a new home replica (its
+    old home went down). The conversation's history moved with it, so ``turn`` goes on and
+    the earlier turns are in the prompt, computed there from scratch (no cached KV)."""
     retries: int = 0
     """With several servers: how often the request was sent again to another replica because
     its replica was unreachable before the first token."""

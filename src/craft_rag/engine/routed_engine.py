@@ -18,6 +18,7 @@ from dataclasses import replace
 from typing import Unpack
 
 from craft_rag.chunk import Chunk
+from craft_rag.conversation import ConversationHistory
 from craft_rag.engine.backends.server.settings import ServerSettings
 from craft_rag.engine.backends.vllm.backend import EngineSettings
 from craft_rag.engine.driver import RequestIds
@@ -258,6 +259,33 @@ class RoutedEngine(CraftEngine):
             engine = self._replicas.engines[home]
             known = engine.end_conversation(conversation_id, cache_salt=salt)
         return self.router.end_conversation(conversation_id, salt=salt) or known
+
+    def export_conversation(
+        self, conversation_id: str, *, cache_salt: str | None = None
+    ) -> ConversationHistory | None:
+        """As :meth:`CraftEngine.export_conversation`, from the conversation's home replica
+        (None: no home)."""
+        salt = validate_cache_salt(cache_salt)
+        if self.router.home(conversation_id, salt=salt) is None:
+            return None
+        engine = self._home_engine(conversation_id, salt)
+        return engine.export_conversation(conversation_id, cache_salt=salt)
+
+    def import_conversation(
+        self,
+        conversation_id: str,
+        history: ConversationHistory,
+        *,
+        cache_salt: str | None = None,
+    ) -> bool:
+        """Not supported here (``RuntimeError``): the router homes a conversation when its
+        first turn is routed. A re-homed conversation's history moves by itself."""
+        del conversation_id, history, cache_salt
+        msg = (
+            "import_conversation with several servers is not supported: the router homes a "
+            "conversation on its first turn (a re-homed one's history moves by itself)"
+        )
+        raise RuntimeError(msg)
 
     def fit_turn(
         self,

@@ -208,8 +208,10 @@ class Router:
                 planned = (salt, plan.ordered[0].key, replica.index)
                 self._planned[planned] = self._planned.get(planned, 0) + 1
             if sticky:
-                if plan.turn > 1:
+                if plan.turn > 1 and not rehomed:
                     cached = self._history_tokens(plan, prompt_tokens)
+                elif plan.turn > 1:  # a history carried to a new home: none of it cached there
+                    cached = 0
                 else:  # the home planner forgot it: a first turn, predicted from its tree
                     cached = plan.matched_tokens or 0
                 cached = max(0, min(cached, prompt_tokens - 1))

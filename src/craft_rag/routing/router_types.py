@@ -56,8 +56,9 @@ class RouterConfig:
 @dataclass(slots=True, eq=False)
 class RouteDecision:
     """Where one request goes and in which order. ``sticky``: a later turn sent to its
-    conversation's home; ``rehomed``: that home was lost, so this turn restarts as a first turn
-    here. ``predicted_cost_s``: the policy's cost (predicted TTFT plus weighted queue).
+    conversation's home; ``rehomed``: that home was lost, so this is the conversation's first
+    turn here (a first turn unless its engine carried the history over: nothing of it cached).
+    ``predicted_cost_s``: the policy's cost (predicted TTFT plus weighted queue).
 
     A read-only record: the router never changes one it returned, and callers must not (it is
     not ``frozen`` because a frozen dataclass's ``__init__`` costs ~5x more, ~3 µs for these
