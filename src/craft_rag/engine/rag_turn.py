@@ -253,14 +253,17 @@ class RagTurns:
                 )
                 raise RuntimeError(msg)
             rendered = self.render(plan, question, view)
+            # What cache-aware admission ranks by (the CP-Tree's match, or the history); read
+            # from the rendered turn before the driver is reached (the turn's walk never
+            # returns to a module it left: tests/engine/test_turn_walk.py).
+            predicted = predicted_cached_tokens(
+                plan, rendered, self._close_tokens, self._cache.block_size
+            )
             state = RequestState(
                 self._request_ids(),
                 on_delta=on_delta,
                 on_done=on_done,
-                # What cache-aware admission ranks by (the CP-Tree's match, or the history).
-                predicted_cached_tokens=predicted_cached_tokens(
-                    plan, rendered, self._close_tokens, self._cache.block_size
-                ),
+                predicted_cached_tokens=predicted,
             )
             self._submit(rendered.prompt.token_ids, sampling, state, cache_salt=salt)
         except BaseException:
