@@ -211,10 +211,7 @@ class SpeculativePrefill:
         stages when known (the last is then not speculated on). ``ValueError`` for a bad
         question or chunks (as :meth:`CraftEngine.generate`) or no stage; any error aborts
         every speculation (nothing committed)."""
-        if not isinstance(question, str) or not question.strip():
-            msg = "question must be a non-empty string"
-            raise ValueError(msg)
-        target = _EngineTarget(self.engine, question, sampling or SamplingRequest(), cache_salt)
+        target = self._engine_target(question, sampling, cache_salt)
         pipeline: SpeculativePipeline[Chunk, EngineSpeculation, GenerationResult] = (
             SpeculativePipeline(
                 target,
@@ -243,10 +240,7 @@ class SpeculativePrefill:
         (:meth:`craft_rag.CraftPlanner.reserve`); abort it in the planner if it is not
         served. ``wasted_tokens`` counts a dropped speculation's prompt past the kept one's
         shared prefix (all of it when none was kept)."""
-        if not isinstance(question, str) or not question.strip():
-            msg = "question must be a non-empty string"
-            raise ValueError(msg)
-        inner = _EngineTarget(self.engine, question, sampling or SamplingRequest(), cache_salt)
+        inner = self._engine_target(question, sampling, cache_salt)
         target = _PlanTarget(inner, self.engine.planner_for(cache_salt))
         pipeline: SpeculativePipeline[Chunk, EngineSpeculation, Plan] = SpeculativePipeline(
             target,
@@ -256,6 +250,15 @@ class SpeculativePrefill:
             clock=self._clock,
         )
         return pipeline.run(_checked(stages), total=total)
+
+    def _engine_target(
+        self, question: str, sampling: SamplingRequest | None, cache_salt: str | None
+    ) -> _EngineTarget:
+        """The speculations' target for ``question`` (``ValueError`` when it is empty)."""
+        if not isinstance(question, str) or not question.strip():
+            msg = "question must be a non-empty string"
+            raise ValueError(msg)
+        return _EngineTarget(self.engine, question, sampling or SamplingRequest(), cache_salt)
 
 
 def _chunk_key(chunk: Chunk) -> str:
