@@ -38,6 +38,7 @@ EXPECTED = {
     "RequestCancelled",
     "RequestHandle",
     "RoutedEngine",
+    "ChunkCacheSettings",
     "ReuseReport",
     "SamplingRequest",
     "ServerError",

@@ -58,6 +58,7 @@ from craft_rag.engine.turn_layout import (
     TurnCostModel,
     TurnLayoutPolicy,
 )
+from craft_rag.kvtiers.chunk_cache_settings import ChunkCacheSettings
 from craft_rag.scheduling.pipelining import IVFStagedSearch, PipelineReport
 from craft_rag.validation import validate_cache_salt
 
@@ -70,6 +71,7 @@ __all__ = [
     "SAMPLING_KEYWORDS",
     "BlockHasher",
     "ChatTurn",
+    "ChunkCacheSettings",
     "Condensed",
     "ConversationPrompts",
     "CraftEngine",

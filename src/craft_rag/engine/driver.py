@@ -21,6 +21,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Generic, Protocol, TypeVar
 
 from craft_rag.engine.results import SamplingRequest, StepOutput
+from craft_rag.kvtiers.approx_params import ReuseCounts
 from craft_rag.scheduling.admission import AdmissionQueue
 
 if TYPE_CHECKING:
@@ -132,6 +133,7 @@ class RequestState:
     num_cached_tokens: int | None = None
     tier_ram_tokens: int = 0
     tier_disk_tokens: int = 0
+    reuse_counts: ReuseCounts | None = None
     error: BaseException | None = None
     held_s: float | None = None
     """Seconds craft-rag's admission queue held the request (0 when vLLM's priority scheduler
@@ -154,6 +156,7 @@ class RequestState:
             # The connector reports tier counts once, when the request finishes.
             self.tier_ram_tokens = out.tier_ram_tokens
             self.tier_disk_tokens = out.tier_disk_tokens
+            self.reuse_counts = out.reuse_counts
         if self.on_delta is not None:
             self.on_delta(out, now)
         if out.finished:

@@ -22,7 +22,7 @@ from collections import deque
 from collections.abc import AsyncGenerator, Callable, Iterator, Sequence
 from contextlib import aclosing
 from dataclasses import dataclass, field, replace
-from typing import Protocol
+from typing import Any, Protocol
 
 from craft_rag.engine.driver import RequestCancelled, RequestState
 from craft_rag.engine.results import (
@@ -40,6 +40,7 @@ __all__ = [
     "RequestHandle",
     "TurnHooks",
     "astream_of",
+    "chunk_reuse_fields",
     "finish_request",
     "plain_report",
     "result_of",
@@ -314,7 +315,24 @@ def plain_report(flight: InFlight) -> ReuseReport:
         tier_ram_tokens=ram,
         tier_disk_tokens=disk,
         admission_held_ms=None if state.held_s is None else state.held_s * 1000.0,
+        **chunk_reuse_fields(state),
     )
+
+
+def chunk_reuse_fields(state: RequestState) -> dict[str, Any]:
+    """The :class:`ReuseReport` fields of the approximate connector's counts (chunk spans
+    sent); none (the defaults) when the request sent none or the counts did not add up."""
+    counts = state.reuse_counts
+    if counts is None:
+        return {}
+    return {
+        "approximate": counts.refused is None and counts.fixed > 0,
+        "exact_reused_tokens": counts.exact,
+        "fixed_tokens": counts.fixed,
+        "recomputed_tokens": counts.recomputed,
+        "computed_tokens": counts.computed,
+        "chunk_cache_refused": counts.refused,
+    }
 
 
 def result_of(flight: InFlight, report: ReuseReport) -> GenerationResult:

@@ -14,6 +14,7 @@ from typing import TYPE_CHECKING, Any, TypeAlias
 
 from craft_rag.chunk import Chunk
 from craft_rag.engine.turn_layout import LayoutChoice
+from craft_rag.kvtiers.approx_params import ReuseCounts
 from craft_rag.types import ChunkKey
 from craft_rag.validation import (
     MAX_INT,
@@ -194,6 +195,9 @@ class StepOutput:
     the finishing delta; 0 without tiers)."""
     tier_disk_tokens: int = 0
     """Of ``num_cached_tokens``, those loaded from the disk tier (as ``tier_ram_tokens``)."""
+    reuse_counts: ReuseCounts | None = None
+    """The approximate connector's per-origin counts (``craft_reuse``), on the finishing delta
+    of a request that sent ``craft_approx`` spans; ``None`` otherwise."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -260,6 +264,24 @@ class ReuseReport:
     retries: int = 0
     """With several servers: how often the request was sent again to another replica because
     its replica was unreachable before the first token."""
+    approximate: bool = False
+    """With chunk-caches on (``EngineSettings.chunk_cache``): some prompt tokens' KV came from
+    a chunk-cache (re-rotated, partly recomputed), so the answer may differ from a full
+    prefill's. ``False`` whenever the request was served exactly."""
+    exact_reused_tokens: int | None = None
+    """With chunk spans sent: prompt tokens whose KV was reused exactly (pool, tiers, a cached
+    head); ``None`` when the request sent none (then ``cached_tokens`` says it)."""
+    fixed_tokens: int = 0
+    """With chunk spans sent: chunk-cache tokens reused as cached (not recomputed)."""
+    recomputed_tokens: int = 0
+    """With chunk spans sent: tokens the connector computed (selected tokens of reused
+    chunks, chunks without a chunk-cache, an uncached head)."""
+    computed_tokens: int | None = None
+    """With chunk spans sent: tokens vLLM computed; ``exact_reused_tokens + fixed_tokens +
+    recomputed_tokens + computed_tokens == prompt_tokens``. ``None`` when none were sent."""
+    chunk_cache_refused: str | None = None
+    """With chunk spans sent: why the connector refused them (the request was then computed
+    exactly); ``None`` when they were used or not sent."""
 
     @property
     def cached_fraction(self) -> float:

@@ -5,6 +5,7 @@ them (LRU, RAGCache's PGDSF), ``cost_model`` prices them, ``disk_tier`` owns the
 ``store`` ties them together behind :class:`TieredBlockStore`.
 """
 
+from craft_rag.kvtiers.chunk_cache_settings import ChunkCacheSettings
 from craft_rag.kvtiers.cost_model import DEFAULT_CPU_PROFILE, PrefillCostModel, default_cost_model
 from craft_rag.kvtiers.keys import BlockKey, chain_keys
 from craft_rag.kvtiers.policies import (
@@ -25,6 +26,7 @@ __all__ = [
     "DEFAULT_CPU_PROFILE",
     "TIER_POLICIES",
     "BlockKey",
+    "ChunkCacheSettings",
     "KVTierSettings",
     "LRUPolicy",
     "PGDSFPolicy",

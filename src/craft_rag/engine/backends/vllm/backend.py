@@ -34,6 +34,8 @@ from craft_rag.engine.backends.vllm.logs import (
 )
 from craft_rag.engine.cpu_dtype import default_dtype
 from craft_rag.engine.results import SamplingRequest, StepOutput
+from craft_rag.kvtiers.approx_params import reuse_counts_of
+from craft_rag.kvtiers.chunk_cache_settings import ChunkCacheSettings
 from craft_rag.kvtiers.tier_settings import KVTierSettings
 from craft_rag.kvtiers.tier_tokens import tier_tokens_of
 from craft_rag.scheduling.admission import DEFAULT_ADMISSION, DEFAULT_WINDOW
@@ -63,6 +65,14 @@ class EngineSettings:
     ``kv_tiers`` (off by default) loads craft-rag's KV connector
     (:mod:`craft_rag.kvtiers.connector`): prompt blocks evicted from the pool are served from a
     RAM and a disk tier; ignored when ``engine_kwargs`` names its own ``kv_transfer_config``.
+    ``chunk_cache`` (off by default; :class:`~craft_rag.kvtiers.chunk_cache_settings.
+    ChunkCacheSettings`) loads :class:`~craft_rag.kvtiers.approx_connector.CraftApproxConnector`
+    instead (the tier connector plus chunk-caches fixed by selective recomputation) over
+    ``kv_tiers``, or over default :class:`KVTierSettings` when ``kv_tiers`` is ``None``: a
+    request served from chunk-caches runs under a request-scoped salt, so its exact prefix can
+    come only from the tiers. RAG requests then reuse chunks at any position where the
+    engine's per-chunk plan (:mod:`craft_rag.engine.chunk_cache_plan`) finds a chunk-cache;
+    their answers are approximate (see docs/approx-kv.md before turning it on).
     ``admission`` (``"fcfs"``, the default, changes nothing; ``"cache_aware"``: RAGCache's
     reordering of waiting requests by predicted cached / compute tokens, no request overtaken
     by ``admission_window`` or more later ones) with ``admission_queue=None`` starts vLLM with
@@ -85,6 +95,7 @@ class EngineSettings:
     seed: int = 0
     log_level: str = DEFAULT_LOG_LEVEL
     kv_tiers: KVTierSettings | None = None
+    chunk_cache: ChunkCacheSettings | None = None
     engine_kwargs: Mapping[str, Any] = field(default_factory=dict)
     admission: str = DEFAULT_ADMISSION
     admission_window: int = DEFAULT_WINDOW
@@ -92,6 +103,9 @@ class EngineSettings:
 
     def __post_init__(self) -> None:
         check_log_level(self.log_level)
+        if self.chunk_cache is not None and not isinstance(self.chunk_cache, ChunkCacheSettings):
+            msg = f"chunk_cache must be a ChunkCacheSettings or None, got {self.chunk_cache!r:.80}"
+            raise ValueError(msg)
         check_admission(self.admission, self.admission_window, self.admission_queue)
         check_int(self.block_size, "block_size", minimum=1)
         check_int(self.max_model_len, "max_model_len", minimum=1, maximum=2**31 - 1)
@@ -214,7 +228,12 @@ class VLLMBackend:
             kwargs["kv_events_config"] = config_mod.KVEventsConfig(
                 enable_kv_cache_events=True, publisher="zmq", endpoint=endpoint
             )
-        if settings.kv_tiers is not None:
+        if settings.chunk_cache is not None:
+            config_mod = importlib.import_module("vllm.config")
+            kwargs["kv_transfer_config"] = config_mod.KVTransferConfig(
+                **settings.chunk_cache.transfer_config(settings.kv_tiers)
+            )
+        elif settings.kv_tiers is not None:
             config_mod = importlib.import_module("vllm.config")
             kwargs["kv_transfer_config"] = config_mod.KVTransferConfig(
                 **settings.kv_tiers.transfer_config()
@@ -340,10 +359,10 @@ def step_output_of(ro: Any) -> StepOutput:
     prompt length (:func:`~craft_rag.kvtiers.tier_tokens.tier_tokens_of`; 0s without it)."""
     completion = ro.outputs[0] if ro.outputs else None
     prompt = getattr(ro, "prompt_token_ids", None)
-    ram, disk = tier_tokens_of(
-        getattr(ro, "kv_transfer_params", None),
-        maximum=len(prompt) if prompt is not None else None,
-    )
+    params = getattr(ro, "kv_transfer_params", None)
+    ram, disk = tier_tokens_of(params, maximum=len(prompt) if prompt is not None else None)
+    # The approximate connector's counts (chunk spans), checked to sum to the prompt.
+    reuse = reuse_counts_of(params, prompt_len=len(prompt) if prompt is not None else None)
     return StepOutput(
         request_id=str(ro.request_id),
         new_token_ids=tuple(completion.token_ids) if completion else (),
@@ -353,4 +372,5 @@ def step_output_of(ro: Any) -> StepOutput:
         num_cached_tokens=ro.num_cached_tokens,
         tier_ram_tokens=ram,
         tier_disk_tokens=disk,
+        reuse_counts=reuse,
     )
