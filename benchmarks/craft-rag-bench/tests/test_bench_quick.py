@@ -28,7 +28,8 @@ if TYPE_CHECKING:
     from craft_rag.engine import CraftEngine
 
 SUITE_NAMES = {"overlap", "kv", "ttft", "load", "topk", "sensitivity", "quality", "overhead",
-               "routing", "chat", "cache-sizes", "tiers", "chunk-cache", "pipeline"}
+               "routing", "chat", "cache-sizes", "tiers", "chunk-cache", "pipeline",
+               "chunk-cache-speed"}
 
 
 def make_trace(path: Path, requests: int = 24, seed: int = 0) -> Path:

@@ -86,18 +86,19 @@ SUITES: dict[str, Suite] = {
     "cache-sizes": _lazy("cache_sizes"),
     "tiers": _lazy("tiers"),
     "chunk-cache": _lazy("chunk_cache_quality"),
+    "chunk-cache-speed": _lazy("chunk_cache_speed"),
     "pipeline": _lazy("pipeline"),
 }
 """Suite name -> function; ``all`` runs them in this order (engine suites last), except
 :data:`NOT_IN_ALL`."""
 
-NOT_IN_ALL = frozenset({"cache-sizes", "tiers", "chunk-cache"})
-"""Suites ``all`` skips: ``cache-sizes`` starts one engine per KV size, ``tiers`` one engine
-process per system (minutes), ``chunk-cache`` runs the model layer by layer in torch (an hour
-at n=100 on 2 CPU cores); run them alone."""
+NOT_IN_ALL = frozenset({"cache-sizes", "tiers", "chunk-cache", "chunk-cache-speed"})
+"""Suites ``all`` skips: ``cache-sizes`` starts one engine per KV size, ``tiers`` and
+``chunk-cache-speed`` one engine process per system (minutes), ``chunk-cache`` runs the model
+layer by layer in torch (an hour at n=100 on 2 CPU cores); run them alone."""
 
 ENGINE_SUITES = frozenset({"ttft", "kv", "quality", "topk", "load", "chat", "cache-sizes",
-                           "tiers", "pipeline"})
+                           "tiers", "pipeline", "chunk-cache-speed"})
 
 
 def add_bench_parser(subparsers: Any) -> None:
@@ -147,6 +148,13 @@ def add_bench_parser(subparsers: Any) -> None:
     p.add_argument("--pipeline-vectors", type=int_range(1000, 100_000_000), default=None,
                    help="pipeline: vectors in the synthetic IVF index, sized so that the search "
                    "costs about a prefill on this machine (default 1,000,000; quick 20,000)")
+    p.add_argument("--pipeline-index", choices=("flat", "sq8", "pq"), default=None,
+                   help="pipeline: IVF index type: flat (4 x dim bytes a vector, default), sq8 "
+                   "(8-bit scalar quantizer, dim bytes) or pq (dim / 8 bytes); smaller codes fit "
+                   "more vectors, a longer search, in memory")
+    p.add_argument("--pipeline-dim", type=int_range(8, 4096), default=None,
+                   help="pipeline: vector dimension (default 128; quick 64; 384 is MiniLM's; "
+                   "pq needs a multiple of 8)")
     p.add_argument("--seed", type=seed_int, default=0)
     p.add_argument("--block-size", type=int_range(1, 1 << 16), default=32,
                    help="engine KV block size")
@@ -209,6 +217,14 @@ def run_bench(args: argparse.Namespace) -> int:
         ctx.with_sizes(admission_factors=parse_factors(args.admission_factors))
     if getattr(args, "pipeline_vectors", None) is not None:
         ctx.with_sizes(pipeline_vectors=args.pipeline_vectors)
+    if getattr(args, "pipeline_index", None) is not None:
+        ctx.with_sizes(pipeline_index=args.pipeline_index)
+    if getattr(args, "pipeline_dim", None) is not None:
+        ctx.with_sizes(pipeline_dim=args.pipeline_dim)
+    if args.pipeline_index is not None or args.pipeline_dim is not None:
+        from craft_rag_bench.bench.pipeline import check_index_type
+
+        check_index_type(ctx.sizes.pipeline_index, ctx.sizes.pipeline_dim)
     if getattr(args, "ttft_passes", None) is not None:
         ctx.with_sizes(ttft_passes=args.ttft_passes)
     if replicas is not None:

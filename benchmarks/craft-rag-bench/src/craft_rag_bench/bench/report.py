@@ -255,6 +255,12 @@ def _tiers(r: Mapping[str, Any]) -> list[str]:
     return report_lines(r)
 
 
+def _chunk_cache_speed(r: Mapping[str, Any]) -> list[str]:
+    from craft_rag_bench.bench.chunk_cache_speed import report_lines
+
+    return report_lines(r)
+
+
 def _pipeline(r: Mapping[str, Any]) -> list[str]:
     from craft_rag_bench.bench.pipeline import report_lines
 
@@ -279,6 +285,8 @@ SECTIONS: dict[str, tuple[str, Section]] = {
               "on a small pool", _tiers),
     "pipeline": ("Speculative retrieval pipelining vs search-then-prefill (RAGCache 5.3)",
                  _pipeline),
+    "chunk-cache-speed": ("Chunk-caches: TTFT of CRAFT alone, CRAFT + chunk-caches and the "
+                          "retriever's order + chunk-caches (issue 28)", _chunk_cache_speed),
 }
 
 
