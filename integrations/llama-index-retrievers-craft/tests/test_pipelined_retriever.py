@@ -15,6 +15,7 @@ from llama_index.retrievers.craft import CraftRetriever
 
 from craft_rag.engine import CraftEngine, SpeculativePrefill
 from craft_rag.testing import make_fake_engine
+from craft_rag.testing.indexes import make_faiss_index
 
 faiss = pytest.importorskip("faiss")
 np = pytest.importorskip("numpy")
@@ -46,12 +47,7 @@ def make_retriever(ivf: bool, top_k: int = 3) -> Any:
     from llama_index.vector_stores.faiss import FaissVectorStore
 
     x = vectors()
-    if ivf:
-        index = faiss.IndexIVFFlat(faiss.IndexFlatL2(DIM), DIM, 4)
-        index.train(x)
-        index.nprobe = 4  # every list: the final stage is exact
-    else:
-        index = faiss.IndexFlatL2(DIM)
+    index = make_faiss_index(x, ivf=ivf, nlist=4)
     nodes = [
         TextNode(text=f"Passage {i} tells of item {i}.", id_=f"n{i}", embedding=row.tolist())
         for i, row in enumerate(x)

@@ -21,6 +21,7 @@ from langchain_craft import (
 
 from craft_rag.engine import CraftEngine, SpeculativePrefill
 from craft_rag.testing import FakeBackend
+from craft_rag.testing.indexes import make_faiss_index
 
 faiss = pytest.importorskip("faiss")
 np = pytest.importorskip("numpy")
@@ -63,12 +64,7 @@ def make_store(ivf: bool) -> Any:
     from langchain_community.vectorstores import FAISS
 
     x = vectors()
-    if ivf:
-        index = faiss.IndexIVFFlat(faiss.IndexFlatL2(DIM), DIM, 16)
-        index.train(x)
-        index.nprobe = 16  # every list: the final stage is exact
-    else:
-        index = faiss.IndexFlatL2(DIM)
+    index = make_faiss_index(x, ivf=ivf, nlist=16)
     store = FAISS(QueryTable(), index, InMemoryDocstore(), {})
     texts = [f"Passage {i} tells of item {i}." for i in range(len(x))]
     store.add_embeddings(
