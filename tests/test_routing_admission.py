@@ -5,34 +5,20 @@ admission key of that plan's predicted cached tokens (the replica's CP-Tree matc
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-from dataclasses import dataclass, field
 from typing import cast
 
-from craft_rag.engine import CraftEngine, EngineSettings, SamplingRequest
+from craft_rag.engine import CraftEngine, EngineSettings
 from craft_rag.planner import CraftPlanner
 from craft_rag.routing import Router, RouterConfig
 from craft_rag.scheduling import AdmissionOrder
 from craft_rag.testing import FakeBackend, make_chunks, make_fake_engine
 
 
-@dataclass
-class PriorityBackend(FakeBackend):
-    """The fake backend taking vLLM's ``priority=``, recording it per request."""
-
-    priorities: list[int | None] = field(default_factory=list)
-
-    def add_request(self, request_id: str, token_ids: Sequence[int], sampling: SamplingRequest,
-                    cache_salt: str | None = None, priority: int | None = None) -> None:
-        super().add_request(request_id, token_ids, sampling, cache_salt)
-        self.priorities.append(priority)
-
-
 def test_routed_requests_carry_their_plans_admission_key() -> None:
     window = 8
-    replicas: dict[str, tuple[CraftEngine, PriorityBackend]] = {}
+    replicas: dict[str, tuple[CraftEngine, FakeBackend]] = {}
     for name in ("r0", "r1"):
-        backend = PriorityBackend(max_model_len=1024)
+        backend = FakeBackend(max_model_len=1024)
         settings = EngineSettings(admission="cache_aware", admission_window=window)
         replicas[name] = (make_fake_engine(backend, settings=settings)[0], backend)
     engines = {name: engine for name, (engine, _) in replicas.items()}
@@ -61,7 +47,7 @@ def test_routed_requests_carry_their_plans_admission_key() -> None:
             prompt = result.report.prompt_tokens
             matched = decision.plan.matched_tokens or 0
             expected = order.key_of(arrival, order.fraction(min(matched, prompt), prompt))
-            assert backend.priorities[-1] == expected
+            assert list(backend.priorities.values())[-1] == expected
             keys.append((arrival, matched, expected))
         # The first request is cold; the later ones went to the replica holding the chunks
         # (craft_joint) with a predicted hit, so each ranks ahead of a cold request that

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import threading
 from collections.abc import Iterator, Sequence
-from dataclasses import dataclass, field
 from typing import Any
 
 import pytest
@@ -29,24 +28,6 @@ class Clock:
 
     def __call__(self) -> float:
         return self.now
-
-
-@dataclass
-class PriorityBackend(FakeBackend):
-    """A fake that takes vLLM's ``priority=`` and records it."""
-
-    priorities: dict[str, int | None] = field(default_factory=dict)
-
-    def add_request(
-        self,
-        request_id: str,
-        token_ids: Sequence[int],
-        sampling: SamplingRequest,
-        cache_salt: str | None = None,
-        priority: int | None = None,
-    ) -> None:
-        super().add_request(request_id, token_ids, sampling, cache_salt)
-        self.priorities[request_id] = priority
 
 
 def queued_driver(
@@ -140,7 +121,7 @@ def test_closing_fails_held_requests() -> None:
 
 
 def test_priority_mode_hands_the_keys_to_the_engine() -> None:
-    backend = PriorityBackend()
+    backend = FakeBackend()
     driver = EngineDriver(backend, admission=Admission(AdmissionOrder("cache_aware", 32)))
     try:
         cold, warm = submit(driver, "cold", 0), submit(driver, "warm", 100)
@@ -265,7 +246,7 @@ def submit_to(driver: ServerDriver, name: str, predicted: int) -> RequestState:
 def test_a_later_turn_ranks_by_its_cached_history() -> None:
     # An append-only turn starts with the previous prompt and reply (cached): it ranks warmer
     # than a cold first turn of the same length that arrived before it.
-    backend = PriorityBackend()
+    backend = FakeBackend()
     engine, _ = make_fake_engine(backend, settings=EngineSettings(admission="cache_aware"))
     renderer = engine.prompt_renderer
     head = len(renderer.chat_assembler.head_ids)
@@ -303,7 +284,7 @@ def test_a_turn_after_dropped_turns_ranks_cold() -> None:
     # cached prompts (it differs right after the head), so nothing is predicted cached.
     settings = EngineSettings(admission="cache_aware")
     budget = HistoryBudget(max_tokens=200, keep_tokens=100)
-    backend = PriorityBackend()
+    backend = FakeBackend()
     engine, _ = make_fake_engine(backend, settings=settings, history_budget=budget)
     try:
         engine.submit(RagRequest(make_chunks(3, words=30), "first?", "c")).result()

@@ -8,16 +8,15 @@ docs/benchmarks.md."""
 from __future__ import annotations
 
 import random
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator
 from contextlib import contextmanager
-from dataclasses import dataclass, field
 from typing import Any
 
 import pytest
 from bench_cli_spy import spy_run_suites
 
 from craft_rag.chunk import make_chunk
-from craft_rag.engine import CraftEngine, EngineSettings, SamplingRequest
+from craft_rag.engine import CraftEngine, EngineSettings
 from craft_rag.testing import FakeBackend, make_fake_engine
 from craft_rag.trace import TraceRequest
 from craft_rag_bench.bench import load_admission
@@ -91,18 +90,6 @@ def test_compare_ratios_saturation_and_verdicts() -> None:
     assert calm["verdicts"]["p99_met"] is True
 
 
-@dataclass
-class PriorityBackend(FakeBackend):
-    """The fake backend taking vLLM's ``priority=``, recording it."""
-
-    priorities: list[int | None] = field(default_factory=list)
-
-    def add_request(self, request_id: str, token_ids: Sequence[int], sampling: SamplingRequest,
-                    cache_salt: str | None = None, priority: int | None = None) -> None:
-        super().add_request(request_id, token_ids, sampling, cache_salt)
-        self.priorities.append(priority)
-
-
 def shared_trace(requests: int = 10, seed: int = 0) -> list[TraceRequest]:
     rng = random.Random(seed)
     pool = [make_chunk(" ".join(f"w{rng.randrange(200)}" for _ in range(16)), id=f"p{i}")
@@ -118,11 +105,11 @@ def test_side_by_side_on_fake_engines(tmp_path: Any) -> None:
 
     trace_path = tmp_path / "t.jsonl"
     write_trace(shared_trace(), trace_path)
-    made: list[tuple[str, PriorityBackend]] = []
+    made: list[tuple[str, FakeBackend]] = []
 
     @contextmanager
     def engines(mode: str) -> Iterator[CraftEngine]:
-        backend = PriorityBackend(max_model_len=1024, step_delay=0.001)
+        backend = FakeBackend(max_model_len=1024, step_delay=0.001)
         made.append((mode, backend))
         engine, _ = make_fake_engine(backend, settings=EngineSettings(admission=mode))
         try:
@@ -138,8 +125,8 @@ def test_side_by_side_on_fake_engines(tmp_path: Any) -> None:
     assert all(b.shut_down for _, b in made)
     fcfs_backend, aware_backend = made[0][1], made[1][1]
     # The cache-aware engine gives every request a priority; FCFS admission is off.
-    assert set(fcfs_backend.priorities) == {None}
-    assert aware_backend.priorities and None not in aware_backend.priorities
+    assert set(fcfs_backend.priorities.values()) == {None}
+    assert aware_backend.priorities and None not in aware_backend.priorities.values()
     w = adm["workloads"]["trace"]
     assert w["requests"] == 10  # the conversation turn is left out
     assert w["factors"] == [0.5, 4.0]

@@ -15,10 +15,10 @@ and a test runs in milliseconds::
 :class:`~craft_rag.engine.BlockHasher` (cached = the longest prefix of full blocks seen before,
 capped so the last prompt token is recomputed; a ``cache_salt`` is mixed into the first block's
 hash and so into every chained one, as vLLM does), replies ``t101 t102 ...`` one token per
-step, records what it was sent (``added``, ``salts``, ``aborted``), and can be told to fail
-(``fail_on_step``), wait (``step_gate``) or slow down (``step_delay``). Plain chats are rendered
-with a ChatML template (:data:`CHATML`); RAG prompts with :data:`FAKE_FORMAT`. Use it only in
-unit tests: integration tests run the real engine.
+step, records what it was sent (``added``, ``salts``, ``priorities``, ``aborted``), and can be
+told to fail (``fail_on_step``), wait (``step_gate``) or slow down (``step_delay``). Plain chats
+are rendered with a ChatML template (:data:`CHATML`); RAG prompts with :data:`FAKE_FORMAT`. Use
+it only in unit tests: integration tests run the real engine.
 """
 
 from __future__ import annotations
@@ -150,6 +150,9 @@ class FakeBackend:
     running: dict[str, _FakeRequest] = field(default_factory=dict)
     added: list[tuple[str, tuple[int, ...], SamplingRequest]] = field(default_factory=list)
     salts: list[str | None] = field(default_factory=list)
+    priorities: dict[str, int | None] = field(default_factory=dict)
+    """Request id -> the ``priority=`` it was added with (vLLM's, from cache-aware admission;
+    ``None`` without), in arrival order; recorded, not applied."""
     aborted: list[str] = field(default_factory=list)
     shut_down: bool = False
 
@@ -172,7 +175,7 @@ class FakeBackend:
         cache_salt: str | None = None,
         priority: int | None = None,
     ) -> None:
-        # ``priority`` (cache-aware admission) is taken and ignored: every running request
+        # ``priority`` (cache-aware admission) is recorded, not applied: every running request
         # steps together here, so there is no waiting order to apply it to.
         if len(token_ids) + sampling.max_tokens > self.max_model_len:
             raise ValueError("prompt too long for the fake engine")
@@ -187,6 +190,7 @@ class FakeBackend:
             cached = min(cached, (len(token_ids) - 1) // self.block_size * self.block_size)
         self.cached_blocks.update(hashes)
         self.salts.append(cache_salt)
+        self.priorities[request_id] = priority
         self.running[request_id] = _FakeRequest(request_id, list(token_ids), sampling, cached)
         self.added.append((request_id, tuple(token_ids), sampling))
 
