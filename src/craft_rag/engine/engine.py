@@ -37,6 +37,7 @@ from craft_rag.engine.admission import admission_of
 from craft_rag.engine.backends.server.backend import ServerSettings
 from craft_rag.engine.backends.vllm.backend import EngineSettings, EngineStartError
 from craft_rag.engine.chat_format import model_renderer
+from craft_rag.engine.chunk_cache_plan import ChunkCachePlanner
 from craft_rag.engine.conversation_prompts import (
     ENGINE_MAX_CONVERSATIONS,
     ConversationPrompts,
@@ -296,6 +297,13 @@ class CraftEngine(RequestForms):
             block_hasher=block_hasher,
             barrier=EventBarrier(self.kv_events, self._backend.published_batches),
             request_ids=self._ids,
+            # Chunk-caches (EngineSettings.chunk_cache): the in-process connector only; a vLLM
+            # server's connector is the server's own configuration.
+            chunk_cache=(
+                ChunkCachePlanner(self.settings.chunk_cache)
+                if self.settings.chunk_cache is not None and server is None
+                else None
+            ),
         )
 
     # ---- configuration -----------------------------------------------------------------------

@@ -36,6 +36,7 @@ from dataclasses import replace
 
 from craft_rag.chunk import Chunk
 from craft_rag.conversation import ConversationStore
+from craft_rag.kvtiers.approx_params import APPROX_SALT_PREFIX
 from craft_rag.planner import CraftPlanner, Plan, PlannerConfig
 from craft_rag.stores import DEFAULT_NAMESPACE, StateStore, as_store, namespace_for_salt
 from craft_rag.tree import KVLocation
@@ -71,6 +72,11 @@ class SaltCheck:
 
     def __call__(self, cache_salt: str | None) -> CacheSalt | None:
         salt = validate_cache_salt(cache_salt)
+        if salt is not None and salt.startswith(APPROX_SALT_PREFIX):
+            # Reserved: the approximate connector reads such a salt as request-scoped and keys
+            # its exact KV under the part after '|', another tenant's salt (kvtiers.approx_params).
+            msg = f"cache_salt must not start with {APPROX_SALT_PREFIX!r} (reserved); pick another"
+            raise ValueError(msg)
         if salt is not None and not self._takes_salt:
             msg = (
                 f"this engine's backend ({self._backend_name}) takes no cache_salt: "
@@ -118,6 +124,9 @@ def store_planners(
         raise ValueError(msg)
     shared = as_store(store)
     config = PlannerConfig(policy="tree")  # every worker's (the store checks it)
+    scoped_config = getattr(shared, "planner_config", None)  # stores.scoped.ScopedStore's
+    if isinstance(scoped_config, PlannerConfig):
+        config = scoped_config  # a routed engine's replica: its routing policy's planners
     if max_conversations is not None:
         config = replace(config, max_conversations=max_conversations)
     default = CraftPlanner(config, store=shared, namespace=DEFAULT_NAMESPACE)

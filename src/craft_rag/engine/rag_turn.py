@@ -38,6 +38,7 @@ from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Protocol
 
 from craft_rag.chunk import Chunk
+from craft_rag.engine.chunk_cache_plan import ChunkCachePlan, ChunkCachePlanner
 from craft_rag.engine.conversation_prompts import ConversationPrompts, RenderedTurn
 from craft_rag.engine.driver import RequestState
 from craft_rag.engine.planners import (
@@ -49,6 +50,7 @@ from craft_rag.engine.planners import (
 from craft_rag.engine.requests import InFlight, OnDelta, OnDone, plain_report, result_of
 from craft_rag.engine.results import GenerationResult, RagRequest, SamplingRequest
 from craft_rag.engine.turn_context import TurnContext
+from craft_rag.kvtiers.approx_params import request_scoped_salt
 from craft_rag.metrics import chunks_inside_cache, chunks_with_cached_blocks
 from craft_rag.planner import CraftPlanner, Plan
 from craft_rag.prompt import AssembledPrompt
@@ -168,8 +170,12 @@ class RagTurns:
         block_hasher: BlockHasher | None = None,
         barrier: Callable[[], None] = lambda: None,
         request_ids: Callable[[], str] | None = None,
+        chunk_cache: ChunkCachePlanner | None = None,
     ) -> None:
         self.namespaces = namespaces
+        # With chunk-caches on (EngineSettings.chunk_cache, in-process vLLM only): the
+        # per-chunk plan of each single request (chunk_cache_plan; owns its chunk record).
+        self.chunk_cache = chunk_cache
         self.renderer = renderer
         self.block_hasher = block_hasher
         self._submit = submit
@@ -224,7 +230,12 @@ class RagTurns:
         )
         next_turn = view.next_turn  # read with the view: the steps below do not come back to it
         if given is None:
-            plan = planner.claim(planner.plan(list(request.chunks), conversation_id))
+            chunks = list(request.chunks)
+            if self.chunk_cache is not None and conversation_id is None:
+                # Fixable chunks ahead of new ones among the planner's ties (see
+                # chunk_cache_plan: the plan is never reordered after planning).
+                chunks = self.chunk_cache.fixable_first(chunks, lambda c: c.key, salt)
+            plan = planner.claim(planner.plan(chunks, conversation_id))
         else:
             conversation_id = given.conversation_id
             gone = sorted(view.lost_keys & {c.key for c in given.removed_duplicates})
@@ -265,12 +276,46 @@ class RagTurns:
                 on_done=on_done,
                 predicted_cached_tokens=predicted,
             )
-            self._submit(rendered.prompt.token_ids, sampling, state, cache_salt=salt)
+            sent_sampling, sent_salt, chunk_plan = self._chunk_cache_request(
+                plan, rendered, sampling, salt
+            )
+            self._submit(rendered.prompt.token_ids, sent_sampling, state, cache_salt=sent_salt)
+            if chunk_plan is not None and self.chunk_cache is not None:
+                self.chunk_cache.sent(salt, rendered.prompt.chunk_keys, chunk_plan)
         except BaseException:
             self.give_up_plan(planner, plan, caller_plan)
             raise
         turn = RagTurn(self, plan, rendered, planner, caller_plan, view)
         return InFlight(state, sampling, rendered.prompt.token_ids, salt, turn)
+
+    def _chunk_cache_request(
+        self, plan: Plan, rendered: RenderedTurn, sampling: SamplingRequest,
+        salt: CacheSalt | None,
+    ) -> tuple[SamplingRequest, CacheSalt | None, ChunkCachePlan | None]:
+        """What to submit with chunk-caches on: the sampling (with ``craft_approx`` chunk spans
+        in its ``kv_transfer_params`` when the per-chunk plan sends them), the salt (then
+        request-scoped: :func:`~craft_rag.kvtiers.approx_params.request_scoped_salt` of the
+        tenant's) and the plan; unchanged (and no plan) when off or not applicable: a
+        conversation turn (its history must stay an exact prefix for the next turn) or a
+        request that does not read the prefix cache (the no-cache baseline)."""
+        if (self.chunk_cache is None or rendered.conversation_id is not None
+                or not sampling.read_prefix_cache):
+            return sampling, salt, None
+        prompt = rendered.prompt
+        chunk_plan = self.chunk_cache.plan(
+            prompt.chunk_keys, prompt.chunk_spans, plan.matched_tokens, len(prompt.token_ids),
+            salt,
+        )
+        if not chunk_plan.send:
+            return sampling, salt, chunk_plan
+        extra = dict(sampling.extra)
+        args = dict(extra.get("extra_args") or {})
+        args["kv_transfer_params"] = {
+            **(args.get("kv_transfer_params") or {}),
+            **chunk_plan.params(self.chunk_cache.settings),
+        }
+        extra["extra_args"] = args
+        return replace(sampling, extra=extra), CacheSalt(request_scoped_salt(salt)), chunk_plan
 
     def render(self, plan: Plan, question: str, view: TurnContext) -> RenderedTurn:
         """Render ``plan``'s turn after ``view``'s live turns (its planner holds the turn in
@@ -311,6 +356,10 @@ class RagTurns:
         forget = self.renderer.turns_to_forget(turn.view, rendered, tokens)
         left_out = rendered.left_out
         cached = state.num_cached_tokens or 0
+        if state.reuse_counts is not None:
+            # Chunk spans were sent: vLLM counts the connector's approximate tokens as cached,
+            # but only the exact ones are reuse the CP-Tree (and reused_chunks) may count.
+            cached = min(cached, state.reuse_counts.exact)
         reused = reused_chunk_count(prompt, cached)
         # The planner prunes CP-Tree nodes past this: block-granular evidence, not `reused`.
         # The plan's chunks lead the prompt's (a restart re-sends dedup's after them).
