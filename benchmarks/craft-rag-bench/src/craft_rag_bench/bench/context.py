@@ -97,6 +97,9 @@ class BenchSizes:
     pipeline_vectors: int = 1_000_000
     """``pipeline`` suite: vectors in the synthetic IVF index (searched with nprobe = nlist)."""
     pipeline_dim: int = 128
+    """``pipeline`` suite: vector dimension (``--pipeline-dim``; MiniLM's is 384)."""
+    pipeline_index: str = "flat"
+    """``pipeline`` suite: IVF index type, ``flat``, ``sq8`` or ``pq`` (``--pipeline-index``)."""
     pipeline_nlist: int = 1024
     pipeline_stages: int = 4
     pipeline_top_k: int = 5
