@@ -40,6 +40,7 @@ from craft_rag.engine import (
     EngineRequest,
     MessagesRequest,
     RagRequest,
+    RoutedEngine,
     SamplingRequest,
     ServerSettings,
 )
@@ -119,12 +120,21 @@ class CraftEngineParams(BaseModel):
             "`engine` is None; model=, context_window=, vllm_kwargs= are merged in."
         ),
     )
-    server: str | ServerSettings | None = Field(
+    server: str | ServerSettings | tuple[ServerSettings, ...] | None = Field(
         default=None,
         description=(
             "A vLLM OpenAI-compatible server (`craft-rag serve`, `vllm serve`) for the engine "
             "started when `engine` is None; also base_url=/api_base=/openai_api_base= (with or "
-            "without /v1). model= then names the local copy of the served model."
+            "without /v1). model= then names the local copy of the served model. A list "
+            "(server=[url, url, ...]): several replicas of that model, one engine routing "
+            "over them (CraftEngine(server=[...]); docs/deployment.md)."
+        ),
+    )
+    routing: str | None = Field(
+        default=None,
+        description=(
+            "With server=[url, url, ...]: the routing policy (craft_rag.routing."
+            "ROUTING_POLICIES; None: craft_joint, placement and chunk order chosen together)."
         ),
     )
     model_kwargs: dict[str, Any] = Field(
@@ -193,9 +203,13 @@ class CraftEngineParams(BaseModel):
         return normalise_arguments(cls, values)
 
     @field_serializer("server")
-    def _server_without_secrets(self, server: ServerSettings | str | None) -> Any:
+    def _server_without_secrets(
+        self, server: ServerSettings | tuple[ServerSettings, ...] | str | None
+    ) -> Any:
         """Dumps (``model_dump``, LangChain's callbacks and tracers) carry the server with
         its URL redacted and ``api_key`` masked: credentials never leave the process."""
+        if isinstance(server, tuple):
+            return [self._server_without_secrets(one) for one in server]
         if not isinstance(server, ServerSettings):
             return redact_url(server) if server is not None else None
         shown = asdict(server)
@@ -212,6 +226,12 @@ class CraftEngineParams(BaseModel):
         self.model_kwargs = check_sampling_extra(self.model_kwargs, "model_kwargs")
         check_prompt_text(self.system_prompt, "system_prompt")
         check_prompt_text(self.context_prompt, "context_prompt")
+        if self.routing is not None and not isinstance(self.server, tuple):
+            msg = (
+                "routing= spreads requests over several servers: pass server=[url, url, ...] "
+                "with it (engine=: it routes as it was built)"
+            )
+            raise ValueError(msg)
         if self.engine is not None:
             self._check_engine_prompts(self.engine)
         if not self.model_name:
@@ -268,15 +288,23 @@ class CraftEngineParams(BaseModel):
                     from craft_rag.engine import CraftEngine, EngineSettings
                 except ImportError as exc:
                     raise ImportError(ENGINE_INSTALL_HINT) from exc
+                server = self.server
                 self._owned_engine = CraftEngine(
                     EngineSettings(**self.engine_settings),
-                    server=self.server,
+                    server=list(server) if isinstance(server, tuple) else server,
+                    routing=self.routing,
                     system_prompt=self.system_prompt,
                     instructions=(
                         DEFAULT_INSTRUCTIONS if self.context_prompt is None else self.context_prompt
                     ),
                 )
             return self._owned_engine  # type: ignore[no-any-return]
+
+    def routed(self) -> bool:
+        """Whether the engine serves through several servers (``server=[...]``): it routes,
+        plans and commits every RAG request itself, so no plan comes from outside. Starts
+        the engine if it is not running."""
+        return isinstance(self.get_engine(), RoutedEngine)
 
     def close(self) -> None:
         """Close the engine this model started (a passed-in engine is the caller's)."""

@@ -144,6 +144,13 @@ class ChatCraftVLLM(CraftEngineParams, BaseChatModel):
         return params  # type: ignore[no-any-return]
 
     def _planner(self, cache_salt: str | None) -> CraftPlanner:
+        if self.routed():
+            msg = (
+                "this model serves through several servers (server=[...]): the engine routes "
+                "and plans every request on the chosen replica, so there is no one planner to "
+                "preview with; leave reorder_step() out (the engine orders the documents)"
+            )
+            raise ValueError(msg)
         return self.get_engine().planner_for(cache_salt)
 
     def reorder_step(self, **kwargs: Any) -> CraftReorder:
@@ -284,6 +291,12 @@ class ChatCraftVLLM(CraftEngineParams, BaseChatModel):
         stop: list[str] | None,
         kwargs: dict[str, Any],
     ) -> EngineRequest:
+        if conversation_id is None:
+            conversation_id = context.conversation_id
+        if self.routed():  # several servers: the engine routes, plans and commits
+            return self._engine_request(
+                context.chunks, context.question, conversation_id, stop, kwargs
+            )
         planner = self._planner(kwargs.get("cache_salt", self.cache_salt))
         if context.committed_by is not None and planner.made(context.committed_by):
             msg = (
@@ -294,8 +307,6 @@ class ChatCraftVLLM(CraftEngineParams, BaseChatModel):
                 "commits with what vLLM actually reused"
             )
             raise ValueError(msg)
-        if conversation_id is None:
-            conversation_id = context.conversation_id
         conversation_id = validate_conversation_id(conversation_id)
         # A pending plan of this request's planner and conversation is handed to the engine
         # by its ref: the engine claims it, serves it as is (the previewed order) and commits

@@ -11,7 +11,7 @@ argument                                   acts on
 =========================================  ==============================================
 ``model``                                  ``EngineSettings.model`` (folder or hub id)
 ``base_url`` / ``api_base`` /              the server backend (``server=``; ``/v1`` or not)
-``openai_api_base``
+``openai_api_base``                        (a list: several replicas, ``server=[url, ...]``)
 ``api_key`` / ``timeout`` / ``max_retries``  ``ServerSettings`` (only with a server)
 ``context_window`` / ``max_model_len``     ``EngineSettings.max_model_len``
 ``vllm_kwargs``                            ``EngineSettings.engine_kwargs`` (``vllm.LLM``)
@@ -51,6 +51,7 @@ __all__ = [
     "check_sampling_extra",
     "engine_settings_with",
     "server_with",
+    "servers_with",
     "settings_dict",
     "sort_constructor_arguments",
 ]
@@ -237,14 +238,59 @@ def server_with(
     return replace(settings, **given) if given else settings
 
 
+def servers_with(
+    server: object,
+    base_url: object = None,
+    *,
+    api_key: object = None,
+    timeout: object = None,
+    max_retries: object = None,
+) -> ServerSettings | tuple[ServerSettings, ...] | None:
+    """:func:`server_with`, where ``server`` or ``base_url`` may also be a list (or tuple) of
+    servers: several replicas of one model (``CraftEngine(server=[url, url, ...])``, which
+    routes over them). Each item gets ``api_key``/``timeout``/``max_retries``. ``ValueError``
+    for an empty list, an item that is not a URL or :class:`ServerSettings`, a list given as
+    both ``server`` and ``base_url`` with different items, or as :func:`server_with`.
+    O(servers)."""
+    many = [v for v in (server, base_url) if isinstance(v, list | tuple)]
+    if not many:
+        return server_with(
+            server, base_url, api_key=api_key, timeout=timeout, max_retries=max_retries
+        )
+    items = list(many[0])
+    other = base_url if many[0] is server else server
+    if other is not None and (not isinstance(other, list | tuple) or list(other) != items):
+        msg = (
+            "server= and base_url= name different servers; give the list once: "
+            "server=[url, url, ...]"
+        )
+        raise ValueError(msg)
+    if not items:
+        msg = "server=[] names no server; pass server=[url, url, ...] or one URL"
+        raise ValueError(msg)
+    out: list[ServerSettings] = []
+    for i, item in enumerate(items):
+        if not isinstance(item, str | ServerSettings):
+            msg = (
+                f"server=[...] item {i} must be an http(s) URL string or ServerSettings, got "
+                f"{type(item).__name__}"
+            )
+            raise ValueError(msg)
+        one = server_with(item, api_key=api_key, timeout=timeout, max_retries=max_retries)
+        assert one is not None  # an item is a server
+        out.append(one)
+    return tuple(out)
+
+
 @dataclass(slots=True)
 class ConstructorArguments:
     """One LLM constructor call's keyword arguments, sorted by :func:`sort_constructor_arguments`.
     Owner: the constructor that sorted them (each integration then applies its own rules for
     a given ``engine=`` and for the names left in :attr:`rest`)."""
 
-    server: ServerSettings | None
-    """The server to use (``None``: the in-process engine)."""
+    server: ServerSettings | tuple[ServerSettings, ...] | None
+    """The server to use (``None``: the in-process engine; a tuple: several replicas, for
+    ``CraftEngine(server=[...])``)."""
     engine_args: dict[str, Any]
     """The :data:`ENGINE_ARGS` the call named, with their values as given (``None`` included,
     so an adapter can tell "named" from "set"), in :data:`ENGINE_ARGS` order."""
@@ -279,18 +325,19 @@ def sort_constructor_arguments(
     """Sort an LLM constructor call's keyword arguments (``values``, not changed) by where the
     familiar names act: the URL under any of :data:`SERVER_ALIASES` (a ``None`` alias is left
     in :attr:`~ConstructorArguments.rest`) and :data:`CONNECTION_ARGS` with ``server`` into
-    the server settings (:func:`server_with`), :data:`MAX_TOKENS_ALIASES` onto ``max_tokens``,
-    :data:`ENGINE_ARGS` aside for :meth:`ConstructorArguments.engine_settings`. ``ValueError``
-    for two different URLs (shown without credentials), two different ``max_tokens``, or as
-    :func:`server_with`. The one sorting both integrations' LLM classes use. O(arguments)."""
+    the server settings (:func:`servers_with`: a list is several replicas),
+    :data:`MAX_TOKENS_ALIASES` onto ``max_tokens``, :data:`ENGINE_ARGS` aside for
+    :meth:`ConstructorArguments.engine_settings`. ``ValueError`` for two different URLs
+    (shown without credentials), two different ``max_tokens``, or as :func:`servers_with`.
+    The one sorting both integrations' LLM classes use. O(arguments)."""
     rest = dict(values)
     urls = {k: rest.pop(k) for k in SERVER_ALIASES if rest.get(k) is not None}
-    if len(set(urls.values())) > 1:
-        shown = {k: redact_url(str(v)) for k, v in urls.items()}  # no credentials shown
+    if any(v != first for first in urls.values() for v in urls.values()):
+        shown = {k: _shown(v) for k, v in urls.items()}  # no credentials shown
         msg = f"give the server URL once, got {shown}"
         raise ValueError(msg)
     connection = {k: rest.pop(k, None) for k in CONNECTION_ARGS}
-    chosen = server_with(server, next(iter(urls.values()), None), **connection)
+    chosen = servers_with(server, next(iter(urls.values()), None), **connection)
     for alias in MAX_TOKENS_ALIASES:
         if alias in rest:
             value = rest.pop(alias)
@@ -300,6 +347,13 @@ def sort_constructor_arguments(
             rest["max_tokens"] = value
     engine_args = {k: rest.pop(k) for k in ENGINE_ARGS if k in rest}
     return ConstructorArguments(chosen, engine_args, rest)
+
+
+def _shown(url: object) -> object:
+    """``url`` (or a list of them) without credentials."""
+    if isinstance(url, list | tuple):
+        return [redact_url(str(u)) for u in url]
+    return redact_url(str(url))
 
 
 def _root(url: str) -> str:

@@ -10,6 +10,12 @@ cache and with the same sampling settings:
 
 Each system is preceded by an unmeasured warm-up request on an unrelated prompt (then the cache
 is reset), so no system pays for the engine's first-call costs.
+
+With several ``--server`` URLs (replicas of one model: ``--server URL --server URL`` or
+``--server URL,URL``) the systems are routing policies over them instead, each on its own
+``CraftEngine(server=[...], routing=...)`` with a fresh cache salt: ``no_cache`` (round-robin,
+prefix cache not read) and any of :data:`craft_rag.routing.ROUTING_POLICIES` (default
+``round_robin``, ``prefix_fixed_order``, ``craft_joint``).
 """
 
 from __future__ import annotations
@@ -34,7 +40,7 @@ from craft_rag.redact import redact_url
 from craft_rag.trace import TraceRequest, read_trace
 
 if TYPE_CHECKING:
-    from craft_rag.engine import CraftEngine, GenerationResult
+    from craft_rag.engine import CraftEngine, EngineSettings, GenerationResult
     from craft_rag.engine.forms import CallOptions
 
 
@@ -53,6 +59,10 @@ SYSTEMS: tuple[DemoSystem, ...] = (
     DemoSystem("craft_frequency", "frequency", read_prefix_cache=True),
     DemoSystem("craft_tree", "tree", read_prefix_cache=True),
 )
+
+
+ROUTED_DEFAULT = ("no_cache", "round_robin", "prefix_fixed_order", "craft_joint")
+"""The systems of a run over several servers (``no_cache``: round-robin, cache not read)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -209,30 +219,99 @@ def add_demo_parser(subparsers: Any) -> None:
     )
     p.add_argument(
         "--systems",
-        default=",".join(s.name for s in SYSTEMS),
-        help="comma-separated subset of " + ",".join(s.name for s in SYSTEMS),
+        default=None,
+        help="comma-separated subset of " + ",".join(s.name for s in SYSTEMS) + " (default: "
+        "all); with several --server: no_cache and routing policies (default "
+        + ",".join(ROUTED_DEFAULT) + ")",
     )
     p.add_argument(
         "--server",
+        action="append",
         default=None,
+        metavar="URL",
         help="serve through a vLLM server at this URL (`craft-rag serve`); each system gets "
-        "its own fresh cache_salt, no_cache a fresh salt per request",
+        "its own fresh cache_salt, no_cache a fresh salt per request. Repeat it (or give "
+        "URL,URL) for several replicas of one model: the systems are then routing policies",
     )
     p.add_argument("--json", action="store_true", help="print one JSON object")
     p.add_argument("--no-progress", action="store_true")
     p.set_defaults(func=run_demo)
 
 
+def server_urls(given: Sequence[str] | None) -> list[str]:
+    """The ``--server`` URLs: each occurrence, split at commas (``[]``: none given).
+    ``ValueError`` for an empty item, naming the form to use."""
+    urls: list[str] = []
+    for item in given or ():
+        parts = [u.strip() for u in item.split(",")]
+        if not all(parts):
+            msg = (
+                f"--server {redact_url(item)!r} has an empty URL; give "
+                "--server URL [--server URL ...]"
+            )
+            raise ValueError(msg)
+        urls.extend(parts)
+    return urls
+
+
+def system_names(systems: str | None, several: bool) -> list[str]:
+    """The ``--systems`` to run, checked against :data:`SYSTEMS` (one engine) or ``no_cache``
+    plus the routing policies (``several`` servers). ``ValueError`` names the valid ones."""
+    default: tuple[str, ...]
+    if several:
+        from craft_rag.routing import ROUTING_POLICIES
+
+        valid = {"no_cache", *ROUTING_POLICIES}
+        default = ROUTED_DEFAULT
+    else:
+        valid = {s.name for s in SYSTEMS}
+        default = tuple(s.name for s in SYSTEMS)
+    names = [n.strip() for n in (systems or ",".join(default)).split(",") if n.strip()]
+    unknown = [n for n in names if n not in valid]
+    if unknown or not names:
+        what = f"unknown system(s) {unknown}" if unknown else "no system given"
+        where = " (with several --server: routing policies)" if several else ""
+        msg = f"--systems: {what}; choose from {','.join(sorted(valid))}{where}"
+        raise ValueError(msg)
+    return names
+
+
+def run_routed(
+    settings: EngineSettings,
+    servers: list[str],
+    names: Sequence[str],
+    trace: Sequence[TraceRequest],
+    *,
+    max_tokens: int,
+    progress: bool,
+) -> dict[str, list[GenerationResult]]:
+    """Serve ``trace`` once per system over ``servers``: each on its own
+    ``CraftEngine(server=servers, routing=...)`` (fresh trees) with a fresh cache salt (a
+    cold cache namespace on every replica), after an unmeasured warm-up."""
+    from craft_rag.engine import CraftEngine
+
+    out: dict[str, list[GenerationResult]] = {}
+    for name in names:
+        routing = "round_robin" if name == "no_cache" else name
+        salt = f"demo-{name}-{secrets.token_hex(8)}"
+        with CraftEngine(settings, server=servers, routing=routing) as engine:
+            _warm_up(engine, max_tokens, f"{salt}-warm")
+            out[name] = serve_requests(
+                engine,
+                tqdm(trace, desc=f"{name:>18}", disable=not progress, file=sys.stderr),
+                max_tokens=max_tokens,
+                read_prefix_cache=name != "no_cache",
+                cache_salt=salt,
+            )
+    return out
+
+
 def run_demo(args: argparse.Namespace) -> int:
     # vLLM logs every cache reset at INFO on stdout; the demo's table is the output that matters.
     os.environ.setdefault("VLLM_LOGGING_LEVEL", "ERROR")
     by_name = {s.name: s for s in SYSTEMS}
-    names = [n.strip() for n in args.systems.split(",") if n.strip()]
-    unknown = [n for n in names if n not in by_name]
-    if unknown or not names:
-        what = f"unknown system(s) {unknown}" if unknown else "no system given"
-        msg = f"--systems: {what}; choose from {','.join(sorted(by_name))}"
-        raise ValueError(msg)
+    servers = server_urls(getattr(args, "server", None))
+    names = system_names(args.systems, len(servers) > 1)
     progress = not args.no_progress
     started = time.perf_counter()
     if args.trace is not None:
@@ -248,28 +327,40 @@ def run_demo(args: argparse.Namespace) -> int:
     settings = EngineSettings(block_size=args.block_size, max_model_len=args.max_model_len)
     results: dict[str, SystemResult] = {}
     answers: list[tuple[str, str]] = []
-    server = getattr(args, "server", None)
-    with CraftEngine(settings, server=server) as engine:
-        for name in names:
-            salt = f"demo-{name}-{secrets.token_hex(8)}" if server else None
-            served = run_system(
-                engine,
-                by_name[name],
-                trace,
-                max_tokens=args.max_tokens,
-                progress=progress,
-                cache_salt=salt,
-            )
-            results[name] = summarise(served)
-            if name == names[-1]:
-                answers = [(t.query, r.text.strip()) for t, r in zip(trace, served, strict=True)]
+    server = servers[0] if len(servers) == 1 else None
+    if len(servers) > 1:
+        served_by = run_routed(
+            settings, servers, names, trace, max_tokens=args.max_tokens, progress=progress
+        )
+        results = {name: summarise(served) for name, served in served_by.items()}
+        last = served_by[names[-1]]
+        answers = [(t.query, r.text.strip()) for t, r in zip(trace, last, strict=True)]
+    else:
+        with CraftEngine(settings, server=server) as engine:
+            for name in names:
+                salt = f"demo-{name}-{secrets.token_hex(8)}" if server else None
+                served = run_system(
+                    engine,
+                    by_name[name],
+                    trace,
+                    max_tokens=args.max_tokens,
+                    progress=progress,
+                    cache_salt=salt,
+                )
+                results[name] = summarise(served)
+                if name == names[-1]:
+                    answers = [
+                        (t.query, r.text.strip()) for t, r in zip(trace, served, strict=True)
+                    ]
     payload: dict[str, Any] = {name: asdict(r) for name, r in results.items()}
     payload["requests"] = len(trace)
     payload["trace"] = args.trace or "squad (built)"
     payload["max_tokens"] = args.max_tokens
     payload["block_size"] = args.block_size
     payload["seconds"] = round(time.perf_counter() - started, 1)
-    payload["server"] = redact_url(server) if server else None  # results are shared
+    # Results are shared: URLs without credentials; one server as before, several as a list.
+    shown = [redact_url(u) for u in servers]
+    payload["server"] = shown[0] if len(shown) == 1 else (shown or None)
     if args.json:
         json.dump(payload, sys.stdout, indent=2)
         sys.stdout.write("\n")

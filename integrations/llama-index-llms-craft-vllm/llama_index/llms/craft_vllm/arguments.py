@@ -52,7 +52,9 @@ class SortedArguments:
 
     settings: EngineSettings | None = None
     """The engine to start (``None``: an engine was given)."""
-    server: ServerSettings | None = None
+    server: ServerSettings | tuple[ServerSettings, ...] | None = None
+    """The server (a tuple: several replicas, ``CraftEngine(server=[...])``); ``None``: the
+    in-process engine or a given one."""
     fields: dict[str, Any] = field(default_factory=dict)
     """The pydantic fields of ``CraftVLLM`` (``max_tokens`` with its aliases resolved)."""
 

@@ -83,6 +83,7 @@ from craft_rag.engine import (
     EngineSettings,
     MessagesRequest,
     RagRequest,
+    RoutedEngine,
     SamplingRequest,
     ServerSettings,
     TokensRequest,
@@ -91,6 +92,13 @@ from craft_rag.engine import (
 from craft_rag.engine.model_args import call_sampling, check_prompt_text
 
 __all__ = ["EMBEDDED_MODEL_NAME", "REUSE_KEY", "CraftVLLM"]
+
+_ROUTED_PLANS = (
+    "this CraftVLLM serves through several servers (server=[...]): the engine routes and "
+    "plans every request on the chosen replica, so there is no one planner and plans cannot "
+    "come from outside; call complete_chunks(chunks, question) without plan= and without "
+    "llm.reorderer() (CraftChatEngine does this by itself)"
+)
 
 _CONTEXT_KWARGS = frozenset({"cache_salt", "formatted"})
 """Per-call keyword arguments that are not sampling (the rest go to ``with_overrides``)."""
@@ -104,7 +112,10 @@ class CraftVLLM(LLM):
     fields; nothing: the embedded default model) to start one that :meth:`close` stops; with
     ``api_base=``/``base_url=``/``server=`` (``http://HOST:PORT``, ``/v1`` or not) that engine
     serves through a vLLM OpenAI-compatible server (``model``: the local copy of the served
-    model, whose tokenizer builds the prompt; see ``craft-rag serve``). ``context_window``,
+    model, whose tokenizer builds the prompt; see ``craft-rag serve``); a list of them
+    (``server=[url, url, ...]``, optionally ``routing=``) serves through several replicas of
+    that model: ``CraftEngine(server=[...], routing=...)`` routes and orders each request
+    (docs/deployment.md). ``context_window``,
     ``vllm_kwargs``, ``dtype``... shape the started engine; ``max_new_tokens`` is
     ``max_tokens``; ``top_k``, ``presence_penalty``... (and ``additional_kwargs``) go to vLLM's
     sampling; ``system_prompt``/``context_prompt`` are the head of every prompt of the started
@@ -173,7 +184,8 @@ class CraftVLLM(LLM):
         engine: CraftEngine | None = None,
         *,
         engine_settings: EngineSettings | Mapping[str, Any] | None = None,
-        server: str | ServerSettings | None = None,
+        server: str | ServerSettings | Sequence[str | ServerSettings] | None = None,
+        routing: str | None = None,
         **data: Any,
     ) -> None:
         if "planner" in data:
@@ -185,6 +197,12 @@ class CraftVLLM(LLM):
             raise ValueError(msg)
         if engine is not None and not isinstance(engine, CraftEngine):
             msg = f"engine must be a craft_rag CraftEngine, got {type(engine).__name__}"
+            raise ValueError(msg)
+        if routing is not None and engine is not None:
+            msg = (
+                "engine= is a running engine and routes as it was built; pass routing= "
+                "without engine="
+            )
             raise ValueError(msg)
         given_model = data.get("model")
         args = sort_arguments(
@@ -205,7 +223,8 @@ class CraftVLLM(LLM):
             )
             engine = CraftEngine(
                 args.settings,
-                server=args.server,
+                server=list(args.server) if isinstance(args.server, tuple) else args.server,
+                routing=routing,
                 system_prompt=self.system_prompt,
                 instructions=instructions,
             )
@@ -215,7 +234,8 @@ class CraftVLLM(LLM):
             self.model = str(engine.settings.model)
         self._engine = engine
         self._owns_engine = owns
-        self.planner_for(self.cache_salt)  # fail now if the engine plans with something else
+        if not self.routed:
+            self.planner_for(self.cache_salt)  # fail now if it plans with something else
         # Reports reach Response.metadata["craft_reuse"] on any synthesizer (see reuse.py).
         install_reuse_metadata()
 
@@ -236,13 +256,22 @@ class CraftVLLM(LLM):
         return self._engine
 
     @property
+    def routed(self) -> bool:
+        """Whether the engine serves through several servers (``server=[...]``): it then
+        routes, plans and commits every chunk request itself (no plans from outside). O(1)."""
+        return isinstance(self._engine, RoutedEngine)
+
+    @property
     def planner(self) -> CraftPlanner:
         """The engine's planner for :attr:`cache_salt` (shared with :meth:`reorderer`)."""
         return self.planner_for(self.cache_salt)
 
     def planner_for(self, cache_salt: str | None) -> CraftPlanner:
         """The engine's planner for ``cache_salt`` (created on first use). ``ValueError`` for a
-        bad salt or when the engine plans with something other than a ``CraftPlanner``. O(1)."""
+        bad salt, when the engine plans with something other than a ``CraftPlanner``, or when
+        it serves several servers (each replica has its own planner; the engine plans). O(1)."""
+        if self.routed:
+            raise ValueError(_ROUTED_PLANS)
         planner = self._engine.planner_for(cache_salt)
         if not isinstance(planner, CraftPlanner):
             msg = (
@@ -270,6 +299,8 @@ class CraftVLLM(LLM):
         synthesizer's): the turns another worker served are loaded from a shared store and
         the turns that no longer fit are dropped first, so dedup only removes chunks the
         rendered prompt carries (:class:`~.reorderer.EngineReorderer`)."""
+        if self.routed:
+            raise ValueError(_ROUTED_PLANS)
         for name in ("planner", "commit_mode"):
             if name in settings:
                 msg = (
@@ -361,6 +392,12 @@ class CraftVLLM(LLM):
         chunks = chunk_list(chunks)  # read once (a generator works), checked before planning
         conversation_id = validate_conversation_id(conversation_id)
         sampling, salt = self._options(kwargs)
+        if self.routed:
+            if plan is not None:
+                raise ValueError(_ROUTED_PLANS)
+            # The engine routes, plans (on the chosen replica's tree), commits and finishes.
+            request = RagRequest(chunks, question, conversation_id, salt, None, sampling)
+            return EngineCall.of(self._engine, request)
         if plan is not None:  # the caller's: it aborts the plan if the request fails
             request = RagRequest(plan.ordered, question, conversation_id, salt, plan, sampling)
             return EngineCall.of(self._engine, request, plan)

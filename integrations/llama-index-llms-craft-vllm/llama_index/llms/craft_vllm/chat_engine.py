@@ -97,6 +97,11 @@ class CraftChatEngine(BaseChatEngine):
     ``key_source`` (``None``: ``"content_hash"`` when the engine's planner shares a store
     with other workers, whose nodes have other random ids, else ``"node_id"``).
 
+    Over several servers (a :class:`CraftVLLM` with ``server=[...]``) the engine plans each
+    turn on the conversation's home replica (routed there; re-homed if it fails): every
+    retrieved node is sent, :attr:`last_reorder` stays ``None`` and the turn's dedup is in its
+    reuse report.
+
     ``chat_history=`` arguments cannot rewrite a conversation whose tokens already sit in the
     engine: passing one that differs from the memory raises ``ValueError`` (call :meth:`reset`
     to start over).
@@ -148,10 +153,19 @@ class CraftChatEngine(BaseChatEngine):
         self._postprocessors = list(node_postprocessors)
         # Plans with the engine's planner for this salt; the plan is handed to the engine
         # directly (park=False: reserved at once, so no complete_chunks call finds it).
-        self._reorderer = CraftReorderPostprocessor(
-            planner=llm.planner_for(self.cache_salt), commit_mode="engine", key_source=key_source
-        )
-        self._key_source: KeySource = self._reorderer.key_source  # None resolved there
+        # Several servers (llm.routed): no planner here; the engine fits, routes, plans and
+        # commits each turn on the conversation's home replica. Content hashes then, so a
+        # chunk's key is the same in every app worker.
+        self._reorderer: CraftReorderPostprocessor | None = None
+        if llm.routed:
+            self._key_source: KeySource = key_source or "content_hash"
+        else:
+            self._reorderer = CraftReorderPostprocessor(
+                planner=llm.planner_for(self.cache_salt),
+                commit_mode="engine",
+                key_source=key_source,
+            )
+            self._key_source = self._reorderer.key_source  # None resolved there
         self._sampling = {**sampling, "cache_salt": self.cache_salt}
         llm._options(dict(self._sampling))  # validate names and the salt now
         self.last_reorder: CraftReorderResult | None = None
@@ -241,6 +255,12 @@ class CraftChatEngine(BaseChatEngine):
         """Plan the retrieved nodes for this turn (nothing committed yet: the engine does).
         First make room: turns the engine drops to fit this one are forgotten by the planner,
         so the plan never removes a chunk whose turn is about to leave the prompt."""
+        if self._reorderer is None:  # several servers: the engine plans (see __init__)
+            self.last_reorder = None
+            turn.sources = list(nodes)
+            turn.chunks = list(split_nodes(nodes, self._key_source).chunks)
+            turn.kwargs = {"conversation_id": self.conversation_id, **self._sampling}
+            return turn
         max_tokens = int(self._sampling.get("max_tokens") or self._llm.max_tokens)
         self._llm.engine.fit_turn(
             split_nodes(nodes, self._key_source).chunks,
@@ -269,7 +289,7 @@ class CraftChatEngine(BaseChatEngine):
         handed to it with ``plan=`` (back to its holder, us), so without this the conversation
         keeps a plan in flight and refuses every later turn for ``conversation_ttl_s``. A plan
         already committed is left alone (``abort`` returns False). O(1)."""
-        if turn.plan is not None:
+        if turn.plan is not None and self._reorderer is not None:
             self._reorderer.planner.abort(turn.plan)
 
     @contextmanager
