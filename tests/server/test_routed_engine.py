@@ -310,8 +310,8 @@ def test_bad_arguments(fakes: Fakes, model_dir: Path) -> None:
         CraftEngine(EngineSettings(model=model_dir), server=fakes.urls[0], routing="craft_joint")
     with pytest.raises(ValueError, match="routing policy"):
         make_routed(fakes.urls, model_dir, routing="nope")
-    with pytest.raises(ValueError, match="store="):
-        make_routed(fakes.urls, model_dir, store="memory://")
+    with pytest.raises(ValueError, match="redis://"):  # shared routing needs Redis
+        make_routed(fakes.urls, model_dir, store=f"sqlite:///{model_dir}/state.db")
     e = make_routed(fakes.urls, model_dir)
     with contextlib.closing(e):
         with pytest.raises(RuntimeError, match="own planner"):

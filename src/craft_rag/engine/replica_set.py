@@ -111,8 +111,13 @@ class ReplicaSet:
         *,
         probe_interval_s: float = DEFAULT_PROBE_INTERVAL_S,
         clock: Callable[[], float] = time.monotonic,
+        shared_planners: bool = False,
     ) -> None:
+        """``shared_planners``: the engines' planners live in a store shared with other app
+        workers (``store=``): a replica that rejoins keeps its (emptied) shared planners, and
+        a re-homed conversation's history is not carried (its next turn starts over)."""
         self.engines = engines  # read-only after construction
+        self._shared_planners = shared_planners
         self.router = router
         self._fresh_planner = planner_config_of
         self._probe_interval_s = probe_interval_s
@@ -234,7 +239,9 @@ class ReplicaSet:
         """``replica`` is unreachable: the router drops its trees and load and re-homes its
         conversations (:class:`FaultReport`). Idempotent."""
         report = self.router.mark_down(replica)
-        if report.rehomed:
+        if report.rehomed and not self._shared_planners:
+            # With a store the histories are the store's (another worker may hold the turns);
+            # importing one is refused there, so the next turn starts over on its new home.
             self._carry_histories(ReplicaId(replica), report)
         with self._lock:
             if report.nodes_dropped or report.inflight_lost or report.rehomed:
@@ -277,7 +284,8 @@ class ReplicaSet:
         rid = ReplicaId(replica)
         if self.router.replica(rid).healthy:
             return
-        self.engines[rid].set_planner(self._fresh_planner())
+        if not self._shared_planners:  # shared ones stay (their trees were emptied)
+            self.engines[rid].set_planner(self._fresh_planner())
         self.router.mark_up(rid)
 
     def down(self) -> list[ReplicaId]:
@@ -317,6 +325,10 @@ class ReplicaSet:
                 self._last_probe = self._clock()
 
     def close(self) -> None:
+        try:
+            self.router.close()  # withdraws this worker's load from the shared state
+        except Exception as exc:  # a store that is gone must not keep the engines open
+            _log.warning("routing state not withdrawn on close: %r", exc)
         for engine in self.engines.values():
             engine.close()
 

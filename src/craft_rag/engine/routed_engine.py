@@ -44,6 +44,9 @@ from craft_rag.planner import CraftPlanner, PlannerConfig
 from craft_rag.routing.policies import get_routing_policy
 from craft_rag.routing.replica import PlannerSource, ReplicaId
 from craft_rag.routing.router import FaultReport, Router, RouterConfig
+from craft_rag.routing.shared_state import RoutingState, routing_state_for
+from craft_rag.stores import as_store
+from craft_rag.stores.scoped import ScopedStore, replica_scope
 from craft_rag.types import ChunkKey
 from craft_rag.validation import validate_cache_salt
 
@@ -58,8 +61,11 @@ class RoutedEngine(CraftEngine):
     and never writes a tree; a request is committed only on the replica that served it, and
     finished in the router exactly once. Not supported here (``RuntimeError`` naming why):
     ``plan=`` plans, ``planner``/``planner_for``/``set_planner`` (each replica has its own
-    planner: :meth:`replica_engine`), and ``store=`` (shared routing state across app workers
-    is not built yet). Start-up: one server connection per replica, in order.
+    planner: :meth:`replica_engine`). ``store=`` (``redis://``; ``memory://`` within one
+    process) shares the routing with the other app workers given the same servers and store:
+    each replica's planners in its own store namespaces, the conversation homes and in-flight
+    loads in :mod:`craft_rag.routing.shared_state` (docs/routing.md, "Several app workers").
+    Start-up: one server connection per replica, in order.
     """
 
     def __init__(
@@ -80,9 +86,11 @@ class RoutedEngine(CraftEngine):
         ``routing`` (a :data:`~craft_rag.routing.ROUTING_POLICIES` name, default
         ``"craft_joint"``). ``planner``: its config is every replica planner's (with the
         routing policy's ordering); the other options are :class:`CraftEngine`'s, given to
-        every replica's engine. ``ValueError`` for a bad list, ``backend=``/``store=`` (one
-        server each / not yet shared), or an unknown policy; a server that cannot be reached
-        raises as for one server (the replicas connected so far are closed)."""
+        every replica's engine. ``store``: shared with other app workers (``redis://``; a
+        ``sqlite://`` store is a ``ValueError``: the loads' leases need Redis). ``ValueError``
+        for a bad list, ``backend=`` (one server each), or an unknown policy; a server that
+        cannot be reached raises as for one server (the replicas connected so far are
+        closed)."""
         if server is None or isinstance(server, str | ServerSettings):
             msg = "RoutedEngine takes server=[url, url, ...] (use CraftEngine for one server)"
             raise ValueError(msg)
@@ -92,24 +100,31 @@ class RoutedEngine(CraftEngine):
         if groups.parts.backend is not None:
             msg = "pass server=[...] or backend=, not both (each server is its own backend)"
             raise ValueError(msg)
-        if groups.planners.store is not None:
-            msg = (
-                "store= with several servers is not supported yet (the routing state is not "
-                "shared across app workers); run one app worker, or one server per worker"
-            )
-            raise ValueError(msg)
         policy = get_routing_policy(routing or "craft_joint")
         base = planner.config if planner is not None else PlannerConfig()
         router_base = RouterConfig(planner=base)
         planner_config = replace(base, policy=policy.ordering, promotion="served")
+        shared_store = None
+        shared_state: RoutingState | None = None
+        if groups.planners.store is not None:
+            # Several app workers: each replica's planners in its own store namespaces, the
+            # homes and loads beside them (craft_rag.routing.shared_state).
+            shared_store = as_store(groups.planners.store)
+            shared_state = routing_state_for(shared_store, names)
         engines: dict[ReplicaId, CraftEngine] = {}
         try:
             for name, spec in zip(names, servers, strict=True):
+                replica_planners = groups.planners
+                replica_planner: CraftPlanner | None = CraftPlanner(planner_config)
+                if shared_store is not None:
+                    scoped = ScopedStore(shared_store, replica_scope(name), planner_config)
+                    replica_planners = replace(groups.planners, store=scoped)
+                    replica_planner = None  # the engine makes them on the store
                 engines[name] = CraftEngine(
                     settings,
-                    CraftPlanner(planner_config),
+                    replica_planner,
                     server=spec,
-                    planners=groups.planners,
+                    planners=replica_planners,
                     rendering=groups.rendering,
                     conversation=groups.conversation,
                     parts=groups.parts,
@@ -117,6 +132,8 @@ class RoutedEngine(CraftEngine):
         except BaseException:
             for engine in engines.values():
                 engine.close()
+            if shared_state is not None:
+                shared_state.close()
             raise
         first = next(iter(engines.values()))
         sizes = {e.block_size for e in engines.values()}
@@ -124,6 +141,8 @@ class RoutedEngine(CraftEngine):
         if len(sizes) > 1 or len(lengths) > 1:
             for engine in engines.values():
                 engine.close()
+            if shared_state is not None:
+                shared_state.close()
             msg = (
                 f"the servers differ in block size {sorted(sizes)} or max_model_len "
                 f"{sorted(lengths)}; start every replica with the same settings"
@@ -137,12 +156,14 @@ class RoutedEngine(CraftEngine):
             policy.name,
             replace(router_base, block_size=first.block_size),
             planner_sources=sources,
+            shared=shared_state,
         )
         self._replicas = ReplicaSet(
             engines,
             router,
             lambda: CraftPlanner(planner_config),
             probe_interval_s=DEFAULT_PROBE_INTERVAL_S,
+            shared_planners=shared_store is not None,
         )
         # The model-facing pieces are the same on every replica: read them from the first.
         self.settings = first.settings
@@ -236,11 +257,14 @@ class RoutedEngine(CraftEngine):
         return self._replicas.engines[home]
 
     def turn_count(self, conversation_id: str, *, cache_salt: str | None = None) -> int:
-        """Turns the conversation's home replica holds (0: no home, ended or re-homed)."""
+        """Turns the conversation's home replica holds (0: no home, ended or re-homed). With
+        ``store=``: read after pulling what the other workers committed there."""
         salt = validate_cache_salt(cache_salt)
         if self.router.home(conversation_id, salt=salt) is None:
             return 0
-        return self._home_engine(conversation_id, salt).turn_count(conversation_id, cache_salt=salt)
+        engine = self._home_engine(conversation_id, salt)
+        engine.planner_for(salt).sync()  # no-op without a store
+        return engine.turn_count(conversation_id, cache_salt=salt)
 
     def reset_prefix_cache(self) -> bool:
         """Reset every replica's prefix cache and trees (those that are up). True if all did."""

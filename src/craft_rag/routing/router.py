@@ -14,8 +14,15 @@ goes down its trees and load are dropped and its conversations are re-homed now,
 least-loaded healthy replicas; their next turn restarts there as a first turn
 (``decision.rehomed``). A replica that comes back rejoins empty.
 
+Several app workers (``shared=``, a :class:`~craft_rag.routing.shared_state.RoutingState`):
+each worker's router reads the other workers' loads and the shared conversation homes before
+each decision, pulls each replica's planner from its store, and publishes its own load after
+each routing call, so N routers decide as one would (see :mod:`craft_rag.routing.shared_state`
+for what is exact and what is eventually consistent). Without it (the default) all of this is
+local, as with one router.
+
 Thread safety: one lock around every public method; the planner's own lock is taken inside it
-(lock order: router, then planner).
+(lock order: router, then planner; the shared state's calls are made under the router lock).
 """
 
 from __future__ import annotations
@@ -38,6 +45,7 @@ from craft_rag.routing.replica import (
     ReplicaLoad,
 )
 from craft_rag.routing.router_types import FaultReport, RouteDecision, RouterConfig, RouterStats
+from craft_rag.routing.shared_state import RoutingState
 from craft_rag.tree import KVLocation
 from craft_rag.types import BlockHash, ChunkKey, ConversationId
 
@@ -59,7 +67,10 @@ class Router:
         *,
         clock: Callable[[], float] = time.monotonic,
         planner_sources: Mapping[str, PlannerSource] | None = None,
+        shared: RoutingState | None = None,
     ) -> None:
+        """``shared``: routing state shared with other workers' routers (None: this router's
+        own, in memory)."""
         if isinstance(replicas, str) or not isinstance(replicas, Sequence) or not replicas:
             msg = "replicas must be a non-empty list of replica names, e.g. ['r0', 'r1']"
             raise ValueError(msg)
@@ -109,6 +120,10 @@ class Router:
         self._ids = itertools.count(1)
         self._lock = threading.Lock()
         self.stats = RouterStats()
+        # Several workers: the others' loads now in each replica's load (subtracted back for
+        # what this router publishes as its own). Owner: _lock.
+        self._shared = shared
+        self._remote: dict[ReplicaId, ReplicaLoad] = {}
 
     # ---- reading -------------------------------------------------------------------------------
 
@@ -136,14 +151,23 @@ class Router:
             return self.replica(replica_id).planner(salt)
 
     def load(self) -> dict[ReplicaId, ReplicaLoad]:
-        """A copy of every replica's load. O(N)."""
+        """A copy of every replica's load (with shared state: every live worker's, read now).
+        O(N)."""
         with self._lock:
+            if self._shared is not None:
+                self._pull_loads()
             return {r.id: replace(r.load) for r in self._order}
 
     def home(self, conversation_id: str, *, salt: str | None = None) -> ReplicaId | None:
-        """The replica homing ``salt``'s conversation ``conversation_id`` (None: unknown)."""
+        """The replica homing ``salt``'s conversation ``conversation_id`` (None: unknown). With
+        shared state: the shared home (another worker's too), None for one this router does
+        not know."""
         with self._lock:
-            return self._homes.get((salt, ConversationId(conversation_id)))
+            conv = (salt, ConversationId(conversation_id))
+            if self._shared is None:
+                return self._homes.get(conv)
+            found = self._shared.home(conv)
+            return found if found in self._replicas else None
 
     # ---- routing -------------------------------------------------------------------------------
 
@@ -189,11 +213,21 @@ class Router:
                 raise RuntimeError(msg)
             home = self._homes.get(conv) if conv is not None else None
             rehomed = conv is not None and conv in self._restart
+            lost: ReplicaId | None = None
+            if self._shared is not None:
+                self._pull_shared(salt)
+                view = self._view()
+                if conv is not None:
+                    home, rehomed, lost = self._shared_home(conv, home, rehomed)
             if home is not None:
                 replica, sticky = self._replicas[home], True
             else:
                 choice = self.policy.choose(request, view)
                 replica, sticky = choice.replica, False
+                if self._shared is not None and conv is not None:
+                    winner = self._claim(conv, replica.id, lost)
+                    if winner != replica.id:  # another worker homed it first: go there
+                        replica, sticky = self._replicas[winner], True
             planner = replica.planner(salt)
             plan_started = time.perf_counter_ns()
             plan = planner.plan(chunks, conversation_id)
@@ -248,6 +282,8 @@ class Router:
                 self._homes[conv] = replica.id
                 replica.conversations.add(conv)
                 self._restart.discard(conv)
+            if self._shared is not None:
+                self._publish()
             s = self.stats
             s.decisions += 1
             s.sticky += sticky
@@ -279,6 +315,8 @@ class Router:
             if load.requests == 0:
                 load.work_s = 0.0  # no float drift left behind
             self._loads.update(replica)
+            if self._shared is not None:
+                self._publish()
             return True
 
     def end_conversation(self, conversation_id: str, *, salt: str | None = None) -> bool:
@@ -288,6 +326,13 @@ class Router:
             conv = (salt, ConversationId(conversation_id))
             home = self._homes.pop(conv, None)
             self._restart.discard(conv)
+            if self._shared is not None:
+                shared_home = self._shared.home(conv)
+                ended = self._shared.end_home(conv)
+                if home is None and shared_home in self._replicas:
+                    home = shared_home  # homed by another worker: end it on that replica
+                elif home is None:
+                    return ended
             if home is None:
                 return False
             replica = self._replicas[home]
@@ -349,7 +394,7 @@ class Router:
             convs = sorted(
                 replica.conversations, key=lambda k: (k[1], k[0] is not None, k[0] or "")
             )
-            lost = replica.load.requests
+            lost = replica.load.requests - self._remote.pop(replica.id, ReplicaLoad()).requests
             self._assigned_total -= replica.load.assigned
             dropped = replica.go_down()
             self._loads.update(replica)
@@ -370,11 +415,16 @@ class Router:
                     view.healthy,
                     key=lambda r: (len(r.conversations) + extra[r.id], r.load.work_s, r.index),
                 )
+                if self._shared is not None:  # another worker may have re-homed it already
+                    winner = self._claim(conv, target.id, replica.id)
+                    target = self._replicas[winner] if winner != target.id else target
                 extra[target.id] += 1
                 self._homes[conv] = target.id
                 target.conversations.add(conv)
                 self._restart.add(conv)
                 moved.append((conv[1], target.id))
+            if self._shared is not None:
+                self._publish()
             return FaultReport(replica.id, dropped, lost, tuple(moved))
 
     def mark_up(self, replica_id: str) -> None:
@@ -383,8 +433,101 @@ class Router:
             replica = self.replica(replica_id)
             if not replica.healthy:
                 replica.come_up()
+                self._remote.pop(replica.id, None)
                 self._loads.update(replica)
                 self._healthy = tuple(r for r in self._order if r.healthy)
+
+    def close(self) -> None:
+        """Withdraw this router's published load from the shared state (no-op without one)."""
+        with self._lock:
+            if self._shared is not None:
+                self._shared.close()
+
+    # ---- shared state (several workers) ---------------------------------------------------------
+
+    def _pull_shared(self, salt: str | None) -> None:
+        """Before a decision: the other workers' loads into each healthy replica's load, and
+        each healthy replica's planner for ``salt`` synced with its store (what the other
+        workers committed). One round trip for the loads plus one per replica."""
+        self._pull_loads()
+        for r in self._healthy:
+            r.planner(salt).sync()
+
+    def _pull_loads(self) -> None:
+        """The other workers' loads into each healthy replica's load. One round trip."""
+        assert self._shared is not None
+        others = self._shared.other_loads()
+        zero = ReplicaLoad()
+        for r in self._healthy:
+            new = others.get(r.id, zero)
+            old = self._remote.get(r.id, zero)
+            if new != old:
+                load = r.load
+                load.requests += new.requests - old.requests
+                load.prompt_tokens += new.prompt_tokens - old.prompt_tokens
+                load.work_s = max(0.0, load.work_s + new.work_s - old.work_s)
+                load.assigned += new.assigned - old.assigned
+                self._assigned_total += new.assigned - old.assigned
+                self._remote[r.id] = replace(new)
+                self._loads.update(r)
+
+    def _own(self, replica: Replica) -> ReplicaLoad:
+        """This router's own part of ``replica``'s load."""
+        remote = self._remote.get(replica.id)
+        load = replica.load
+        if remote is None:
+            return replace(load)
+        return ReplicaLoad(
+            load.requests - remote.requests,
+            load.prompt_tokens - remote.prompt_tokens,
+            max(0.0, load.work_s - remote.work_s),
+            load.assigned - remote.assigned,
+        )
+
+    def _publish(self) -> None:
+        assert self._shared is not None
+        self._shared.publish_loads({r.id: self._own(r) for r in self._healthy})
+
+    def _claim(
+        self, conv: ConversationKey, replica: ReplicaId, lost: ReplicaId | None
+    ) -> ReplicaId:
+        """Claim ``conv``'s shared home for ``replica`` (replacing ``lost``); the home after
+        it. A home this router holds down (another worker has not seen the loss yet) is
+        replaced once more; one it does not know is overwritten."""
+        assert self._shared is not None
+        winner = self._shared.claim_home(conv, replica, replacing=lost)
+        if winner == replica:
+            return replica
+        known = self._replicas.get(winner)
+        if known is None or not known.healthy:
+            winner = self._shared.claim_home(conv, replica, replacing=winner)
+            known = self._replicas.get(winner)
+            if known is None or not known.healthy:
+                return replica  # a third worker's unknown home: route here, claim next turn
+        return known.id
+
+    def _shared_home(
+        self, conv: ConversationKey, home: ReplicaId | None, rehomed: bool
+    ) -> tuple[ReplicaId | None, bool, ReplicaId | None]:
+        """``conv``'s home as the workers share it: ``(home, rehomed, lost)``. A home on a
+        replica this router holds down is lost (the turn is re-homed, replacing it); a home
+        set by another worker is adopted; none (ended elsewhere, expired) forgets ours."""
+        assert self._shared is not None
+        found = self._shared.home(conv)
+        if found == home:
+            return home, rehomed, None
+        if home is not None:  # ours is stale: forget it locally
+            self._replicas[home].conversations.discard(conv)
+            del self._homes[conv]
+            self._restart.discard(conv)
+        known = self._replicas.get(found) if found is not None else None
+        if known is None:
+            return None, False, found
+        if not known.healthy:
+            return None, True, found
+        self._homes[conv] = known.id
+        known.conversations.add(conv)
+        return known.id, False, None
 
     # ---- internals -----------------------------------------------------------------------------
 
@@ -440,7 +583,8 @@ class Router:
             n, t = sums[d.replica]
             sums[d.replica] = (n + 1, t + d.prompt_tokens)
         for r in self._order:
-            assert (r.load.requests, r.load.prompt_tokens) == sums[r.id], r.id
+            own = self._own(r)
+            assert (own.requests, own.prompt_tokens) == sums[r.id], r.id
             assert r.load.work_s >= 0
             if not r.healthy:
                 assert not r._planners and not r.conversations and r.load == ReplicaLoad()
