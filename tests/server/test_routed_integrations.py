@@ -223,8 +223,9 @@ def test_chat_model_takes_the_list_and_passes_it_through(
     urls: list[str], model_dir: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     pytest.importorskip("langchain_core")
-    import craft_rag.engine
     from langchain_craft import ChatCraftVLLM
+
+    import craft_rag.engine
 
     with pytest.raises(ValueError, match=r"pass server=\[url, url, \.\.\.\]"):
         ChatCraftVLLM(base_url=urls[0], routing="craft_joint")
