@@ -121,10 +121,9 @@ def test_served_prompt_comes_back_from_the_tiers(tmp_path: Path) -> None:
 def _engine_over_the_server(url: str, events_port: int) -> dict[str, Any]:
     """The planner-sees-the-tiers scenario through ``CraftEngine(server=url)``; what the
     assertions need, gathered while the server runs."""
-    from test_planner_tiers_vllm import make_chunks
+    from tier_flood import flood_until_evicted, make_chunks
 
     from craft_rag.engine import CraftEngine, ServerSettings
-    from craft_rag.engine.kv_events import BlocksRemoved
 
     engine = CraftEngine(server=ServerSettings(url, kv_events=events_port))
     try:
@@ -133,20 +132,7 @@ def _engine_over_the_server(url: str, events_port: int) -> dict[str, Any]:
         chunks = make_chunks(4, repeat=4, prefix="keep")
         keys = tuple(c.key for c in chunks)
         first = engine.generate(chunks, "Which?", max_tokens=1)
-        hashes = {h for node in tree.match(keys).nodes for h in node.block_hashes}
-
-        def pool_dropped(events: list[Any]) -> bool:
-            return any(
-                isinstance(e, BlocksRemoved) and e.medium == "GPU" and hashes & set(e.hashes)
-                for e in events
-            )
-
-        for round_ in range(6):
-            flood = make_chunks(6, repeat=4, prefix=f"flood{round_}")
-            engine.generate(flood, f"Flood question {round_}?", max_tokens=1)
-            if pool_dropped(sync.recent_events()):
-                break
-        dropped = sync.wait_for(pool_dropped, timeout=30)
+        hashes, dropped = flood_until_evicted(engine, keys, timeout=30)
         sync.wait_quiet(quiet=0.5, timeout=10)
         out: dict[str, Any] = {
             "first_order": first.report.chunk_order,

@@ -6,39 +6,18 @@ own engine config (a small pool, the connector), hence its own process."""
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any
 
 import pytest
+from tier_flood import flood_until_evicted, make_chunks
 
 from craft_rag.testing import rerun_in_own_process
 
 pytestmark = pytest.mark.engine
 
-TOPICS = [
-    "The Loire river flows west through the valley past many old castles and vineyards.",
-    "Marie Curie won two Nobel prizes, one in physics and one in chemistry, in Paris.",
-    "The bridge was built in 1889 from iron and steel and carried the railway north.",
-    "Honeybees communicate the direction of flowers with a waggle dance inside the hive.",
-    "The observatory sits on a mountain above the clouds, far from the city lights.",
-    "Basalt columns form when thick lava flows cool slowly and crack into hexagons.",
-]
-
-
-def make_chunks(n: int, repeat: int, prefix: str) -> list[Any]:
-    from craft_rag.chunk import make_chunk
-
-    return [
-        make_chunk(f"[{prefix} {i}] " + " ".join([TOPICS[i % len(TOPICS)]] * repeat),
-                   id=f"{prefix}-{i}")
-        for i in range(n)
-    ]
-
-
 def test_a_tier_resident_chunk_prefix_stays_planned_first(model_dir: Path) -> None:
     if rerun_in_own_process(__file__, "test_a_tier_resident_chunk_prefix_stays_planned_first"):
         return
     from craft_rag.engine import CraftEngine, EngineSettings
-    from craft_rag.engine.kv_events import BlocksRemoved
     from craft_rag.kvtiers import KVTierSettings
 
     engine = CraftEngine(EngineSettings(
@@ -54,21 +33,9 @@ def test_a_tier_resident_chunk_prefix_stays_planned_first(model_dir: Path) -> No
         keys = tuple(c.key for c in chunks)
         first = engine.generate(chunks, "Which?", max_tokens=1)
         assert first.report.chunk_order == keys
-        hashes = {h for node in tree.match(keys).nodes for h in node.block_hashes}
+        hashes, dropped = flood_until_evicted(engine, keys)
         assert hashes
-
-        def pool_dropped(events: list[Any]) -> bool:
-            return any(
-                isinstance(e, BlocksRemoved) and e.medium == "GPU" and hashes & set(e.hashes)
-                for e in events
-            )
-
-        for round_ in range(6):
-            flood = make_chunks(6, repeat=4, prefix=f"flood{round_}")
-            engine.generate(flood, f"Flood question {round_}?", max_tokens=1)
-            if pool_dropped(sync.recent_events()):
-                break
-        assert sync.wait_for(pool_dropped), "the flood did not evict the first prompt's blocks"
+        assert dropped, "the flood did not evict the first prompt's blocks"
         assert sync.residency.held > 0  # pool removals the RAM tier made the sync hold back
         assert keys in tree.iter_paths()  # without the tier events the path was dropped
 
