@@ -49,3 +49,17 @@ def test_make_chunks_is_deterministic_and_named() -> None:
     assert a == b
     assert [c.key for c in a] == ["doc-0", "doc-1", "doc-2", "doc-3"]
     assert make_chunks(4, seed=8)[0].text != a[0].text
+
+
+def test_a_store_engine_plans_from_the_store_and_rejects_another_policy() -> None:
+    from craft_rag.stores import MemoryStore
+
+    store = MemoryStore()
+    engine, _ = make_fake_engine(store=store)
+    try:
+        assert engine.planner.store is store
+        engine.generate(make_chunks(2), "q", max_tokens=1)
+    finally:
+        engine.close()
+    with pytest.raises(ValueError, match="policy='frequency'"):
+        make_fake_engine(store=MemoryStore(), policy="frequency")

@@ -4,28 +4,18 @@ cache salt (tenants share nothing). Fake backend; the stores are real (SQLite fi
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 import pytest
 
-from craft_rag.engine.chat_format import jinja_renderer
 from craft_rag.engine.engine import CraftEngine
 from craft_rag.planner import CraftPlanner
 from craft_rag.stores import StateStore, namespace_for_salt, open_store
-from craft_rag.testing import CHATML, FAKE_FORMAT, FakeBackend, make_chunks
-from craft_rag.tokenizer import HashingTokenizer
+from craft_rag.testing import make_chunks, make_fake_engine
 
 
-def make_engine(store: StateStore | str, **kwargs: object) -> CraftEngine:
-    backend = FakeBackend()
-    return CraftEngine(
-        backend=backend,
-        tokenizer=HashingTokenizer(),
-        prompt_format=FAKE_FORMAT,
-        block_hasher=backend.hasher,
-        chat_renderer=jinja_renderer(CHATML),
-        store=store,
-        **kwargs,  # type: ignore[arg-type]
-    )
+def make_engine(store: StateStore | str, **kwargs: Any) -> CraftEngine:
+    return make_fake_engine(store=store, **kwargs)[0]
 
 
 @pytest.mark.parametrize("kind", ["memory", "sqlite"])

@@ -25,7 +25,7 @@ from craft_rag.stores import (
     StoreCorrupted,
     open_store,
 )
-from craft_rag.testing import CHATML, FAKE_FORMAT, FakeBackend, make_chunks
+from craft_rag.testing import CHATML, FAKE_FORMAT, FakeBackend, make_chunks, make_fake_engine
 from craft_rag.tokenizer import HashingTokenizer
 
 StoreFactory = Callable[..., StateStore]
@@ -34,16 +34,7 @@ CONV = "chat-1"
 
 
 def _engine(store: StateStore, budget: HistoryBudget | None) -> CraftEngine:
-    backend = FakeBackend(max_model_len=1024)
-    return CraftEngine(
-        backend=backend,
-        tokenizer=HashingTokenizer(),
-        prompt_format=FAKE_FORMAT,
-        block_hasher=backend.hasher,
-        chat_renderer=jinja_renderer(CHATML),
-        store=store,
-        history_budget=budget,
-    )
+    return make_fake_engine(FakeBackend(max_model_len=1024), store=store, history_budget=budget)[0]
 
 
 @pytest.fixture(params=["memory", "sqlite", "redis"])

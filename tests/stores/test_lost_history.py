@@ -8,27 +8,17 @@ from collections.abc import Callable
 
 import pytest
 
-from craft_rag.engine.chat_format import jinja_renderer
 from craft_rag.engine.engine import CraftEngine
 from craft_rag.stores import StateStore, StoreUnavailable
 from craft_rag.stores import histories as histories_module
-from craft_rag.testing import CHATML, FAKE_FORMAT, FakeBackend, make_chunks
-from craft_rag.tokenizer import HashingTokenizer
+from craft_rag.testing import FakeBackend, make_chunks, make_fake_engine
 
 StoreFactory = Callable[..., StateStore]
 CONV = "chat-1"
 
 
 def _engine(store: StateStore) -> CraftEngine:
-    backend = FakeBackend(max_model_len=1024)
-    return CraftEngine(
-        backend=backend,
-        tokenizer=HashingTokenizer(),
-        prompt_format=FAKE_FORMAT,
-        block_hasher=backend.hasher,
-        chat_renderer=jinja_renderer(CHATML),
-        store=store,
-    )
+    return make_fake_engine(FakeBackend(max_model_len=1024), store=store)[0]
 
 
 def test_a_turn_whose_history_was_never_stored_is_given_up_not_refused_forever(

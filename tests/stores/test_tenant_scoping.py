@@ -10,11 +10,9 @@ from pathlib import Path
 
 import pytest
 
-from craft_rag.engine.chat_format import jinja_renderer
 from craft_rag.engine.engine import CraftEngine
 from craft_rag.stores import StateStore, open_store
-from craft_rag.testing import CHATML, FAKE_FORMAT, FakeBackend, make_chunks
-from craft_rag.tokenizer import HashingTokenizer
+from craft_rag.testing import FakeBackend, make_chunks, make_fake_engine
 
 SECRET_A = "tenant-a-secret-9f1c"
 SECRET_B = "tenant-b-secret-77d0"
@@ -22,15 +20,7 @@ CONV = "support-1"
 
 
 def _engine(store: StateStore) -> CraftEngine:
-    backend = FakeBackend(max_model_len=1024)
-    return CraftEngine(
-        backend=backend,
-        tokenizer=HashingTokenizer(),
-        prompt_format=FAKE_FORMAT,
-        block_hasher=backend.hasher,
-        chat_renderer=jinja_renderer(CHATML),
-        store=store,
-    )
+    return make_fake_engine(FakeBackend(max_model_len=1024), store=store)[0]
 
 
 @pytest.fixture(params=["sqlite", "redis"])

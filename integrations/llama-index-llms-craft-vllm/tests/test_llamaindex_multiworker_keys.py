@@ -23,11 +23,9 @@ from llama_index.llms.craft_vllm import CraftChatEngine, CraftVLLM, craft_query_
 from llama_index.postprocessor.craft import CraftReorderPostprocessor
 
 from craft_rag import CraftPlanner
-from craft_rag.engine.chat_format import jinja_renderer
 from craft_rag.engine.engine import CraftEngine
 from craft_rag.stores import StateStore, open_store
-from craft_rag.testing import CHATML, FAKE_FORMAT, FakeBackend
-from craft_rag.tokenizer import HashingTokenizer
+from craft_rag.testing import FakeBackend, make_fake_engine
 
 TEXTS = [
     "Hamlet is a tragedy written by William Shakespeare around 1600. " * 3,
@@ -53,15 +51,7 @@ class Fixed(BaseRetriever):
 
 
 def _engine(store: StateStore) -> CraftEngine:
-    backend = FakeBackend(max_model_len=1024)
-    return CraftEngine(
-        backend=backend,
-        tokenizer=HashingTokenizer(),
-        prompt_format=FAKE_FORMAT,
-        block_hasher=backend.hasher,
-        chat_renderer=jinja_renderer(CHATML),
-        store=store,
-    )
+    return make_fake_engine(FakeBackend(max_model_len=1024), store=store)[0]
 
 
 @pytest.fixture(scope="module")

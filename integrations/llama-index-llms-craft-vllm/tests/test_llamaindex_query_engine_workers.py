@@ -25,8 +25,7 @@ from craft_rag.engine import ReuseReport
 from craft_rag.engine.chat_format import jinja_renderer
 from craft_rag.engine.engine import CraftEngine
 from craft_rag.stores import StateStore, open_store
-from craft_rag.testing import CHATML, FAKE_FORMAT, FakeBackend
-from craft_rag.tokenizer import HashingTokenizer
+from craft_rag.testing import CHATML, FakeBackend, make_fake_engine
 
 CONV = "qe-chat"
 
@@ -48,15 +47,7 @@ class Fixed(BaseRetriever):
 
 
 def fake_engine(store: StateStore | str, max_model_len: int = 1024) -> CraftEngine:
-    backend = FakeBackend(max_model_len=max_model_len)
-    return CraftEngine(
-        backend=backend,
-        tokenizer=HashingTokenizer(),
-        prompt_format=FAKE_FORMAT,
-        block_hasher=backend.hasher,
-        chat_renderer=jinja_renderer(CHATML),
-        store=store,
-    )
+    return make_fake_engine(FakeBackend(max_model_len=max_model_len), store=store)[0]
 
 
 @pytest.fixture(scope="module")

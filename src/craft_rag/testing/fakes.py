@@ -262,10 +262,18 @@ def make_fake_engine(
     """A real :class:`CraftEngine` over ``backend`` (default ``FakeBackend()``) with a fresh
     ``CraftPlanner(policy)``, the hashing tokenizer, :data:`FAKE_FORMAT`, the backend's block
     hasher and a ChatML renderer. ``engine_kwargs`` go to ``CraftEngine`` (``history_budget``,
-    ``max_conversations``...). The caller closes the engine."""
+    ``max_conversations``, ``store``, ``planner``...); with ``store=`` or ``planner=`` no fresh
+    planner is made (with ``store=`` the engine makes its planners from the store, which plan
+    with the tree policy), so another ``policy`` raises ``ValueError``. The caller closes the
+    engine."""
     backend = backend if backend is not None else FakeBackend()
+    if engine_kwargs.get("store") is None and "planner" not in engine_kwargs:
+        engine_kwargs["planner"] = CraftPlanner(PlannerConfig(policy=policy))
+    elif policy != "tree":
+        msg = f"make_fake_engine: policy={policy!r} is for the fresh planner; drop it with "
+        msg += "store= (tree-policy planners) or planner= (its own config)"
+        raise ValueError(msg)
     engine = CraftEngine(
-        planner=CraftPlanner(PlannerConfig(policy=policy)),
         backend=backend,
         tokenizer=HashingTokenizer(),
         prompt_format=FAKE_FORMAT,
