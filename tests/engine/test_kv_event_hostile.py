@@ -14,6 +14,7 @@ from typing import Any
 
 import msgpack
 import pytest
+from test_kv_events import RecordingListener
 
 from craft_rag.engine.kv_events import (
     MAX_MESSAGE_BYTES,
@@ -25,29 +26,11 @@ from craft_rag.engine.kv_events import (
     MalformedBatch,
     decode_event_batch,
 )
-from craft_rag.tree import KVLocation
 from craft_rag.types import BlockHash, as_block_hash
 
 zmq = pytest.importorskip("zmq")
 
 Frames = list[bytes]
-
-
-class Listener:
-    def __init__(self) -> None:
-        self.removed: list[BlockHash] = []
-        self.clears = 0
-
-    def on_blocks_removed(self, hashes: Iterable[BlockHash]) -> int:
-        hashes = list(hashes)
-        self.removed.extend(hashes)
-        return len(hashes)
-
-    def on_blocks_moved(self, hashes: Iterable[BlockHash], location: KVLocation) -> int:
-        return 0  # no tier events here
-
-    def on_all_blocks_cleared(self) -> None:
-        self.clears += 1
 
 
 class Clock:
@@ -63,7 +46,7 @@ class Clock:
 class Hub:
     def __init__(self, tmp_path: Path, **kwargs: Any) -> None:
         self.endpoint = f"ipc://{tmp_path}/events.sock"
-        self.listener = Listener()
+        self.listener = RecordingListener()
         self.clock = Clock()
         self.sync = KVEventSync(self.endpoint, self.listener, clock=self.clock, **kwargs)
         self.ctx = zmq.Context()
