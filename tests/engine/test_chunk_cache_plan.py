@@ -121,8 +121,8 @@ def test_record_stress_stays_bounded_and_lru() -> None:
         salt = rng.choice([None, "t"])
         keys = [K(f"k{rng.randrange(9)}") for _ in range(rng.randrange(1, 4))]
         record.note(salt, keys, spans=rng.random() < 0.5)
-        for key in keys:
-            slot = (salt or "", key)
+        for k in keys:
+            slot = (salt or "", str(k))
             if slot in model:
                 model.remove(slot)
             model.append(slot)
