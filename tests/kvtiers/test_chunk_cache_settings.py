@@ -78,4 +78,14 @@ def test_engine_settings_take_chunk_cache_and_refuse_other_types() -> None:
     s = EngineSettings(chunk_cache=ChunkCacheSettings(rule="kv_deviation", fraction=0.3))
     assert s.chunk_cache == ChunkCacheSettings()
     with pytest.raises(ValueError, match="ChunkCacheSettings"):
-        EngineSettings(chunk_cache={"rule": "cci"})  # type: ignore[arg-type]
+        EngineSettings(chunk_cache="on")  # type: ignore[arg-type]
+    # A dict of its fields (asdict round trip, an integration's engine_settings) is read back.
+    from dataclasses import asdict
+
+    back = EngineSettings(**asdict(s))
+    assert back.chunk_cache == ChunkCacheSettings()
+    assert EngineSettings(chunk_cache={"rule": "cci"}).chunk_cache == ChunkCacheSettings(  # type: ignore[arg-type]
+        rule="cci"
+    )
+    with pytest.raises(ValueError, match="unknown chunk-cache rule"):
+        EngineSettings(chunk_cache={"rule": "nope"})  # type: ignore[arg-type]

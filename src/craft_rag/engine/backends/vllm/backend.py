@@ -103,8 +103,15 @@ class EngineSettings:
 
     def __post_init__(self) -> None:
         check_log_level(self.log_level)
+        if isinstance(self.chunk_cache, Mapping):
+            # A dict of its fields (dataclasses.asdict of these settings, an integration's
+            # engine_settings dict) is read back; its own checks name a bad field.
+            object.__setattr__(self, "chunk_cache", ChunkCacheSettings(**self.chunk_cache))
         if self.chunk_cache is not None and not isinstance(self.chunk_cache, ChunkCacheSettings):
-            msg = f"chunk_cache must be a ChunkCacheSettings or None, got {self.chunk_cache!r:.80}"
+            msg = (
+                "chunk_cache must be a ChunkCacheSettings (or a dict of its fields) or None, "
+                f"got {self.chunk_cache!r:.80}"
+            )
             raise ValueError(msg)
         check_admission(self.admission, self.admission_window, self.admission_queue)
         check_int(self.block_size, "block_size", minimum=1)
