@@ -13,23 +13,13 @@ from craft_rag.scheduling import (
     AdmissionQueue,
     get_admission_policy,
 )
-
-
-class FakeClock:
-    def __init__(self) -> None:
-        self.now = 100.0
-
-    def __call__(self) -> float:
-        return self.now
-
-    def tick(self, seconds: float) -> None:
-        self.now += seconds
+from craft_rag.testing import FakeClock
 
 
 def make_queue(
     policy: str = "cache_aware", window: int = 32, clock: FakeClock | None = None
 ) -> AdmissionQueue[str]:
-    return AdmissionQueue(AdmissionOrder(policy, window), clock=clock or FakeClock())
+    return AdmissionQueue(AdmissionOrder(policy, window), clock=clock or FakeClock(100.0))
 
 
 def pop_all(queue: AdmissionQueue[str]) -> list[str]:
@@ -65,7 +55,7 @@ def test_fcfs_ignores_predictions() -> None:
 def test_equal_keys_tie_to_the_earlier_arrival() -> None:
     # arrival 0 with f=0 and arrival 1 with f=1/32 get the same key (32 * SCALE).
     order = AdmissionOrder("cache_aware", 32)
-    queue: AdmissionQueue[str] = AdmissionQueue(order, clock=FakeClock())
+    queue: AdmissionQueue[str] = AdmissionQueue(order, clock=FakeClock(100.0))
     assert queue.push("a", "a", 0, 64) == 32 * PRIORITY_SCALE
     assert queue.push("b", "b", 2, 64) == 32 * PRIORITY_SCALE
     assert pop_all(queue) == ["a", "b"]
@@ -88,7 +78,7 @@ def test_window_one_is_fcfs() -> None:
 
 
 def test_held_time_comes_from_the_injected_clock() -> None:
-    clock = FakeClock()
+    clock = FakeClock(100.0)
     queue = make_queue(clock=clock)
     queue.push("a", "a", 0, 10)
     clock.tick(0.25)

@@ -29,15 +29,8 @@ from craft_rag.prefix_cache_sim import SimulatedPrefixCache
 from craft_rag.prefix_tree import ChunkPrefixTree, KVLocation, NodeMetadata
 from craft_rag.promotion import get_promotion_rule
 from craft_rag.routing.policies import get_routing_policy
+from craft_rag.testing import FakeClock
 from craft_rag.types import BlockHash, ChunkKey, ConversationId, as_block_hash
-
-
-class FakeClock:
-    def __init__(self) -> None:
-        self.now = 100.0
-
-    def __call__(self) -> float:
-        return self.now
 
 
 def chunks(*names: str, tokens: int = 4) -> list[Chunk]:
@@ -53,7 +46,7 @@ def populated(clock: FakeClock | None = None, **config: Any) -> CraftPlanner:
     """A planner with a CP-Tree (spans, block hashes), a CA-Table and two conversations."""
     settings: dict[str, Any] = {"policy": "tree", "window": 8, "max_tree_nodes": 32}
     settings.update(config)
-    planner = CraftPlanner(PlannerConfig(**settings), clock=clock or FakeClock())
+    planner = CraftPlanner(PlannerConfig(**settings), clock=clock or FakeClock(100.0))
     for names, conv in [
         (("A", "B", "C"), None),
         (("B", "A", "D"), "conv-1"),
@@ -269,7 +262,7 @@ def test_second_plan_of_a_conversation_in_flight_is_refused_until_commit_or_abor
 
 
 def test_a_plan_in_flight_past_the_conversation_ttl_is_abandoned() -> None:
-    clock = FakeClock()
+    clock = FakeClock(100.0)
     planner = populated(clock, conversation_ttl_s=60.0)
     stale = planner.plan(chunks("A"), "conv-1")
     clock.now += 61.0

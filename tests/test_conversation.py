@@ -11,18 +11,8 @@ from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, pr
 
 from craft_rag.chunk import Chunk, make_chunk
 from craft_rag.conversation import ConversationRegistry
+from craft_rag.testing import FakeClock
 from craft_rag.types import ChunkKey, ConversationId
-
-
-class FakeClock:
-    def __init__(self, start: float = 0.0) -> None:
-        self.now = start
-
-    def __call__(self) -> float:
-        return self.now
-
-    def tick(self, by: float = 1.0) -> None:
-        self.now += by
 
 
 def make_chunks(*names: str) -> list[Chunk]:

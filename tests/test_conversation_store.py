@@ -15,15 +15,8 @@ from craft_rag.conversation import (
     ConversationStore,
     ConversationStoreProtocol,
 )
+from craft_rag.testing import FakeClock
 from craft_rag.types import ChunkKey, ConversationId
-
-
-class Clock:
-    def __init__(self) -> None:
-        self.now = 0.0
-
-    def __call__(self) -> float:
-        return self.now
 
 
 def cid(name: str) -> ConversationId:
@@ -41,7 +34,7 @@ def test_the_former_name_is_the_store_and_it_meets_the_protocol() -> None:
 
 
 def test_keys_and_tokens_are_one_record_under_one_lru_bound() -> None:
-    clock = Clock()
+    clock = FakeClock()
     store = ConversationStore(max_conversations=2, ttl_s=None, clock=clock)
     for i, name in enumerate(("a", "b", "c")):
         clock.now += 1
@@ -55,7 +48,7 @@ def test_keys_and_tokens_are_one_record_under_one_lru_bound() -> None:
 
 
 def test_ttl_expires_keys_and_tokens_together_but_not_a_turn_in_flight() -> None:
-    clock = Clock()
+    clock = FakeClock()
     store = ConversationStore(max_conversations=5, ttl_s=10.0, clock=clock)
     store.record_turn(cid("idle"), keys("x"), (1,))
     store.record_turn(cid("busy"), keys("y"), (2,))
@@ -78,7 +71,7 @@ def test_ttl_expires_keys_and_tokens_together_but_not_a_turn_in_flight() -> None
 
 
 def test_a_turn_in_flight_is_never_evicted_by_the_lru_bound() -> None:
-    clock = Clock()
+    clock = FakeClock()
     store = ConversationStore(max_conversations=1, ttl_s=None, clock=clock)
     store.record_turn(cid("a"), keys("k"), (1,))
     assert store.hold(cid("a"))
@@ -109,7 +102,7 @@ def test_dropped_turns_free_their_tokens_and_are_reported_once() -> None:
 
 
 def test_save_load_round_trip_keeps_tokens_drops_and_the_bound() -> None:
-    clock = Clock()
+    clock = FakeClock()
     store = ConversationStore(max_conversations=3, ttl_s=60.0, clock=clock)
     store.record_turn(cid("a"), keys("x", "y"), (5, 6, 7))
     store.record_turn(cid("a"), keys("z"), (8,))
@@ -176,7 +169,7 @@ def test_seeded_operations_keep_the_invariant_under_the_injected_clock() -> None
     live turns' keys, tokens stay parallel to turns, the bound holds but for turns in flight,
     LRU order follows the clock."""
     rng = random.Random(12)
-    clock = Clock()
+    clock = FakeClock()
     store = ConversationStore(max_conversations=4, ttl_s=30.0, clock=clock)
     pool = [f"k{i}" for i in range(12)]
     for _ in range(3000):

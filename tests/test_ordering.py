@@ -20,15 +20,8 @@ from craft_rag.ordering import (
 )
 from craft_rag.planner import CraftPlanner, PlannerConfig
 from craft_rag.prefix_tree import ChunkPrefixTree
+from craft_rag.testing import FakeClock
 from craft_rag.types import ChunkKey
-
-
-class ManualClock:
-    def __init__(self, start: float = 0.0) -> None:
-        self.now = start
-
-    def __call__(self) -> float:
-        return self.now
 
 
 def make_chunks(*names: str) -> list[Chunk]:
@@ -43,7 +36,7 @@ def make_context(
     table = ChunkAccessTable(window=window)
     for request in history or []:
         table.record([ChunkKey(k) for k in request])
-    tree = ChunkPrefixTree(1000, clock=ManualClock())
+    tree = ChunkPrefixTree(1000, clock=FakeClock())
     for path in paths or []:
         tree.insert([ChunkKey(k) for k in path])
     return OrderingContext(table, tree)
@@ -263,7 +256,7 @@ def test_tree_never_aligns_fewer_chunks_than_the_retriever_order(
             window=window,
             threshold=data.draw(st.integers(1, 3)),
         ),
-        clock=ManualClock(),
+        clock=FakeClock(),
     )
     tree_policy, retriever = get_policy("tree"), get_policy("retriever")
     for request in trace:

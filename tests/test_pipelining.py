@@ -14,6 +14,7 @@ from craft_rag.scheduling.pipelining import (
     SpeculativePipeline,
     check_max_in_flight,
 )
+from craft_rag.testing import FakeClock
 
 
 @dataclass
@@ -56,17 +57,7 @@ class FakeTarget:
         return self.others + sum(not s.aborted for s in self.speculations)
 
 
-class Clock:
-    """A fake clock that moves only when a test advances it."""
-
-    def __init__(self) -> None:
-        self.now = 0.0
-
-    def __call__(self) -> float:
-        return self.now
-
-
-def timed(clock: Clock, stages: list[list[str]], seconds: float) -> Iterator[list[str]]:
+def timed(clock: FakeClock, stages: list[list[str]], seconds: float) -> Iterator[list[str]]:
     """Each stage's search takes ``seconds`` on ``clock``."""
     for stage in stages:
         clock.now += seconds
@@ -138,7 +129,7 @@ def test_a_known_last_stage_is_served_not_speculated() -> None:
 
 def test_disabled_searches_then_serves() -> None:
     target = FakeTarget()
-    clock = Clock()
+    clock = FakeClock()
     stages = timed(clock, [["a"], ["b"], ["b"]], 2.0)
     out = pipeline(target, enabled=False, clock=clock).run(stages)
     assert target.speculations == [] and target.served == [(("b",), None)]
@@ -146,7 +137,7 @@ def test_disabled_searches_then_serves() -> None:
 
 
 def test_non_overlapped_search_time_ends_when_the_final_set_was_speculated() -> None:
-    clock = Clock()
+    clock = FakeClock()
     stages = timed(clock, [["a"], ["b"], ["b"], ["b"]], 10.0)  # "b" found by the second stage
     out = pipeline(FakeTarget(), clock=clock).run(stages)
     assert out.report.search_s == 40.0
@@ -155,7 +146,7 @@ def test_non_overlapped_search_time_ends_when_the_final_set_was_speculated() -> 
 
 
 def test_non_overlapped_search_time_is_all_of_it_without_a_kept_speculation() -> None:
-    clock = Clock()
+    clock = FakeClock()
     stages = timed(clock, [["a"], ["a"], ["b"]], 1.0)
     out = pipeline(FakeTarget(), clock=clock).run(stages, total=3)
     assert (out.report.search_s, out.report.non_overlapped_search_s) == (3.0, 3.0)

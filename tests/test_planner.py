@@ -20,18 +20,8 @@ import craft_rag.planner.planner as planner_module
 from craft_rag.chunk import Chunk, make_chunk
 from craft_rag.planner import CraftPlanner, Plan, PlannerConfig
 from craft_rag.prefix_tree import KVLocation
+from craft_rag.testing import FakeClock
 from craft_rag.types import BlockHash, ChunkKey, ConversationId
-
-
-class FakeClock:
-    def __init__(self, start: float = 0.0) -> None:
-        self.now = start
-
-    def __call__(self) -> float:
-        return self.now
-
-    def tick(self, by: float = 1.0) -> None:
-        self.now += by
 
 
 def make_chunks(*names: str, tokens: int | None = None) -> list[Chunk]:

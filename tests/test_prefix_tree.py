@@ -16,23 +16,10 @@ from craft_rag.prefix_tree import (
     PrefixMatch,
     PrefixNode,
 )
+from craft_rag.testing import FakeClock
 from craft_rag.types import BlockHash, ChunkKey
 
 Path = tuple[str, ...]
-
-
-class ManualClock:
-    """Returns ``now`` until moved with :meth:`tick`/:meth:`set`."""
-
-    def __init__(self, start: float = 0.0) -> None:
-        self.now = start
-
-    def __call__(self) -> float:
-        return self.now
-
-    def tick(self, by: float = 1.0) -> float:
-        self.now += by
-        return self.now
 
 
 class TickClock:
@@ -55,9 +42,9 @@ def bh(name: str) -> BlockHash:
 
 
 def make_tree(
-    max_nodes: int = 100, clock: ManualClock | TickClock | None = None
+    max_nodes: int = 100, clock: FakeClock | TickClock | None = None
 ) -> ChunkPrefixTree:
-    return ChunkPrefixTree(max_nodes, clock=clock or ManualClock())
+    return ChunkPrefixTree(max_nodes, clock=clock or FakeClock())
 
 
 def paths(tree: ChunkPrefixTree) -> set[Path]:
@@ -95,7 +82,7 @@ def test_paper_prefix_slicing_example() -> None:
 
 
 def test_match_has_no_side_effects() -> None:
-    clock = ManualClock(5.0)
+    clock = FakeClock(5.0)
     tree = make_tree(clock=clock)
     tree.insert(ks("A", "B"))
     clock.tick()
@@ -151,7 +138,7 @@ def test_node_path_and_depth() -> None:
 
 
 def test_insert_keeps_hits_and_refreshes_access() -> None:
-    clock = ManualClock(1.0)
+    clock = FakeClock(1.0)
     tree = make_tree(clock=clock)
     tree.insert(ks("A", "B"))
     tree.touch(tree.match(ks("A", "B")))
@@ -344,7 +331,7 @@ def test_match_subset_finds_the_longest_path_inside_the_set() -> None:
 
 
 def test_match_subset_ties_prefer_recent_then_smaller_path() -> None:
-    clock = ManualClock(1.0)
+    clock = FakeClock(1.0)
     tree = make_tree(clock=clock)
     tree.insert(ks("B", "A"))
     tree.insert(ks("A", "B"))  # same time: the smaller key sequence wins
@@ -359,7 +346,7 @@ def test_match_subset_ties_prefer_recent_then_smaller_path() -> None:
 
 
 def test_eviction_is_least_recently_accessed_leaf_first() -> None:
-    clock = ManualClock()
+    clock = FakeClock()
     tree = make_tree(max_nodes=3, clock=clock)
     for name in ("A", "B", "C"):
         clock.tick()
@@ -380,7 +367,7 @@ def test_eviction_is_least_recently_accessed_leaf_first() -> None:
 
 
 def test_eviction_removes_a_cold_branch_leaf_by_leaf() -> None:
-    clock = ManualClock()
+    clock = FakeClock()
     tree = make_tree(max_nodes=4, clock=clock)
     clock.tick()
     tree.insert(ks("A", "B", "C"))  # @1
@@ -397,7 +384,7 @@ def test_eviction_removes_a_cold_branch_leaf_by_leaf() -> None:
 
 
 def test_inner_nodes_of_a_hot_path_survive() -> None:
-    clock = ManualClock()
+    clock = FakeClock()
     tree = make_tree(max_nodes=3, clock=clock)
     clock.tick()
     tree.insert(ks("A", "B"))  # @1
@@ -410,7 +397,7 @@ def test_inner_nodes_of_a_hot_path_survive() -> None:
 
 
 def test_just_inserted_path_is_not_evicted_even_when_oldest() -> None:
-    clock = ManualClock(10.0)
+    clock = FakeClock(10.0)
     tree = make_tree(max_nodes=2, clock=clock)
     tree.insert(ks("A"))
     tree.insert(ks("B"))
@@ -431,7 +418,7 @@ def test_path_longer_than_the_bound_is_trimmed_from_its_leaf_end() -> None:
 
 
 def test_equal_times_evict_in_insertion_order() -> None:
-    tree = make_tree(max_nodes=3, clock=ManualClock(0.0))
+    tree = make_tree(max_nodes=3, clock=FakeClock(0.0))
     for name in ("A", "B", "C", "D", "E"):
         tree.insert(ks(name))
     assert paths(tree) == {("C",), ("D",), ("E",)}
@@ -440,10 +427,10 @@ def test_equal_times_evict_in_insertion_order() -> None:
 def test_round_trip_keeps_the_eviction_order_under_a_coarse_clock() -> None:
     # A coarse clock gives many equal access times. The loaded tree must evict in the same order
     # as the original, or save/load changes future plans.
-    tree = make_tree(max_nodes=3, clock=ManualClock(0.0))
+    tree = make_tree(max_nodes=3, clock=FakeClock(0.0))
     for name in ("A", "B", "C"):
         tree.insert(ks(name))
-    loaded = ChunkPrefixTree.from_json(json.loads(json.dumps(tree.to_json())), clock=ManualClock())
+    loaded = ChunkPrefixTree.from_json(json.loads(json.dumps(tree.to_json())), clock=FakeClock())
     for t in (tree, loaded):
         t.insert(ks("D"))
         t._check_invariants()
@@ -453,7 +440,7 @@ def test_round_trip_keeps_the_eviction_order_under_a_coarse_clock() -> None:
 def test_heap_rebuild_keeps_the_eviction_order() -> None:
     # Many touches of one leaf grow the lazy heap until it is rebuilt; the rebuild must not
     # reshuffle leaves that share an access time.
-    tree = make_tree(max_nodes=3, clock=ManualClock(0.0))
+    tree = make_tree(max_nodes=3, clock=FakeClock(0.0))
     for name in ("A", "B", "C"):
         tree.insert(ks(name))
     for _ in range(200):
@@ -463,7 +450,7 @@ def test_heap_rebuild_keeps_the_eviction_order() -> None:
 
 
 def test_json_round_trip_is_exact() -> None:
-    clock = ManualClock(3.0)
+    clock = FakeClock(3.0)
     tree = make_tree(max_nodes=50, clock=clock)
     tree.insert(
         ks("A", "B"),

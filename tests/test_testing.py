@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 
 from craft_rag.engine import EngineFailure
-from craft_rag.testing import FAKE_BLOCK, FakeBackend, make_chunks, make_fake_engine
+from craft_rag.testing import FAKE_BLOCK, FakeBackend, FakeClock, make_chunks, make_fake_engine
 
 
 def test_the_docstring_example_and_block_granular_reuse() -> None:
@@ -63,3 +63,11 @@ def test_a_store_engine_plans_from_the_store_and_rejects_another_policy() -> Non
         engine.close()
     with pytest.raises(ValueError, match="policy='frequency'"):
         make_fake_engine(store=MemoryStore(), policy="frequency")
+
+
+def test_fake_clock_moves_only_when_told() -> None:
+    clock = FakeClock(5.0)
+    assert clock() == clock() == 5.0
+    assert clock.tick() == 6.0 and clock.tick(0.5) == 6.5 == clock()
+    clock.now = 1.0
+    assert clock() == 1.0

@@ -17,21 +17,13 @@ from craft_rag.engine.driver import EngineDriver, RequestCancelled, RequestState
 from craft_rag.engine.history_budget import HistoryBudget
 from craft_rag.engine.results import RagRequest, SamplingRequest
 from craft_rag.scheduling import PRIORITY_SCALE, AdmissionOrder
-from craft_rag.testing import FakeBackend, make_chunks, make_fake_engine
+from craft_rag.testing import FakeBackend, FakeClock, make_chunks, make_fake_engine
 
 PROMPT = list(range(3, 103))  # 100 tokens
 
 
-class Clock:
-    def __init__(self) -> None:
-        self.now = 0.0
-
-    def __call__(self) -> float:
-        return self.now
-
-
 def queued_driver(
-    policy: str, backend: FakeBackend, clock: Clock, max_running: int = 1
+    policy: str, backend: FakeBackend, clock: FakeClock, max_running: int = 1
 ) -> EngineDriver:
     return EngineDriver(
         backend, clock=clock, admission=Admission(AdmissionOrder(policy, 32), max_running)
@@ -53,7 +45,7 @@ def submit(driver: EngineDriver, name: str, predicted: int, max_tokens: int = 2)
 )
 def test_the_queue_lets_requests_in_by_policy(policy: str, expected: list[str]) -> None:
     gate = threading.Event()  # holds the first step until everything is queued
-    backend, clock = FakeBackend(step_gate=gate), Clock()
+    backend, clock = FakeBackend(step_gate=gate), FakeClock()
     driver = queued_driver(policy, backend, clock)
     try:
         states = [submit(driver, "busy", 0)]
@@ -74,7 +66,7 @@ def test_the_queue_lets_requests_in_by_policy(policy: str, expected: list[str]) 
 
 def test_a_held_request_aborted_never_reaches_the_engine() -> None:
     gate = threading.Event()
-    backend, clock = FakeBackend(step_gate=gate), Clock()
+    backend, clock = FakeBackend(step_gate=gate), FakeClock()
     driver = queued_driver("cache_aware", backend, clock)
     try:
         busy, held, other = (
@@ -94,7 +86,7 @@ def test_a_held_request_aborted_never_reaches_the_engine() -> None:
 
 def test_an_error_entering_the_engine_fails_only_that_request() -> None:
     gate = threading.Event()
-    backend, clock = FakeBackend(step_gate=gate, max_model_len=104), Clock()
+    backend, clock = FakeBackend(step_gate=gate, max_model_len=104), FakeClock()
     driver = queued_driver("fcfs", backend, clock)
     try:
         busy = submit(driver, "busy", 0)
@@ -111,7 +103,7 @@ def test_an_error_entering_the_engine_fails_only_that_request() -> None:
 
 def test_closing_fails_held_requests() -> None:
     gate = threading.Event()
-    backend, clock = FakeBackend(step_gate=gate), Clock()
+    backend, clock = FakeBackend(step_gate=gate), FakeClock()
     driver = queued_driver("fcfs", backend, clock)
     busy, held = submit(driver, "busy", 0), submit(driver, "held", 0)
     gate.set()

@@ -74,12 +74,30 @@ __all__ = [
     "ISOLATED_ENGINE_TEST",
     "MERGING_TEMPLATE",
     "FakeBackend",
+    "FakeClock",
     "control_id_count",
     "forged_control_text",
     "make_chunks",
     "make_fake_engine",
     "rerun_in_own_process",
 ]
+
+
+class FakeClock:
+    """An injectable clock (``clock=``) that moves only when the test says: ``now`` (seconds)
+    until :meth:`tick` or an assignment to ``now`` moves it. O(1) per read."""
+
+    def __init__(self, start: float = 0.0) -> None:
+        self.now = start
+
+    def __call__(self) -> float:
+        return self.now
+
+    def tick(self, by: float = 1.0) -> float:
+        """Move the clock ``by`` seconds; returns the new time."""
+        self.now += by
+        return self.now
+
 
 FAKE_BLOCK = 16
 """Tokens per KV block in the fake backend (vLLM's CPU default is 16 too)."""
