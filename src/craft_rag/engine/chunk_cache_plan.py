@@ -48,6 +48,7 @@ still holds: the connector then recomputes that chunk in full, correct but slowe
 
 from __future__ import annotations
 
+import threading
 from collections import OrderedDict
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -96,8 +97,9 @@ class ChunkNote:
 
 class ChunkRecord:
     """Chunk keys the engine sent, per tenant salt, least recently sent dropped first beyond
-    ``max_chunks`` entries. Not thread-safe (the engine calls it under its renderer's flow,
-    one turn at a time per call). Invariant: ``len(self) <= max_chunks``. O(1) per key."""
+    ``max_chunks`` entries. Not thread-safe: its :class:`ChunkCachePlanner`'s lock guards it
+    (RAG turns start on their callers' threads). Invariant: ``len(self) <= max_chunks``.
+    O(1) per key."""
 
     def __init__(self, max_chunks: int) -> None:
         if isinstance(max_chunks, bool) or not isinstance(max_chunks, int) or max_chunks < 1:
@@ -156,11 +158,13 @@ class ChunkCachePlan:
 
 class ChunkCachePlanner:
     """Decides per chunk (see the module docstring) and owns the engine's :class:`ChunkRecord`.
-    Stateless besides the record."""
+    Stateless besides the record; thread-safe (one lock around every read and note of it: turns
+    start on their callers' threads; nothing slow runs under it)."""
 
     def __init__(self, settings: ChunkCacheSettings) -> None:
         self.settings = settings
-        self.record = ChunkRecord(settings.max_chunks)
+        self.record = ChunkRecord(settings.max_chunks)  # owner: this planner, under _lock
+        self._lock = threading.Lock()
 
     def _fixable(self, salt: str | None, key: ChunkKey) -> bool:
         note = self.record.get(salt, key)
@@ -171,10 +175,13 @@ class ChunkCachePlanner:
     ) -> list[_T]:
         """``chunks`` with the fixable ones first, each group in its given order (stable).
         O(k)."""
-        fixable = [c for c in chunks if self._fixable(salt, key_of(c))]
-        if not fixable or len(fixable) == len(chunks):
+        with self._lock:
+            marks = [self._fixable(salt, key_of(c)) for c in chunks]
+        if all(marks) or not any(marks):
             return list(chunks)
-        return fixable + [c for c in chunks if not self._fixable(salt, key_of(c))]
+        return [c for c, m in zip(chunks, marks, strict=True) if m] + [
+            c for c, m in zip(chunks, marks, strict=True) if not m
+        ]
 
     def plan(
         self,
@@ -198,8 +205,9 @@ class ChunkCachePlanner:
         predicted = predicted_tokens or 0
         routes: list[str] = []
         trusted = True
-        for key, (_, end) in zip(keys, spans, strict=True):
-            note = self.record.get(salt, key)
+        with self._lock:
+            notes = [self.record.get(salt, key) for key in keys]
+        for note, (_, end) in zip(notes, spans, strict=True):
             if trusted and end <= predicted and (note is None or note.exact_last):
                 routes.append(EXACT)
                 continue
@@ -230,4 +238,5 @@ class ChunkCachePlanner:
 
     def sent(self, salt: str | None, keys: Sequence[ChunkKey], plan: ChunkCachePlan) -> None:
         """Record a submitted request's chunks (as spans when ``plan.send``). O(k)."""
-        self.record.note(salt, keys, spans=plan.send)
+        with self._lock:
+            self.record.note(salt, keys, spans=plan.send)
