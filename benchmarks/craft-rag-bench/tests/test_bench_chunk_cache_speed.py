@@ -134,8 +134,23 @@ def test_time_split_recovers_known_per_token_costs() -> None:
     assert sum(split["share"].values()) == pytest.approx(1.0)
     recomputed = sum(2.0 * r["recomputed"] for r in rows) / sum(r["ttft_ms"] for r in rows)
     assert split["share"]["recomputed"] == pytest.approx(recomputed)
-    # Nothing fixed or recomputed: no split (only vLLM computed).
-    assert speed.time_split([row(i, 10.0 + i) for i in range(8)]) is None
+    assert split["unexplained_share"] == pytest.approx(0.0, abs=1e-9)
+    # Only vLLM computed: the other origins are left out (cost None), vLLM's cost is fitted.
+    only = speed.time_split([row(i, 10.0 + 2.0 * (50 + i), computed=50 + i) for i in range(8)])
+    assert only is not None and only["ms_per_token"]["fixed"] is None
+    assert only["ms_per_token"]["computed"] == pytest.approx(2.0)
+    assert speed.time_split([row(i, 1.0, computed=0) for i in range(8)]) is None
+
+
+def test_time_split_keeps_costs_non_negative() -> None:
+    # Noise that an unconstrained fit would answer with a negative cost for ``computed``.
+    rows = [row(i, t, fixed=f, recomputed=r, computed=c) for i, (t, f, r, c) in enumerate(
+        [(100, 0, 10, 50), (90, 10, 10, 60), (120, 0, 12, 40), (80, 5, 8, 70),
+         (130, 0, 13, 30), (70, 0, 7, 80), (110, 2, 11, 45), (95, 1, 9, 65)])]
+    split = speed.time_split(rows)
+    assert split is not None
+    assert all(v is None or v >= 0 for v in split["ms_per_token"].values())
+    assert split["ms_per_request"] >= 0
 
 
 def test_agreement_compares_same_prompts_only() -> None:
@@ -212,7 +227,11 @@ def test_quick_run_through_the_cli_writes_the_documented_json(
         "unbounded_prefix", "seen_token_fraction", "prompt_tokens"}
     craft, blended = w["systems"]["craft"], w["systems"]["craft_chunk_cache"]
     assert craft["computed_fraction"] == pytest.approx((100 + 9 * 80) / 1000)
-    assert craft["agreement"] is None and craft["time_split"] is None
+    assert craft["agreement"] is None
+    assert craft["time_split"]["ms_per_token"]["computed"] == pytest.approx(1.0)
+    assert craft["time_split"]["ms_per_token"]["fixed"] is None
+    assert [r["id"] for r in blended["per_request"]] == [r.id for r in trace]
+    assert blended["per_request"][1]["recomputed"] == 20
     assert blended["approximate_requests"] == 9 and blended["refusals"] == {"first request": 1}
     assert blended["agreement"] == {"same_prompt": 10, "identical": 10, "approximate": 9,
                                     "approximate_identical": 9}

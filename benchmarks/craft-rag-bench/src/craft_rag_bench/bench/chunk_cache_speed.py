@@ -16,9 +16,9 @@ tokens by origin (``exact`` prefix hits, ``fixed`` chunk-cache tokens used as th
 ``recomputed`` by the connector's own model copy, ``computed`` by vLLM) from each request's
 ``ReuseReport``, ``computed_fraction`` = (recomputed + computed) / prompt tokens, approximate
 requests and refusals (with their reasons), and ``time_split`` (:func:`time_split`: where the
-TTFT goes, from a least-squares fit of each request's TTFT on its token counts; the connector
-reports counts, not times). ``agreement``: greedy outputs equal to ``craft``'s on the same
-request and prompt.
+TTFT goes, from a non-negative least-squares fit of each request's TTFT on its token counts;
+the connector reports counts, not times). ``agreement``: greedy outputs equal to ``craft``'s
+on the same request and prompt. ``per_request``: the rows behind it all (no reply tokens).
 
 Per workload, ``bound`` (:func:`trace_bound`, no engine, seconds): the paper's Prefix and Total
 overlap of the trace (chunk ids, the retriever's order), ``computed_ceiling`` = 1 - Total
@@ -42,8 +42,11 @@ JSON layout (``results`` of the suite): ``{"suite": "chunk-cache-speed", "rule",
 "prompt_tokens", "cached_tokens", "cached_token_fraction", "mean_ttft_ms", "p50_ttft_ms",
 "p99_ttft_ms", "tokens": {"exact", "fixed", "recomputed", "computed"}, "computed_fraction",
 "approximate_requests", "refused_requests", "refusals": {reason: count}, "counts_from":
-{source: count}, "time_split": {...} | null, "agreement": {...} | null, "engine_start_s",
-"serve_s"} | {"error"}}, "verdicts": {...}, "seconds"}}}``.
+{source: count}, "time_split": {"ms_per_request", "ms_per_token": {origin: ms | null},
+"share": {"base", origin: share}, "unexplained_share", "r2", "requests"} | null,
+"agreement": {...} | null, "engine_start_s", "serve_s", "per_request": [{"id", "ttft_ms",
+"prompt_tokens", "exact", "fixed", "recomputed", "computed", "approximate", "refused"}]} |
+{"error"}}, "verdicts": {...}, "seconds"}}}``.
 """
 
 from __future__ import annotations
@@ -183,28 +186,33 @@ MIN_SPLIT_REQUESTS = 8
 
 
 def time_split(rows: Sequence[Mapping[str, Any]]) -> dict[str, Any] | None:
-    """Where one system's TTFT goes: the least-squares fit ``ttft_ms ~ base + a * fixed + b *
-    recomputed + c * computed`` over its requests (ms per token of each origin: ``fixed`` is
-    loading and re-rotating, ``recomputed`` the connector's model copy, ``computed`` vLLM) and
-    each term's share of the summed TTFT. An estimate (few requests, a shared machine), not a
-    timer. None below :data:`MIN_SPLIT_REQUESTS` requests, or when no request fixed or
-    recomputed a token (nothing to split: the counts are collinear). O(n)."""
-    if len(rows) < MIN_SPLIT_REQUESTS or not any(
-            int(r["fixed"]) or int(r["recomputed"]) for r in rows):
+    """Where one system's TTFT goes: the non-negative least-squares fit ``ttft_ms ~ base + a *
+    fixed + b * recomputed + c * computed`` over its requests (ms per token of each origin:
+    ``fixed`` is loading and re-rotating, ``recomputed`` the connector's model copy,
+    ``computed`` vLLM; an origin no request has is left out, its cost None) and each term's
+    share of the summed TTFT. Costs are kept >= 0 (an unconstrained fit on a few dozen noisy
+    requests gives negative per-token costs). An estimate (few requests, a shared machine), not
+    a timer. None below :data:`MIN_SPLIT_REQUESTS` requests or with no token counts at all.
+    O(n)."""
+    used = [c for c in SPLIT_COLUMNS if any(int(r[c]) for r in rows)]
+    if len(rows) < MIN_SPLIT_REQUESTS or not used:
         return None
     import numpy as np
+    from scipy.optimize import nnls
 
-    x = np.array([[1.0] + [float(r[c]) for c in SPLIT_COLUMNS] for r in rows])
+    x = np.array([[1.0] + [float(r[c]) for c in used] for r in rows])
     y = np.array([float(r["ttft_ms"]) for r in rows])
-    coef, *_ = np.linalg.lstsq(x, y, rcond=None)
+    coef, _ = nnls(x, y)
     total = float(y.sum())
     terms = {"base": float(coef[0]) * len(rows)}
-    terms.update({c: float(coef[i + 1]) * float(x[:, i + 1].sum())
-                  for i, c in enumerate(SPLIT_COLUMNS)})
+    terms.update({c: float(coef[i + 1]) * float(x[:, i + 1].sum()) for i, c in enumerate(used)})
+    cost = dict.fromkeys(SPLIT_COLUMNS)
+    cost.update({c: float(coef[i + 1]) for i, c in enumerate(used)})
     return {
         "ms_per_request": float(coef[0]),
-        "ms_per_token": {c: float(coef[i + 1]) for i, c in enumerate(SPLIT_COLUMNS)},
+        "ms_per_token": cost,
         "share": {k: v / total if total else None for k, v in terms.items()},
+        "unexplained_share": 1.0 - sum(terms.values()) / total if total else None,
         "r2": _r2(x, y, coef),
         "requests": len(rows),
     }
@@ -214,6 +222,16 @@ def _r2(x: Any, y: Any, coef: Any) -> float | None:
     residual = float(((y - x @ coef) ** 2).sum())
     spread = float(((y - y.mean()) ** 2).sum())
     return 1.0 - residual / spread if spread else None
+
+
+COMPACT_FIELDS: tuple[str, ...] = ("id", "ttft_ms", "prompt_tokens", "exact", "fixed",
+                                   "recomputed", "computed", "approximate", "refused")
+
+
+def compact_rows(rows: Sequence[Mapping[str, Any]]) -> list[dict[str, Any]]:
+    """The per-request rows kept in the JSON (no reply tokens, no prompt digest): for fits
+    and plots after the run."""
+    return [{k: r.get(k) for k in COMPACT_FIELDS} for r in rows]
 
 
 def agreement(
@@ -300,6 +318,7 @@ def side_by_side(base: SpeedSpec, systems: Sequence[str], runner: Runner) -> dic
                             if reference is not None and SYSTEMS[name].chunk_cache else None)
         row["engine_start_s"] = worker.get("engine_start_s")
         row["serve_s"] = worker.get("serve_s")
+        row["per_request"] = compact_rows(worker["requests"])
         out[name] = row
     return out
 
@@ -417,7 +436,8 @@ def report_lines(result: Mapping[str, Any]) -> list[str]:
                            + ", ".join(f" {k} {_fmt(None if v is None else 100 * v, '.0f')}%"
                                        for k, v in share.items())
                            + "; ms/token " + ", ".join(
-                               f"{k} {v:.3f}" for k, v in split["ms_per_token"].items()))
+                               f"{k} {_fmt(v, '.2f')}" for k, v in split["ms_per_token"].items())
+                           + f", {split['ms_per_request']:.0f} ms/request")
             if s.get("refusals"):
                 out.append(f"- {name} refusals: {s['refusals']}")
         for key, v in w["verdicts"].items():
