@@ -35,6 +35,25 @@ def controls(tokenizer: HFTokenizer, ids: tuple[int, ...]) -> int:
     return sum(1 for i in ids if i in tokenizer.control_ids)
 
 
+def rag_prompt_ids(engine: CraftEngine, text: str, tag: str) -> tuple[int, ...]:
+    """The prompt ids sent for two chunks and a question all spelling ``text``."""
+    chunks = [make_chunk(f"{text} {tag} {i}", id=f"inj-{tag}-{i}") for i in range(2)]
+    return engine.generate(chunks, f"{text} ?", max_tokens=1).prompt_token_ids
+
+
+def third_turn_ids(engine: CraftEngine, text: str) -> tuple[int, ...]:
+    """The prompt ids of a new conversation's third turn, every chunk, question and (one-token)
+    answer before it spelling ``text``; the conversation is ended after."""
+    conv = f"inj-{uuid.uuid4().hex}"
+    ids: tuple[int, ...] = ()
+    for turn in range(3):
+        chunks = [make_chunk(f"{text} turn {turn}", id=f"{conv}-{turn}")]
+        result = engine.generate(chunks, f"{text} {turn}?", conversation_id=conv, max_tokens=1)
+        ids = result.prompt_token_ids
+    engine.end_conversation(conv)
+    return ids
+
+
 def test_engine_uses_the_plain_text_tokenizer(craft_engine: CraftEngine) -> None:
     tok = craft_engine.assembler.tokenizer
     assert isinstance(tok, HFTokenizer)
@@ -45,36 +64,20 @@ def test_rag_prompt_over_poisoned_chunks_and_question(
     craft_engine: CraftEngine, tokenizer: HFTokenizer
 ) -> None:
     evil = attack(tokenizer)
-
-    def prompt(text: str, tag: str) -> tuple[int, ...]:
-        chunks = [make_chunk(f"{text} {tag} {i}", id=f"inj-{tag}-{i}") for i in range(2)]
-        result = craft_engine.generate(chunks, f"{text} ?", max_tokens=1)
-        return result.prompt_token_ids
-
     tag = uuid.uuid4().hex[:6]
-    assert controls(tokenizer, prompt(evil, tag)) == controls(tokenizer, prompt("Calm.", tag))
+    evil_ids = rag_prompt_ids(craft_engine, evil, tag)
+    calm_ids = rag_prompt_ids(craft_engine, "Calm.", tag)
+    assert controls(tokenizer, evil_ids) == controls(tokenizer, calm_ids)
 
 
 def test_conversation_history_and_answers_stay_plain(
     craft_engine: CraftEngine, tokenizer: HFTokenizer
 ) -> None:
     evil = attack(tokenizer)
-
-    def third_turn(text: str) -> tuple[int, ...]:
-        conv = f"inj-{uuid.uuid4().hex}"
-        ids: tuple[int, ...] = ()
-        for turn in range(3):
-            chunks = [make_chunk(f"{text} turn {turn}", id=f"{conv}-{turn}")]
-            result = craft_engine.generate(
-                chunks, f"{text} {turn}?", conversation_id=conv, max_tokens=1
-            )
-            ids = result.prompt_token_ids
-        craft_engine.end_conversation(conv)
-        return ids
-
     # One-token replies: a stop token is stored as the template's close, any other token is
     # an ordinary word, so both histories carry the same scaffolding.
-    evil_ids, calm_ids = third_turn(evil), third_turn("Calm.")
+    evil_ids = third_turn_ids(craft_engine, evil)
+    calm_ids = third_turn_ids(craft_engine, "Calm.")
     assert controls(tokenizer, evil_ids) == controls(tokenizer, calm_ids)
 
 

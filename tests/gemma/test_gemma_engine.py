@@ -38,6 +38,7 @@ _injection = load_tests("engine/test_injection_engine.py")
 test_lone_surrogates_are_value_errors_naming_the_field = (
     _injection.test_lone_surrogates_are_value_errors_naming_the_field
 )
+rag_prompt_ids, third_turn_ids = _injection.rag_prompt_ids, _injection.third_turn_ids
 # The SmolLM2 injection tests spell every control string; Gemma has 6,249 (mostly <unusedN>),
 # ~42k tokens, past max_model_len. Their Gemma versions below spell a sample of each kind.
 
@@ -77,33 +78,18 @@ def test_rag_prompt_over_poisoned_chunks_and_question(
     craft_engine: CraftEngine, tokenizer: HFTokenizer
 ) -> None:
     evil = attack(tokenizer)
-
-    def prompt(text: str, tag: str) -> tuple[int, ...]:
-        chunks = [make_chunk(f"{text} {tag} {i}", id=f"inj-{tag}-{i}") for i in range(2)]
-        return craft_engine.generate(chunks, f"{text} ?", max_tokens=1).prompt_token_ids
-
     tag = uuid.uuid4().hex[:6]
-    assert controls(tokenizer, prompt(evil, tag)) == controls(tokenizer, prompt("Calm.", tag)) > 0
+    evil_ids = rag_prompt_ids(craft_engine, evil, tag)
+    calm_ids = rag_prompt_ids(craft_engine, "Calm.", tag)
+    assert controls(tokenizer, evil_ids) == controls(tokenizer, calm_ids) > 0
 
 
 def test_conversation_history_and_answers_stay_plain(
     craft_engine: CraftEngine, tokenizer: HFTokenizer
 ) -> None:
     evil = attack(tokenizer)
-
-    def third_turn(text: str) -> tuple[int, ...]:
-        conv = f"inj-{uuid.uuid4().hex}"
-        ids: tuple[int, ...] = ()
-        for turn in range(3):
-            chunks = [make_chunk(f"{text} turn {turn}", id=f"{conv}-{turn}")]
-            result = craft_engine.generate(
-                chunks, f"{text} {turn}?", conversation_id=conv, max_tokens=1
-            )
-            ids = result.prompt_token_ids
-        craft_engine.end_conversation(conv)
-        return ids
-
-    assert controls(tokenizer, third_turn(evil)) == controls(tokenizer, third_turn("Calm."))
+    evil_ids, calm_ids = third_turn_ids(craft_engine, evil), third_turn_ids(craft_engine, "Calm.")
+    assert controls(tokenizer, evil_ids) == controls(tokenizer, calm_ids)
 
 
 def test_gemma_chat_messages_stay_plain(
