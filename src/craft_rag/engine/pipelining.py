@@ -28,6 +28,7 @@ from __future__ import annotations
 import time
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field, replace
+from typing import TypeVar
 
 from craft_rag.chunk import Chunk
 from craft_rag.engine.engine import CraftEngine
@@ -38,11 +39,14 @@ from craft_rag.planner import CraftPlanner, Plan
 from craft_rag.scheduling.pipelining import (
     DEFAULT_MAX_IN_FLIGHT,
     PipelinedOutcome,
+    PrefillTarget,
     SpeculativePipeline,
     check_max_in_flight,
 )
 
 __all__ = ["EngineSpeculation", "SpeculativePrefill"]
+
+R = TypeVar("R")  # what the final step returns: a GenerationResult (run) or a Plan (prepare)
 
 
 @dataclass(slots=True, eq=False)
@@ -211,17 +215,7 @@ class SpeculativePrefill:
         stages when known (the last is then not speculated on). ``ValueError`` for a bad
         question or chunks (as :meth:`CraftEngine.generate`) or no stage; any error aborts
         every speculation (nothing committed)."""
-        target = self._engine_target(question, sampling, cache_salt)
-        pipeline: SpeculativePipeline[Chunk, EngineSpeculation, GenerationResult] = (
-            SpeculativePipeline(
-                target,
-                key=_chunk_key,
-                max_in_flight=self.max_in_flight,
-                enabled=self.enabled,
-                clock=self._clock,
-            )
-        )
-        return pipeline.run(_checked(stages), total=total)
+        return self._pipeline(self._engine_target(question, sampling, cache_salt), stages, total)
 
     def prepare(
         self,
@@ -242,7 +236,17 @@ class SpeculativePrefill:
         shared prefix (all of it when none was kept)."""
         inner = self._engine_target(question, sampling, cache_salt)
         target = _PlanTarget(inner, self.engine.planner_for(cache_salt))
-        pipeline: SpeculativePipeline[Chunk, EngineSpeculation, Plan] = SpeculativePipeline(
+        return self._pipeline(target, stages, total)
+
+    def _pipeline(
+        self,
+        target: PrefillTarget[Chunk, EngineSpeculation, R],
+        stages: Iterable[Sequence[Chunk]],
+        total: int | None,
+    ) -> PipelinedOutcome[Chunk, R]:
+        """Run ``stages`` through a new pipeline over ``target`` with this object's settings
+        (what :meth:`run` and :meth:`prepare` share; they differ only in the target)."""
+        pipeline = SpeculativePipeline(
             target,
             key=_chunk_key,
             max_in_flight=self.max_in_flight,
