@@ -31,5 +31,16 @@ def test_server_pair_is_the_two_urls_and_stops_and_starts_one() -> None:
     assert (a.calls, b.calls) == ([], ["stop", "start"])
 
 
+@pytest.mark.parametrize("index", [-1, 2, True, "0"])
+def test_server_pair_refuses_an_index_other_than_0_or_1(index: object) -> None:
+    a, b = FakeHandle("http://127.0.0.1:1"), FakeHandle("http://127.0.0.1:2")
+    pair = ServerPair((a, b))
+    with pytest.raises(ValueError, match="0 or 1"):
+        pair.stop(index)  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="0 or 1"):
+        pair.start(index)  # type: ignore[arg-type]
+    assert (a.calls, b.calls) == ([], [])
+
+
 def test_fixture_is_registered(request: pytest.FixtureRequest) -> None:
     assert request.config.pluginmanager.hasplugin("craft_rag.testing.servers")

@@ -127,11 +127,18 @@ class ServerPair(tuple[str, str]):
 
     def stop(self, index: int) -> None:
         """Stop server ``index`` (0 or 1) by its PID (a replica loss). Idempotent."""
-        self._handles[index].stop()
+        self._handle(index).stop()
 
     def start(self, index: int) -> None:
         """Start server ``index`` again on its ports and wait until it answers (~70 s)."""
-        self._handles[index].start()
+        self._handle(index).start()
+
+    def _handle(self, index: int) -> _Handle:
+        # 0 or 1 only: -1 would silently name the second server.
+        if isinstance(index, bool) or index not in (0, 1):
+            msg = f"server index must be 0 or 1, got {index!r}"
+            raise ValueError(msg)
+        return self._handles[index]
 
 
 @pytest.fixture(scope="session")
