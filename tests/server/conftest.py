@@ -110,3 +110,22 @@ def vllm_server_handle() -> Iterator[ServerHandle]:
 def vllm_server(vllm_server_handle: ServerHandle) -> str:
     """The URL of the session's server."""
     return vllm_server_handle.url
+
+
+@pytest.fixture
+def redis_url() -> str:
+    """``CRAFT_RAG_TEST_REDIS`` (a disposable database), flushed for this test; skips without
+    it, fails under CI. A module may override it (tests/server/test_routed_workers.py)."""
+    url = os.environ.get("CRAFT_RAG_TEST_REDIS")
+    if not url:
+        if os.environ.get("CI"):
+            pytest.fail("CI needs CRAFT_RAG_TEST_REDIS (a disposable Redis database)")
+        pytest.skip("set CRAFT_RAG_TEST_REDIS=redis://127.0.0.1:PORT/DB (a disposable database)")
+    import redis
+
+    client = redis.Redis.from_url(url)
+    try:
+        client.flushdb()
+    finally:
+        client.close()
+    return url

@@ -22,10 +22,34 @@ from dataclasses import dataclass, field
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
 
+from craft_rag.chunk import Chunk, make_chunk
+from craft_rag.prompt import PromptFormat
 from craft_rag.tokenizer import HashingTokenizer
 
 BLOCK = 4
 MAX_MODEL_LEN = 512
+
+FORMAT = PromptFormat(
+    head="<s>SYS. Answer from the documents.\n",
+    chunk="Doc: {text}\n",
+    question="Q: {question}",
+    tail=" </u><a>",
+    answer="{answer} </a><u>",
+)
+"""The prompt format the fake-server engine tests render with (HashingTokenizer text)."""
+CHATML = (
+    "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n"
+    "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+"""A ChatML template for those tests' chat renderer."""
+
+
+def chunks(n: int = 4, prefix: str = "doc") -> list[Chunk]:
+    """``n`` distinct 12-word chunks with ids ``{prefix}{i}``."""
+    return [
+        make_chunk(f"{prefix} {i} " + " ".join(f"w{i}x{j}" for j in range(10)), id=f"{prefix}{i}")
+        for i in range(n)
+    ]
 
 
 @dataclass

@@ -14,7 +14,6 @@
 
 from __future__ import annotations
 
-import os
 import re
 import runpy
 import shlex
@@ -39,9 +38,7 @@ def section_blocks() -> list[tuple[str, str, str]]:
     lines = DOC.read_text(encoding="utf-8").splitlines()
     assert SECTION in lines, f"{DOC.name} lost its section {SECTION!r}"
     start = lines.index(SECTION) + 1
-    end = next(
-        (i for i in range(start, len(lines)) if lines[i].startswith("## ")), len(lines)
-    )
+    end = next((i for i in range(start, len(lines)) if lines[i].startswith("## ")), len(lines))
     blocks: list[tuple[str, str, str]] = []
     i = start
     while i < end:
@@ -95,9 +92,7 @@ def test_the_bash_steps_parse_and_use_real_flags() -> None:
 
 def _python_block() -> str:
     runs = [
-        body
-        for lang, mark, body in section_blocks()
-        if lang == "python" and _RUN_MARK.match(mark)
+        body for lang, mark, body in section_blocks() if lang == "python" and _RUN_MARK.match(mark)
     ]
     assert len(runs) == 1, "one Python block marked for test_deployment_doc.py"
     code = runs[0]
@@ -106,31 +101,14 @@ def _python_block() -> str:
     return code
 
 
-@pytest.fixture
-def redis_db() -> str:
-    url = os.environ.get("CRAFT_RAG_TEST_REDIS")
-    if not url:
-        if os.environ.get("CI"):
-            pytest.fail("CI needs CRAFT_RAG_TEST_REDIS (a disposable Redis database)")
-        pytest.skip("set CRAFT_RAG_TEST_REDIS=redis://127.0.0.1:PORT/DB (a disposable database)")
-    import redis
-
-    client = redis.Redis.from_url(url)
-    try:
-        client.flushdb()
-    finally:
-        client.close()
-    return url
-
-
 @pytest.mark.server
 def test_the_worker_code_runs_as_two_workers(
-    two_vllm_servers: tuple[str, str], redis_db: str, tmp_path: Path
+    two_vllm_servers: tuple[str, str], redis_url: str, tmp_path: Path
 ) -> None:
     code = _python_block()
     for doc_url, url in zip(DOC_SERVERS, two_vllm_servers, strict=True):
         code = code.replace(doc_url, url)
-    code = code.replace(DOC_STORE, redis_db)
+    code = code.replace(DOC_STORE, redis_url)
     # A fresh cache namespace on the session's servers (other tests served there): the
     # doc's requests carry no salt, so both replicas' caches are reset first.
     import urllib.request

@@ -13,35 +13,14 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from fake_server import FakeServer, running
+from fake_server import CHATML, FORMAT, FakeServer, chunks, running
 
-from craft_rag.chunk import Chunk, make_chunk
 from craft_rag.engine.backends.server.backend import ServerSettings
 from craft_rag.engine.chat_format import jinja_renderer
 from craft_rag.engine.engine import CraftEngine, EngineSettings
 from craft_rag.engine.model_args import servers_with, sort_constructor_arguments
 from craft_rag.engine.routed_engine import RoutedEngine
-from craft_rag.prompt import PromptFormat
 from craft_rag.tokenizer import HashingTokenizer
-
-FORMAT = PromptFormat(
-    head="<s>SYS. Answer from the documents.\n",
-    chunk="Doc: {text}\n",
-    question="Q: {question}",
-    tail=" </u><a>",
-    answer="{answer} </a><u>",
-)
-CHATML = (
-    "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n"
-    "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
-)
-
-
-def chunks(n: int, prefix: str) -> list[Chunk]:
-    return [
-        make_chunk(f"{prefix} {i} " + " ".join(f"w{i}x{j}" for j in range(10)), id=f"{prefix}{i}")
-        for i in range(n)
-    ]
 
 
 @pytest.fixture

@@ -11,60 +11,21 @@ worker sees the other's), and a crashed worker's load (gone after its lease)."""
 from __future__ import annotations
 
 import json
-import os
 import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
-from fake_server import FakeServer, running
+from fake_server import CHATML, FORMAT, FakeServer, chunks, running
 
-from craft_rag.chunk import Chunk, make_chunk
 from craft_rag.engine.backends.server.backend import ServerSettings
 from craft_rag.engine.chat_format import jinja_renderer
 from craft_rag.engine.engine import CraftEngine, EngineSettings
 from craft_rag.engine.routed_engine import RoutedEngine
-from craft_rag.prompt import PromptFormat
 from craft_rag.routing import shared_state
 from craft_rag.stores import MemoryStore
 from craft_rag.tokenizer import HashingTokenizer
-
-FORMAT = PromptFormat(
-    head="<s>SYS. Answer from the documents.\n",
-    chunk="Doc: {text}\n",
-    question="Q: {question}",
-    tail=" </u><a>",
-    answer="{answer} </a><u>",
-)
-CHATML = (
-    "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n"
-    "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
-)
-
-
-def chunks(n: int = 4, prefix: str = "doc") -> list[Chunk]:
-    return [
-        make_chunk(f"{prefix} {i} " + " ".join(f"w{i}x{j}" for j in range(10)), id=f"{prefix}{i}")
-        for i in range(n)
-    ]
-
-
-@pytest.fixture
-def redis_url() -> str:
-    url = os.environ.get("CRAFT_RAG_TEST_REDIS")
-    if not url:
-        if os.environ.get("CI"):
-            pytest.fail("CI needs CRAFT_RAG_TEST_REDIS (a disposable Redis database)")
-        pytest.skip("set CRAFT_RAG_TEST_REDIS=redis://127.0.0.1:PORT/DB (a disposable database)")
-    import redis
-
-    client = redis.Redis.from_url(url)
-    try:
-        client.flushdb()
-    finally:
-        client.close()
-    return url
 
 
 @pytest.fixture
@@ -182,9 +143,7 @@ def test_a_crashed_workers_load_expires_with_its_lease(
         b.close()
 
 
-def test_a_replica_lost_on_one_worker_is_rehomed_for_all(
-    model_dir: Path, redis_url: str
-) -> None:
+def test_a_replica_lost_on_one_worker_is_rehomed_for_all(model_dir: Path, redis_url: str) -> None:
     fakes = [FakeServer(), FakeServer()]
     with running(fakes[0]) as u0, running(fakes[1]) as u1:
         a = worker([u0, u1], model_dir, redis_url)
