@@ -23,14 +23,15 @@ def test_defaults_match_the_connector_and_the_paper_setting() -> None:
     assert DEFAULT_CHUNK_CACHE_BYTES == blend_source.DEFAULT_CHUNK_CACHE_BYTES
     assert DEFAULT_VARIANTS == blend_source.DEFAULT_VARIANTS
     assert (s.cache_bytes, s.variants) == (256 << 20, 2)
+    assert (s.harvest, s.seed_cold) == (True, False)  # fill the store from exact requests
 
 
 @pytest.mark.parametrize("rule", BLEND_RULES)
 def test_blend_round_trips_through_the_request_parser(rule: str) -> None:
-    s = ChunkCacheSettings(rule=rule, fraction=0.5)
+    s = ChunkCacheSettings(rule=rule, fraction=0.5, harvest=rule != "cci")
     parsed = parse_blend(s.blend())
     assert (parsed.rule, parsed.fraction, parsed.alpha) == (rule, 0.5, None)
-    a = ChunkCacheSettings(rule=rule, fraction=None, alpha=2.0)
+    a = ChunkCacheSettings(rule=rule, fraction=None, alpha=2.0, harvest=False)
     parsed = parse_blend(a.blend())
     assert (parsed.rule, parsed.fraction, parsed.alpha) == (rule, None, 2.0)
 
@@ -49,12 +50,22 @@ def test_blend_round_trips_through_the_request_parser(rule: str) -> None:
         ({"cache_bytes": -1}, "cache_bytes must be an integer >= 0"),
         ({"variants": 0}, "variants must be an integer >= 1"),
         ({"max_chunks": 0}, "max_chunks must be an integer >= 1"),
-        ({"seed_cold": 1}, "true or false"),
+        ({"seed_cold": 1}, "seed_cold must be true or false"),
+        ({"harvest": "yes"}, "harvest must be true or false"),
+        ({"harvest": 0}, "harvest must be true or false"),
+        ({"rule": "cci"}, "harvest cannot be used with rule 'cci'.*pass harvest=False"),
+        ({"fraction": None, "alpha": 1.0}, "harvest cannot be used with alpha.*harvest=False"),
     ],
 )
 def test_bad_settings_name_the_fix(kwargs: dict[str, object], fix: str) -> None:
     with pytest.raises(ValueError, match=fix.replace("[", r"\[").replace("]", r"\]")):
         ChunkCacheSettings(**kwargs)  # type: ignore[arg-type]
+
+
+def test_harvest_off_takes_every_rule_and_alpha() -> None:
+    assert ChunkCacheSettings(rule="cci", harvest=False).rule == "cci"
+    assert ChunkCacheSettings(fraction=None, alpha=1.0, harvest=False).alpha == 1.0
+    assert ChunkCacheSettings(rule="random").harvest
 
 
 def test_transfer_config_loads_the_approx_connector_over_the_tiers() -> None:
@@ -84,8 +95,8 @@ def test_engine_settings_take_chunk_cache_and_refuse_other_types() -> None:
 
     back = EngineSettings(**asdict(s))
     assert back.chunk_cache == ChunkCacheSettings()
-    assert EngineSettings(chunk_cache={"rule": "cci"}).chunk_cache == ChunkCacheSettings(  # type: ignore[arg-type]
-        rule="cci"
-    )
+    assert EngineSettings(  # type: ignore[arg-type]
+        chunk_cache={"rule": "cci", "harvest": False}
+    ).chunk_cache == ChunkCacheSettings(rule="cci", harvest=False)
     with pytest.raises(ValueError, match="unknown chunk-cache rule"):
         EngineSettings(chunk_cache={"rule": "nope"})  # type: ignore[arg-type]

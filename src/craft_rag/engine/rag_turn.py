@@ -292,30 +292,31 @@ class RagTurns:
         self, plan: Plan, rendered: RenderedTurn, sampling: SamplingRequest,
         salt: CacheSalt | None,
     ) -> tuple[SamplingRequest, CacheSalt | None, ChunkCachePlan | None]:
-        """What to submit with chunk-caches on: the sampling (with ``craft_approx`` chunk spans
-        in its ``kv_transfer_params`` when the per-chunk plan sends them), the salt (then
-        request-scoped: :func:`~craft_rag.kvtiers.approx_params.request_scoped_salt` of the
-        tenant's) and the plan; unchanged (and no plan) when off or not applicable: a
-        conversation turn (its history must stay an exact prefix for the next turn) or a
-        request that does not read the prefix cache (the no-cache baseline)."""
+        """What to submit with chunk-caches on: the sampling, with the per-chunk plan's
+        ``kv_transfer_params`` added (``craft_approx`` chunk spans for a span request, under a
+        request-scoped salt: :func:`~craft_rag.kvtiers.approx_params.request_scoped_salt` of
+        the tenant's; ``craft_chunks`` for an exact request with harvest on, under the tenant's
+        own salt, so that the connector keeps its exactly computed chunks), the salt and the
+        plan; unchanged (and no plan) when off or not applicable: a conversation turn (its
+        history must stay an exact prefix for the next turn) or a request that does not read
+        the prefix cache (the no-cache baseline)."""
         if (self.chunk_cache is None or rendered.conversation_id is not None
                 or not sampling.read_prefix_cache):
             return sampling, salt, None
         prompt = rendered.prompt
         chunk_plan = self.chunk_cache.plan(
             prompt.chunk_keys, prompt.chunk_spans, plan.matched_tokens, len(prompt.token_ids),
-            salt,
+            salt, block_size=self._cache.block_size,
         )
-        if not chunk_plan.send:
+        params = chunk_plan.params(self.chunk_cache.settings)
+        if not params:
             return sampling, salt, chunk_plan
         extra = dict(sampling.extra)
         args = dict(extra.get("extra_args") or {})
-        args["kv_transfer_params"] = {
-            **(args.get("kv_transfer_params") or {}),
-            **chunk_plan.params(self.chunk_cache.settings),
-        }
+        args["kv_transfer_params"] = {**(args.get("kv_transfer_params") or {}), **params}
         extra["extra_args"] = args
-        return replace(sampling, extra=extra), CacheSalt(request_scoped_salt(salt)), chunk_plan
+        sent_salt = CacheSalt(request_scoped_salt(salt)) if chunk_plan.send else salt
+        return replace(sampling, extra=extra), sent_salt, chunk_plan
 
     def render(self, plan: Plan, question: str, view: TurnContext) -> RenderedTurn:
         """Render ``plan``'s turn after ``view``'s live turns (its planner holds the turn in

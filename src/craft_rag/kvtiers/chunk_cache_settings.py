@@ -4,7 +4,8 @@ Framework-free (no vLLM, no torch). ``EngineSettings.chunk_cache`` holds one; wi
 engine loads :class:`craft_rag.kvtiers.approx_connector.CraftApproxConnector` (the tier
 connector plus chunk-caches) instead of the tier connector, and sends ``chunk`` spans
 (:mod:`craft_rag.kvtiers.approx_params`) for RAG requests where the per-chunk plan
-(:mod:`craft_rag.engine.chunk_cache_plan`) finds a chunk-cache to reuse.
+(:mod:`craft_rag.engine.chunk_cache_plan`) finds a chunk-cache to reuse, and the chunk list
+(``craft_chunks``) of every other RAG request, whose exactly computed chunks the connector keeps.
 """
 
 from __future__ import annotations
@@ -41,16 +42,26 @@ class ChunkCacheSettings:
     "Chunk-caches" holds only at >= 30% with ``kv_deviation``); or ``alpha`` (with
     ``fraction=None``) for Cache-Craft's CFO count ``ceil(min(1, alpha x CCI x (1 - beta'))
     x |C|)``. ``cache_bytes``: the connector's in-memory chunk-cache bound (256 MiB);
-    ``variants``: variants kept per chunk (2). ``max_chunks``: the engine's record of chunk keys
-    it has sent as chunk spans (per tenant, least recently used dropped first), which mirrors
-    the connector's store approximately (the store is bounded in bytes, the record in entries).
-    ``seed_cold``: a request with no predicted exact prefix over its chunks and no chunk-cache to
-    reuse is still sent as chunk spans, so its chunks enter the store (computed in full by the
-    connector: exact values, but its blocks are then no exact prefix for later requests);
-    ``False`` sends such requests normally, and chunks then never enter the store.
+    ``variants``: variants kept per chunk (2). ``max_chunks``: the engine's record of the chunk
+    keys it has sent (per tenant, least recently used dropped first: whether each is in the
+    connector's store and whether its last send was exact), which mirrors the store
+    approximately (the store is bounded in bytes, the record in entries).
+    ``harvest`` (on): every exact RAG request lists its chunks (``craft_chunks``,
+    :data:`~craft_rag.kvtiers.approx_params.HARVEST_PARAMS_KEY`) so that the connector keeps
+    each chunk lying in the request's full prompt blocks as a chunk-cache variant, read back
+    from the exactly computed blocks: the store fills at no extra forward and the request stays
+    exact. Harvested variants carry no attention statistics, so harvest takes ``rule``
+    ``"kv_deviation"`` or ``"random"`` with a ``fraction``; with ``"cci"`` or ``alpha`` pass
+    ``harvest=False``. ``seed_cold`` (off): a request with no predicted exact prefix over its
+    chunks and no chunk-cache to reuse is still sent as chunk spans over all its chunks, so they
+    enter the store computed in full by the connector's model copy. It costs: that request runs
+    under a request-scoped salt, so its blocks are no exact prefix for any later request, and
+    its chunks are computed by the connector (about vLLM's cost per token) instead of vLLM;
+    with ``harvest`` on, exact requests fill the store without that cost.
 
     ``ValueError`` (naming the fix) for an unknown rule, a fraction outside [0, 1], both or
-    neither of ``fraction`` and ``alpha``, a negative or non-finite alpha, or bad sizes.
+    neither of ``fraction`` and ``alpha``, a negative or non-finite alpha, bad sizes, a
+    non-bool ``harvest``/``seed_cold``, or ``harvest`` with rule ``"cci"`` or ``alpha``.
     """
 
     rule: str = DEFAULT_BLEND_RULE
@@ -59,7 +70,8 @@ class ChunkCacheSettings:
     cache_bytes: int = DEFAULT_CHUNK_CACHE_BYTES
     variants: int = DEFAULT_VARIANTS
     max_chunks: int = 65536
-    seed_cold: bool = True
+    seed_cold: bool = False
+    harvest: bool = True
 
     def __post_init__(self) -> None:
         if not isinstance(self.rule, str) or self.rule not in BLEND_RULES:
@@ -83,8 +95,16 @@ class ChunkCacheSettings:
             if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
                 msg = f"chunk-cache {name} must be an integer >= {minimum}; got {value!r}"
                 raise ValueError(msg)
-        if not isinstance(self.seed_cold, bool):
-            msg = f"seed_cold must be true or false; got {self.seed_cold!r}"
+        for name in ("seed_cold", "harvest"):
+            value = getattr(self, name)
+            if not isinstance(value, bool):
+                msg = f"{name} must be true or false; got {value!r}"
+                raise ValueError(msg)
+        if self.harvest and (self.rule == "cci" or self.alpha is not None):
+            used = "rule 'cci'" if self.rule == "cci" else "alpha"
+            msg = (f"harvest cannot be used with {used}: harvested chunk-caches carry no "
+                   "attention statistics; pass harvest=False, or use rule 'kv_deviation' or "
+                   "'random' with a fraction")
             raise ValueError(msg)
 
     def blend(self) -> dict[str, Any]:
