@@ -158,3 +158,47 @@ def test_store_bounds_and_variants(model: Any) -> None:
         ChunkCacheStore(variants=0)
     with pytest.raises(ValueError, match="chunk_cache_bytes"):
         ChunkCacheStore(capacity_bytes=-1)
+
+
+def rows_from(kv: Any) -> Any:
+    """A fake engine read-back: rows ``[tokens, heads, head]`` of ``kv`` (HF layout)."""
+
+    def rows_of(start: int, end: int) -> Any:
+        return ([k[:, start:end].transpose(0, 1) for k in kv.keys],
+                [v[:, start:end].transpose(0, 1) for v in kv.values])
+
+    return rows_of
+
+
+def test_read_back_chunks_are_reused_like_computed_ones(model: Any,
+                                                        assembler: BlendAssembler) -> None:
+    """Chunks kept from an exactly computed prompt (no forward) serve a reordered request:
+    found (not missing), head cached, and the result equals the reference blend over the
+    same variants (exact K/V of the first prompt)."""
+    prompt = HEAD + C1 + C2 + TAIL
+    full = full_prefill(model, prompt)
+    assert assembler.keep_read_back(prompt, spans_of(C1, C2), "t", rows_from(full)) == 2
+    (v1,) = assembler.store.variants(assembler.key("chunk", C1, "t"))
+    assert not v1.measured and v1.prior_chunks == ()
+    assert max_diff(v1.kv.keys, [k[:, len(HEAD):len(HEAD) + len(C1)] for k in full.keys]) == 0
+    out = assembler.assemble(HEAD + C2 + C1 + TAIL, spans_of(C2, C1), BlendParams(), "t")
+    assert out.missing == (False, False) and out.head_cached
+    # the cci rule needs attention statistics a read-back variant lacks: treated as missing
+    cci = assembler.assemble(HEAD + C2 + C1 + TAIL, spans_of(C2, C1),
+                             BlendParams(rule="cci", fraction=0.3), "t")
+    assert cci.missing == (True, True)
+
+
+def test_read_back_skips_what_the_engine_lacks(model: Any, assembler: BlendAssembler) -> None:
+    prompt = HEAD + C1 + C2 + TAIL
+    full = full_prefill(model, prompt)
+    rows = rows_from(full)
+    c2 = spans_of(C1, C2)[1]
+    kept = assembler.keep_read_back(prompt, spans_of(C1, C2), "t",
+                                    lambda s, e: rows(s, e) if (s, e) == c2 else None)
+    assert kept == 1
+    assert assembler.store.variants(assembler.key("chunk", C1, "t")) == ()
+    assert assembler.keep_read_back(prompt, [], "t", rows) == 0
+    for spans in ([(5, 5)], [(9, 15), (12, 20)], [(0, len(prompt) + 1)]):
+        with pytest.raises(ValueError, match="span"):
+            assembler.keep_read_back(prompt, spans, "t", rows)

@@ -56,10 +56,16 @@ def make_llm() -> Any:
 
 
 def run(llm: Any, tokens: list[int], salt: str | None = None,
-        approx: dict[str, Any] | None = None) -> Any:
+        approx: dict[str, Any] | None = None,
+        harvest: list[tuple[int, int]] | None = None) -> Any:
     from vllm import SamplingParams
 
-    extra = {"kv_transfer_params": {"craft_approx": approx}} if approx is not None else None
+    transfer: dict[str, Any] = {}
+    if approx is not None:
+        transfer["craft_approx"] = approx
+    if harvest is not None:
+        transfer["craft_chunks"] = {"spans": [list(sp) for sp in harvest]}
+    extra = {"kv_transfer_params": transfer} if transfer else None
     params = SamplingParams(max_tokens=12, temperature=0.0, extra_args=extra)
     prompt: dict[str, Any] = {"prompt_token_ids": tokens}
     if salt is not None:
@@ -154,6 +160,57 @@ def test_injected_kv_isolation_and_refusals() -> None:
     t0 = time.perf_counter()
     chunk_cache_section(llm)
     print(f"chunk-cache section: {time.perf_counter() - t0:.1f} s", file=sys.stderr)
+    t0 = time.perf_counter()
+    harvest_section(llm)
+    print(f"harvest section: {time.perf_counter() - t0:.1f} s", file=sys.stderr)
+
+
+def harvest_section(llm: Any) -> None:
+    """(6) an exact request listing its chunks (``craft_chunks``) leaves them as chunk-caches
+    read back from its exactly computed blocks (kvtiers.layout_cpu_readback): no forward."""
+    from craft_rag.kvtiers.approx_params import request_scoped_salt
+
+    head = make_prompt(20, BLOCK)
+    c1, c2 = make_prompt(21, 48), make_prompt(22, 48)
+    tail = make_prompt(23, 40)
+    s1, s2 = (BLOCK, BLOCK + 48), (BLOCK + 48, BLOCK + 96)
+
+    def chunk_spans(fraction: float) -> dict[str, Any]:
+        return {"spans": [span(*s1, "chunk"), span(*s2, "chunk")],
+                "blend": {"rule": "kv_deviation", "fraction": fraction}}
+
+    # a bad list is ignored: the request is served exactly as without one
+    exact = head + c1 + c2 + tail
+    bad = run(llm, head + c2 + c1 + tail, salt="hb", harvest=[(80, 40)])
+    assert (bad.kv_transfer_params or {}).get("craft_reuse") is None and len(greedy(bad)) > 0
+    first = run(llm, exact, salt="h", harvest=[s1, s2])
+    assert first.num_cached_tokens == 0  # computed in full by vLLM
+    # the read-back variants are vLLM's K/V of those tokens: compared with the model copy's
+    # own prefill of the same prompt (bf16/fp32 and kernel differences only; a wrong
+    # unpacking gives unrelated values)
+    connector = llm.llm_engine.engine_core.engine_core.scheduler.connector
+    run(llm, make_prompt(25, 40), salt="h")  # the read-back runs at the next scheduling call
+    assert connector.harvested_chunks >= 2
+    assembler = connector._assembler
+    from craft_rag.chunkcache.blend import full_prefill
+
+    full = full_prefill(assembler._model.get(), exact[:s2[1]])
+    for (a, b), ids in ((s1, c1), (s2, c2)):
+        (variant,) = assembler.store.variants(assembler.key("chunk", ids, "h"))
+        assert not variant.measured and variant.start_position == a
+        for got, want in ((variant.kv.keys, full.keys), (variant.kv.values, full.values)):
+            for layer in (0, len(got) // 2, len(got) - 1):
+                ref = want[layer][:, a:b].float()
+                err = float((got[layer] - ref).norm() / ref.norm())
+                assert err < 0.05, (layer, err)
+    # reordered, with a new tail: re-rotated and fixed (ceil(0.3 x 48) = 15 tokens each)
+    moved = head + c2 + c1 + make_prompt(24, 40)
+    swapped = run(llm, moved, salt=request_scoped_salt("h"), approx=chunk_spans(0.3))
+    assert reuse(swapped) == {"exact": BLOCK, "fixed": 96 - 30, "recomputed": 30,
+                              "computed": 40, "refused": None}
+    # another tenant has no read-back of them: computed in full by the model copy
+    other = run(llm, exact, salt=request_scoped_salt("h2"), approx=chunk_spans(0.3))
+    assert reuse(other)["fixed"] == 0 and reuse(other)["recomputed"] >= 96
 
 
 def chunk_cache_section(llm: Any) -> None:

@@ -74,6 +74,11 @@ class ChunkKV:
     """Per token: attention to every token before the chunk (head included), averaged over
     heads and layers (Eq. 14's ranking)."""
     cci: float
+    measured: bool = True
+    """Whether ``outside_attention``, ``inter_by_chunk`` and ``cci`` were measured. False for a
+    variant read back from the engine's exactly computed KV blocks (no attention seen): its
+    statistics are neutral stand-ins (zeros, CCI 0.5), so the ``cci`` rule and CFO counts must
+    not use it (:meth:`craft_rag.kvtiers.blend_source.ChunkCacheStore.best_variant`)."""
 
     def __post_init__(self) -> None:
         n = len(self.token_ids)

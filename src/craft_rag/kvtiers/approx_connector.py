@@ -25,6 +25,16 @@ model or a request without a request-scoped salt means the request is computed n
 (tier prefix only), with the reason in its report. The worker writes the tokens with vLLM's
 own cache kernel (:mod:`craft_rag.kvtiers.layout_cpu_tokens`).
 
+**Harvest.** An *exact* request (its tenant's own salt) may list its chunk spans under
+``craft_chunks`` (:data:`~craft_rag.kvtiers.approx_params.HARVEST_PARAMS_KEY`). Once it has
+finished, each listed chunk (and the head before the first) that lies in full prompt blocks
+the tiers hold is read back from those exactly computed blocks
+(:mod:`craft_rag.kvtiers.layout_cpu_readback`) and kept as a chunk-cache variant: the store
+fills at no extra forward, and cold requests need no chunk spans. The read-back runs at the
+start of the next scheduling call (when the request's last blocks are in the tiers); a
+malformed list, a missing block or an engine whose packing cannot be read back (probed once)
+only means nothing is kept.
+
 Isolation (the rule is stated in :mod:`craft_rag.kvtiers.approx_params`): approximate KV only
 under a request-scoped ``cache_salt``; such a request's exact prefix comes from the tiers
 under the tenant salt; none of its blocks is ever saved to the tiers.
@@ -45,6 +55,7 @@ from craft_rag.kvtiers.approx_params import (
     ReuseCounts,
     is_request_scoped,
     parse_approx,
+    parse_harvest,
     tenant_salt,
 )
 from craft_rag.kvtiers.blend_source import (
@@ -54,7 +65,9 @@ from craft_rag.kvtiers.blend_source import (
     ChunkCacheStore,
 )
 from craft_rag.kvtiers.connector import TIER_PARAMS_KEY, CraftTierConnector, CraftTierMetadata
+from craft_rag.kvtiers.keys import BlockKey
 from craft_rag.kvtiers.kv_sources import KVSource, LayerKV, LazyModel, build_sources
+from craft_rag.kvtiers.layout_cpu_readback import CpuBlockReader
 from craft_rag.kvtiers.layout_cpu_tokens import slot_mapping, write_tokens
 
 if TYPE_CHECKING:
@@ -95,6 +108,16 @@ class _Approx:
     served: bool = False  # its staged K/V was handed to vLLM
 
 
+@dataclass(frozen=True, slots=True)
+class _Harvest:
+    """A finished exact request's chunks to read back (owned by the scheduler role)."""
+
+    salt: str | None  # the tenant salt its blocks are keyed under
+    token_ids: tuple[int, ...]  # the prompt
+    keys: tuple[BlockKey, ...]  # its full prompt blocks' tier keys
+    spans: tuple[tuple[int, int], ...]  # listed chunks inside those blocks
+
+
 class CraftApproxConnector(CraftTierConnector):
     """Serves approximate KV for requests that ask, under the isolation rule; see the module
     docstring. Invariant (scheduler role): a promise beyond the tier blocks is backed by
@@ -128,6 +151,10 @@ class CraftApproxConnector(CraftTierConnector):
         )
         self._approx: dict[str, _Approx] = {}
         self._writes: list[tuple[list[int], int, int, list[Any], list[Any]]] = []
+        self._harvests: list[_Harvest] = []  # read back at the next scheduling call
+        self._reader: CpuBlockReader | None = None
+        self._reader_failed = False
+        self.harvested_chunks = 0  # chunks kept from exact requests, for tests and logs
 
     # ------------------------------------------------------------ scheduler role
 
@@ -164,6 +191,77 @@ class CraftApproxConnector(CraftTierConnector):
                 entry.request = None
         self._approx[request.request_id] = entry
         return entry
+
+    def _block_reader(self) -> CpuBlockReader | None:
+        """The engine's packing, probed once (None, logged once, when it cannot be read)."""
+        if self._reader is None and not self._reader_failed:
+            import torch
+
+            layers, heads, head_size = self._vllm_layout()
+            cache_dtype = str(self._vllm_config.cache_config.cache_dtype)
+            dtype = self._vllm_config.model_config.dtype
+            try:
+                if cache_dtype != "auto" or not isinstance(dtype, torch.dtype):
+                    msg = f"KV cache dtype {cache_dtype!r}"
+                    raise NotImplementedError(msg)
+                self._reader = CpuBlockReader.probe(layers, heads, self._block_size, head_size,
+                                                    dtype)
+            except (ValueError, NotImplementedError, ImportError, RuntimeError) as e:
+                self._reader_failed = True
+                logger.warning("CraftApproxConnector: chunk-cache read-back off: %s", e)
+        return self._reader
+
+    def _queue_harvest(self, request: Request) -> None:
+        """Note an exact request's listed chunks (inside its full prompt blocks) for read-back.
+        Bad lists are ignored (the request itself was served normally)."""
+        if is_request_scoped(request.cache_salt):
+            return
+        state = self._requests.get(request.request_id)
+        if state is None:
+            return
+        try:
+            spans = parse_harvest(request.kv_transfer_params, len(state.token_ids))
+        except ValueError as e:
+            logger.debug("CraftApproxConnector: harvest list ignored: %s", e)
+            return
+        bound = len(state.keys) * self._block_size
+        spans = tuple(sp for sp in spans if sp[1] <= bound)
+        if spans:
+            self._harvests.append(_Harvest(self._salt_for(request), tuple(state.token_ids),
+                                           tuple(state.keys), spans))
+
+    def _harvest(self) -> None:
+        """Read back queued chunks into the chunk-cache store (module docstring)."""
+        if not self._harvests:
+            return
+        todo, self._harvests = self._harvests, []
+        reader = self._block_reader()
+        if reader is None:
+            return
+        bs = self._block_size
+        for item in todo:
+            payloads: dict[int, bytes | None] = {}
+
+            def block(j: int, item: _Harvest = item, payloads: dict[int, bytes | None] = payloads
+                      ) -> bytes | None:
+                if j not in payloads:
+                    payloads[j] = self.store.get(item.keys[j], item.token_ids[j * bs:(j + 1) * bs])
+                return payloads[j]
+
+            def rows_of(start: int, end: int, block: Any = block) -> LayerKV | None:
+                first, last = start // bs, (end - 1) // bs
+                got = [block(j) for j in range(first, last + 1)]
+                if any(p is None for p in got):
+                    return None
+                assert reader is not None
+                return reader.rows([p for p in got if p is not None], start - first * bs,
+                                   end - first * bs)
+
+            try:
+                self.harvested_chunks += self._assembler.keep_read_back(
+                    item.token_ids, item.spans, item.salt, rows_of)
+            except ValueError as e:
+                logger.warning("CraftApproxConnector: read-back failed: %s", e)
 
     def _check(self, kv: LayerKV | None, tokens: int) -> str | None:
         """Why ``kv`` cannot be written for ``tokens`` tokens (None: it can)."""
@@ -265,6 +363,7 @@ class CraftApproxConnector(CraftTierConnector):
         """The tier connector's exact blocks, then (for a request that asks, under the rule)
         the approximate run up to its last span's end. Builds all K/V now (see module doc);
         a repeated call with the same ``num_computed_tokens`` reuses what was staged."""
+        self._harvest()
         exact, load_async = super().get_num_new_matched_tokens(request, num_computed_tokens)
         entry = self._ask(request)
         if entry is None or exact is None:
@@ -305,6 +404,7 @@ class CraftApproxConnector(CraftTierConnector):
         entry.counts.recomputed = entry.kinds.get("recomputed", 0)
 
     def build_connector_meta(self, scheduler_output: SchedulerOutput) -> CraftApproxMetadata:
+        self._harvest()
         meta = super().build_connector_meta(scheduler_output)
         assert isinstance(meta, CraftTierMetadata)
         out = CraftApproxMetadata(loads=meta.loads, saves=meta.saves, writes=self._writes)
@@ -314,7 +414,9 @@ class CraftApproxConnector(CraftTierConnector):
     def request_finished(
         self, request: Request, block_ids: list[int]
     ) -> tuple[bool, dict[str, Any] | None]:
-        """The tier connector's report, plus ``craft_reuse`` for a request that asked."""
+        """The tier connector's report, plus ``craft_reuse`` for a request that asked; an
+        exact request's ``craft_chunks`` are queued for read-back."""
+        self._queue_harvest(request)
         delay, params = super().request_finished(request, block_ids)
         entry = self._approx.pop(request.request_id, None)
         if entry is None:

@@ -52,6 +52,7 @@ __all__ = [
     "APPROX_SALT_PREFIX",
     "BLEND_RULES",
     "CHUNK_SOURCE",
+    "HARVEST_PARAMS_KEY",
     "REUSE_PARAMS_KEY",
     "ApproxRequest",
     "BlendParams",
@@ -59,6 +60,7 @@ __all__ = [
     "ReuseCounts",
     "is_request_scoped",
     "parse_approx",
+    "parse_harvest",
     "request_scoped_salt",
     "reuse_counts_of",
     "tenant_salt",
@@ -69,6 +71,13 @@ APPROX_PARAMS_KEY = "craft_approx"
 
 REUSE_PARAMS_KEY = "craft_reuse"
 """Key of the per-request :class:`ReuseCounts` in the finished request's ``kv_transfer_params``."""
+
+HARVEST_PARAMS_KEY = "craft_chunks"
+"""Key of an *exact* request's chunk spans in ``kv_transfer_params``: ``{"spans": [[start, end],
+...]}`` (sorted, non-overlapping, inside the prompt). With chunk-caches on, the connector keeps
+each listed chunk that lies in the request's full prompt blocks as a chunk-cache variant, read
+back from the exactly computed blocks (:func:`parse_harvest`; no extra forward). A
+request-scoped request's list is ignored (its blocks are not exact)."""
 
 CHUNK_SOURCE = "chunk"
 """The span source that names a chunk to serve from chunk-caches with selective recomputation
@@ -261,6 +270,37 @@ def parse_approx(params: object, prompt_len: int, sources: Collection[str]) -> A
         raise ValueError(msg)
     blend = parse_blend(raw.get("blend")) if any(chunked) else None
     return ApproxRequest(tuple(spans), model, blend)
+
+
+def parse_harvest(params: object, prompt_len: int) -> tuple[tuple[int, int], ...]:
+    """The chunk spans of :data:`HARVEST_PARAMS_KEY` in ``params`` (``()`` when absent).
+    ``ValueError`` (naming what to fix) for a malformed entry, spans that are empty, unsorted,
+    overlapping or outside the prompt, or more than the span bound. Untrusted input: only
+    integers are read. O(spans)."""
+    if not isinstance(params, Mapping):
+        return ()
+    raw = params.get(HARVEST_PARAMS_KEY)
+    if raw is None:
+        return ()
+    items = raw.get("spans") if isinstance(raw, Mapping) and set(raw) == {"spans"} else None
+    if not isinstance(items, list) or len(items) > _MAX_SPANS:
+        msg = (f"{HARVEST_PARAMS_KEY} must be {{'spans': [[start, end], ...]}} with at most "
+               f"{_MAX_SPANS} spans")
+        raise ValueError(msg)
+    spans: list[tuple[int, int]] = []
+    for i, item in enumerate(items):
+        if not isinstance(item, list | tuple) or len(item) != 2:
+            msg = f"{HARVEST_PARAMS_KEY} span {i} must be [start, end]; got {item!r:.60}"
+            raise ValueError(msg)
+        start = _int(item[0], f"{HARVEST_PARAMS_KEY} span {i} start")
+        end = _int(item[1], f"{HARVEST_PARAMS_KEY} span {i} end")
+        low = spans[-1][1] if spans else 0
+        if not low <= start < end <= prompt_len:
+            msg = (f"{HARVEST_PARAMS_KEY} span {i} [{start}, {end}) must be non-empty, inside "
+                   f"the prompt of {prompt_len} tokens and start at or after {low}")
+            raise ValueError(msg)
+        spans.append((start, end))
+    return tuple(spans)
 
 
 @dataclass(slots=True)

@@ -39,7 +39,7 @@ scheduler's thread. Memory: the store's bound plus one request's K/V.
 from __future__ import annotations
 
 from collections import OrderedDict
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -138,10 +138,14 @@ class ChunkCacheStore:
         self._sizes.move_to_end(key)
         return tuple(found)
 
-    def best_variant(self, key: CacheKey, new_prior: Sequence[SegmentHash]) -> ChunkKV | None:
+    def best_variant(self, key: CacheKey, new_prior: Sequence[SegmentHash], *,
+                     measured_only: bool = False) -> ChunkKV | None:
         """The variant whose old prior chunks best match ``new_prior`` (highest ``beta'``;
-        ties: the newest), or ``None``. O(variants x m^2)."""
+        ties: the newest), or ``None``; ``measured_only``: only variants with measured
+        attention statistics (``ChunkKV.measured``). O(variants x m^2)."""
         found = self.variants(key)
+        if measured_only:
+            found = tuple(v for v in found if v.measured)
         if not found:
             return None
         return max(found, key=lambda v: beta_prime(v, new_prior))  # max keeps the first tie
@@ -269,11 +273,13 @@ class BlendAssembler:
             self.store.put_head(head_key, head_kv)
         ids = [tuple(int(t) for t in token_ids[s:e]) for s, e in spans]
         hashes = [segment_hash(self.model_id, c) for c in ids]
+        # The cci rule and CFO counts read attention statistics a read-back variant lacks.
+        needs_attention = params.rule == "cci" or params.alpha is not None
         chunks: list[ChunkKV] = []
         missing: list[bool] = []
         for i, ((s, _), c) in enumerate(zip(spans, ids, strict=True)):
             key = CacheKey("chunk", self.model_id, salt or "", hashes[i])
-            found = self.store.best_variant(key, hashes[:i])
+            found = self.store.best_variant(key, hashes[:i], measured_only=needs_attention)
             missing.append(found is None)
             chunks.append(found if found is not None else _placeholder(model, self.model_id, c, s))
         selection = self._select(model, head_ids, head_kv, chunks, missing, spans, params, seed)
@@ -317,6 +323,52 @@ class BlendAssembler:
                                    variant)
         return BlendResult(out.kv, h, tuple(spans), selection, head_cached, tuple(missing))
 
+    def keep_read_back(self, token_ids: Sequence[int], spans: Sequence[tuple[int, int]],
+                       salt: str | None, rows_of: Callable[[int, int], RowsKV | None]) -> int:
+        """Store the head ``[0, spans[0][0])`` (when not held) and each chunk at ``spans`` of an
+        *exactly computed* prompt as chunk-caches, their K/V read back from the engine
+        (``rows_of(start, end)``: ``[tokens, kv_heads, head]`` per layer, post-RoPE at those
+        positions, or ``None`` when not available). Such a variant is this chunk's exact K/V
+        after its prompt's head and prior chunks, with no attention statistics
+        (``measured=False``). Spans must be sorted and non-overlapping (``ValueError``
+        otherwise); the chunks' context is the head plus the chunks listed before each one.
+        A chunk already held with the same context is only refreshed (not read again).
+        Returns the number of chunks stored. No forward; O(span tokens x kv size)."""
+        import torch
+
+        for i, (s, e) in enumerate(spans):
+            if not 0 <= s < e <= len(token_ids) or (i and s < spans[i - 1][1]):
+                msg = f"chunk span [{s}, {e}) is empty, outside the prompt or overlapping"
+                raise ValueError(msg)
+        if not spans:
+            return 0
+        h = spans[0][0]
+        head_ids = [int(t) for t in token_ids[:h]]
+        head_key = self.key("head", head_ids, salt)
+        if h and self.store.head(head_key) is None:
+            rows = rows_of(0, h)
+            if rows is not None:
+                self.store.put_head(head_key, _layer_kv(rows, 0))
+        ids = [tuple(int(t) for t in token_ids[s:e]) for s, e in spans]
+        hashes = [segment_hash(self.model_id, c) for c in ids]
+        kept = 0
+        for i, (s, e) in enumerate(spans):
+            key = CacheKey("chunk", self.model_id, salt or "", hashes[i])
+            context = context_hash(self.model_id, [head_ids, *ids[:i]])
+            if any(v.context == context for v in self.store.variants(key)):
+                continue  # held already (an exact prefix sent again): refreshed, not re-read
+            rows = rows_of(s, e)
+            if rows is None:
+                continue
+            variant = ChunkKV(
+                model_id=self.model_id, token_ids=ids[i], kv=_layer_kv(rows, s),
+                context=context,
+                prior_chunks=tuple(hashes[:i]), inter_by_chunk=(0.0,) * i,
+                outside_attention=torch.zeros(e - s), cci=0.5, measured=False,
+            )
+            kept += self.store.put_variant(key, variant)
+        return kept
+
     @staticmethod
     def _select(model: Any, head_ids: Sequence[int], head_kv: LayerKV,
                 chunks: Sequence[ChunkKV], missing: Sequence[bool],
@@ -343,6 +395,18 @@ def _check_spans(spans: Sequence[tuple[int, int]], prompt_len: int) -> None:
         if not 0 <= s < e <= prompt_len or (i and s != spans[i - 1][1]):
             msg = f"chunk span [{s}, {e}) is empty, outside the prompt or not contiguous"
             raise ValueError(msg)
+
+
+def _layer_kv(rows: RowsKV, start: int) -> LayerKV:
+    """Connector rows (``[tokens, kv_heads, head]`` per layer, any float dtype) as the model
+    copy's float32 HF layout at positions ``start..``."""
+    import torch
+
+    keys, values = rows
+    n = int(keys[0].shape[0])
+    return LayerKV(tuple(k.to(torch.float32).transpose(0, 1).contiguous() for k in keys),
+                   tuple(v.to(torch.float32).transpose(0, 1).contiguous() for v in values),
+                   torch.arange(start, start + n, dtype=torch.int64))
 
 
 def _own(kv: LayerKV) -> LayerKV:
