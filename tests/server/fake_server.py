@@ -63,7 +63,9 @@ class FakeServer:
     fail_headers: dict[str, str] = field(default_factory=dict)  # sent with scripted failures
     hostile: Callable[[Any, dict[str, Any]], None] | None = None  # (handler, body): answers
     answers: dict[str, tuple[int, bytes]] = field(default_factory=dict)  # path -> status, body
-    kv_transfer_params: object = None  # sent on the usage event when set (vLLM 0.32 does not)
+    # Sent on the usage event when set (vLLM 0.32 does not; craft-rag serve's patch does); a
+    # callable answers per request: params(body), None for none.
+    kv_transfer_params: object = None
     tokenize_shift: int = 0  # added to every /tokenize id: "another tokenizer"
     written: int = 0  # bytes a hostile writer got out before the client hung up
     cached: set[tuple[str | None, tuple[int, ...]]] = field(default_factory=set)
@@ -193,8 +195,11 @@ def _handler(fake: FakeServer) -> type[BaseHTTPRequestHandler]:
             details = {"cached_tokens": cached} if fake.report_cached else None
             usage = {"prompt_tokens": len(ids), "prompt_tokens_details": details}
             last: dict[str, Any] = {"choices": [], "usage": usage}
-            if fake.kv_transfer_params is not None:
-                last["kv_transfer_params"] = fake.kv_transfer_params
+            params = fake.kv_transfer_params
+            if callable(params):
+                params = params(body)
+            if params is not None:
+                last["kv_transfer_params"] = params
             self._event(last)
             self.wfile.write(b"data: [DONE]\n\n")
             self.wfile.flush()

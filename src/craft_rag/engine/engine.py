@@ -297,11 +297,12 @@ class CraftEngine(RequestForms):
             block_hasher=block_hasher,
             barrier=EventBarrier(self.kv_events, self._backend.published_batches),
             request_ids=self._ids,
-            # Chunk-caches (EngineSettings.chunk_cache): the in-process connector only; a vLLM
-            # server's connector is the server's own configuration.
+            # Chunk-caches (EngineSettings.chunk_cache): in-process, the engine loads the
+            # connector; over a server, the server must run it (`craft-rag serve --chunk-cache`)
+            # and this planner's record mirrors that server's store (one per replica engine).
             chunk_cache=(
                 ChunkCachePlanner(self.settings.chunk_cache)
-                if self.settings.chunk_cache is not None and server is None
+                if self.settings.chunk_cache is not None
                 else None
             ),
         )

@@ -42,6 +42,7 @@ token-exact nor its KV events match.
 from __future__ import annotations
 
 import json
+import logging
 import threading
 import time
 from collections.abc import Callable, Iterator, Sequence
@@ -74,12 +75,15 @@ from craft_rag.engine.backends.server.settings import (
 from craft_rag.engine.backends.server.transport import ServerConnection
 from craft_rag.engine.kv_events import BlockHasher, EvictionListener, KVEventSync
 from craft_rag.engine.results import SamplingRequest, StepOutput
+from craft_rag.kvtiers.approx_params import APPROX_PARAMS_KEY, ReuseCounts, reuse_counts_of
 from craft_rag.kvtiers.tier_tokens import tier_tokens_of
 from craft_rag.tokenizer import Tokenizer
 
 # The client's names and, for callers that import them from here, every name of settings.
 __all__ = ["ServerBackend", "connect_server", "step_output"]
 __all__ += _settings.__all__
+
+logger = logging.getLogger(__name__)
 
 _PROBE_TEXT = "craft-rag tokenizer probe: The quick brown fox jumps over 13 lazy dogs."
 
@@ -121,6 +125,7 @@ class ServerBackend:
         self._http = ServerConnection(settings, transport=transport, sleep=sleep, clock=clock)
         self._tokenizer = tokenizer
         self._check_lock = threading.Lock()
+        self._warned_no_reuse = False
         self.eos_token_ids = _eos_token_ids(model_path)
         try:
             self._connect(tokenizer)
@@ -247,9 +252,22 @@ class ServerBackend:
         baseline) has no server equivalent: it becomes a fresh random salt, so nothing cached
         can match (and what it caches, nothing else reads). ``priority`` (cache-aware
         admission; lower runs first) needs a server run with ``--scheduling-policy priority``
-        (the server refuses a non-zero priority otherwise)."""
+        (the server refuses a non-zero priority otherwise).
+
+        ``sampling.extra`` goes in at the top level, except ``extra_args`` (what the
+        in-process engine hands to ``vllm.SamplingParams(extra_args=...)``): its
+        ``kv_transfer_params`` become the body's ``kv_transfer_params`` (vLLM's server puts
+        them back into ``extra_args``; the chunk-cache spans travel there) and its other keys
+        ``vllm_xargs`` (the server's name for the rest of ``extra_args``)."""
+        extra = dict(sampling.extra)
+        args = dict(extra.pop("extra_args", None) or {})
+        params = args.pop("kv_transfer_params", None)
+        if params is not None:
+            extra["kv_transfer_params"] = {**(extra.get("kv_transfer_params") or {}), **params}
+        if args:
+            extra["vllm_xargs"] = {**(extra.get("vllm_xargs") or {}), **args}
         body: dict[str, Any] = {
-            **dict(sampling.extra),
+            **extra,
             "model": self.model_name,
             "prompt": list(token_ids),
             "max_tokens": sampling.max_tokens,
@@ -283,7 +301,9 @@ class ServerBackend:
         priority: int | None = None,
     ) -> Iterator[dict[str, Any]]:
         """Run one completion (``priority``: see :meth:`body`) and yield its SSE deltas as
-        ``{"token_ids", "text"}``, then ``{"done": True, "finish_reason", "cached_tokens"}``.
+        ``{"token_ids", "text"}``, then ``{"done": True, "finish_reason", "cached_tokens",
+        "tiers", "reuse"}`` (``reuse``: the chunk-cache connector's counts, ``None`` unless the
+        request sent chunk spans and the server reported them).
         Retries happen only before the first delta. Stops early (closing the stream, so the
         server aborts the request) once ``cancelled`` is set. After a connection loss the
         server is checked again first (module doc). Every event is checked (:mod:`.answers`);
@@ -320,6 +340,7 @@ class ServerBackend:
         finish: str | None = None
         cached: int | None = None
         tiers = (0, 0)
+        params: object = None
         sent = 0
         done = False
         try:
@@ -342,7 +363,8 @@ class ServerBackend:
                 reported = event_cached_tokens(event, len(token_ids), base)
                 cached = cached if reported is None else reported
                 if "kv_transfer_params" in event:  # vLLM 0.32 sends them only unstreamed
-                    tiers = tier_tokens_of(event["kv_transfer_params"], maximum=len(token_ids))
+                    params = event["kv_transfer_params"]
+                    tiers = tier_tokens_of(params, maximum=len(token_ids))
                 for delta in event_deltas(event, base):
                     if finish is not None and (delta.token_ids or delta.text):
                         raise bad_field(
@@ -380,7 +402,37 @@ class ServerBackend:
             self._http.lost = True
             msg = f"the stream from {base} ended without [DONE]"
             raise ServerUnavailable(msg)
-        yield {"done": True, "finish_reason": finish, "cached_tokens": cached, "tiers": tiers}
+        reuse = self._reuse_counts(body, params, len(token_ids))
+        yield {
+            "done": True,
+            "finish_reason": finish,
+            "cached_tokens": cached,
+            "tiers": tiers,
+            "reuse": reuse,
+        }
+
+    def _reuse_counts(
+        self, body: dict[str, Any], params: object, prompt_len: int
+    ) -> ReuseCounts | None:
+        """The chunk-cache connector's counts in a finished request's ``params``
+        (:func:`~craft_rag.kvtiers.approx_params.reuse_counts_of`: ``None`` when absent or not
+        adding up to the prompt). A request that sent chunk spans and got none back logs one
+        warning per backend naming the fix: the server runs no chunk-cache connector (it then
+        served the request exactly, under the request-scoped salt: no exact prefix hit from
+        other requests) or does not stream its params back. O(1)."""
+        sent = body.get("kv_transfer_params")
+        asked = isinstance(sent, dict) and APPROX_PARAMS_KEY in sent
+        reuse = reuse_counts_of(params, prompt_len=prompt_len) if asked else None
+        if asked and reuse is None and not self._warned_no_reuse:
+            self._warned_no_reuse = True
+            logger.warning(
+                "the server at %s sent back no chunk-cache counts for a request with chunk "
+                "spans (EngineSettings.chunk_cache is on): start it with `craft-rag serve "
+                "--chunk-cache` (the chunk-cache connector, and streamed replies that carry "
+                "its counts); until then its ReuseReports show no chunk-cache reuse",
+                self.settings.base_url,
+            )
+        return reuse
 
     def reset_prefix_cache(self) -> bool:
         """``POST /reset_prefix_cache`` (a dev-mode endpoint: ``craft-rag serve --dev`` or
@@ -433,8 +485,10 @@ def _eos_token_ids(model_path: str | None) -> frozenset[int]:
 
 def step_output(request_id: str, delta: dict[str, Any]) -> StepOutput:
     """A stream delta from :meth:`ServerBackend.stream` as the engine's :class:`StepOutput`.
-    Tier tokens are 0 unless a stream event carried the tier connector's
-    ``kv_transfer_params`` (vLLM 0.32's server puts them only in non-streaming replies)."""
+    Tier tokens are 0, and ``reuse_counts`` (the chunk-cache connector's) ``None``, unless a
+    stream event carried the connector's ``kv_transfer_params`` (vLLM 0.32's server puts them
+    only in non-streaming replies; ``craft-rag serve`` with a connector adds them to the
+    stream's usage event)."""
     if delta.get("done"):
         ram, disk = delta.get("tiers", (0, 0))
         return StepOutput(
@@ -446,6 +500,7 @@ def step_output(request_id: str, delta: dict[str, Any]) -> StepOutput:
             delta.get("cached_tokens"),
             tier_ram_tokens=ram,
             tier_disk_tokens=disk,
+            reuse_counts=delta.get("reuse"),
         )
     return StepOutput(request_id, delta["token_ids"], str(delta["text"]), False, None, None)
 

@@ -42,6 +42,7 @@ from typing import Any
 
 from craft_rag.engine.backends.server.settings import KV_EVENTS_PORT_OFFSET
 from craft_rag.engine.cpu_dtype import default_dtype
+from craft_rag.kvtiers.chunk_cache_settings import ChunkCacheSettings
 from craft_rag.kvtiers.policies import TIER_POLICIES
 from craft_rag.kvtiers.tier_settings import KVTierSettings
 from craft_rag.scheduling.admission import (
@@ -58,8 +59,8 @@ DEFAULT_LOG_LEVEL = "error"
 #: Seconds vLLM may take to stop when a disk tier is on (``--shutdown-timeout``): enough to
 #: finish a short in-flight request and close the tier store.
 TIER_SHUTDOWN_TIMEOUT_S = 30
-#: The module that runs vLLM's OpenAI server when tiers are on: vLLM's own server, whose
-#: streamed completions also carry the tier connector's ``kv_transfer_params``.
+#: The module that runs vLLM's OpenAI server when tiers or chunk-caches are on: vLLM's own
+#: server, whose streamed completions also carry the connector's ``kv_transfer_params``.
 TIER_SERVER_MODULE = "craft_rag.kvtiers.api_server"
 #: The compute dtypes ``craft-rag serve`` passes to vLLM's ``--dtype``.
 DTYPES = ("float32", "bfloat16", "float16", "auto")
@@ -81,7 +82,12 @@ class ServeConfig:
     own default (0: the EngineCore is killed at once). ``admission``: ``"fcfs"`` (the default,
     vLLM's own order) or ``"cache_aware"``, which starts vLLM with ``--scheduling-policy
     priority`` so the priorities clients send (``EngineSettings(admission="cache_aware")``,
-    :mod:`craft_rag.engine.admission`) order its waiting requests."""
+    :mod:`craft_rag.engine.admission`) order its waiting requests. ``chunk_cache``: load
+    :class:`~craft_rag.kvtiers.approx_connector.CraftApproxConnector` instead (the tier
+    connector over ``kv_tiers``, default :class:`KVTierSettings` when ``None``, plus
+    chunk-caches bounded by its ``cache_bytes``/``variants``); ``None`` (the default): off.
+    Only those two fields reach the server: the recompute rule and fraction travel with each
+    request, from the client's ``EngineSettings(chunk_cache=...)``."""
 
     model: str
     host: str = "127.0.0.1"
@@ -98,6 +104,7 @@ class ServeConfig:
     kv_tiers: KVTierSettings | None = None
     shutdown_timeout: int | None = None
     admission: str = DEFAULT_ADMISSION
+    chunk_cache: ChunkCacheSettings | None = None
 
     def __post_init__(self) -> None:
         get_admission_policy(self.admission)  # ValueError naming the valid ones
@@ -107,8 +114,11 @@ class ServeConfig:
         if self.kv_tiers is not None and not isinstance(self.kv_tiers, KVTierSettings):
             msg = f"kv_tiers must be a KVTierSettings or None, got {self.kv_tiers!r}"
             raise ValueError(msg)
-        if self.kv_tiers is not None and "--kv-transfer-config" in self.extra_args:
-            msg = "give kv_tiers or --kv-transfer-config in extra_args, not both"
+        if self.chunk_cache is not None and not isinstance(self.chunk_cache, ChunkCacheSettings):
+            msg = f"chunk_cache must be a ChunkCacheSettings or None, got {self.chunk_cache!r:.80}"
+            raise ValueError(msg)
+        if self.connector_config is not None and "--kv-transfer-config" in self.extra_args:
+            msg = "give kv_tiers/chunk_cache or --kv-transfer-config in extra_args, not both"
             raise ValueError(msg)
         if self.shutdown_timeout is not None:
             check_int(self.shutdown_timeout, "shutdown_timeout (seconds)", minimum=0)
@@ -154,6 +164,16 @@ class ServeConfig:
         return port
 
     @property
+    def connector_config(self) -> dict[str, Any] | None:
+        """The ``--kv-transfer-config`` this config passes (``None``: no connector): the
+        approximate connector with ``chunk_cache``, else the tier connector with ``kv_tiers``."""
+        if self.chunk_cache is not None:
+            return self.chunk_cache.transfer_config(self.kv_tiers)
+        if self.kv_tiers is not None:
+            return self.kv_tiers.transfer_config()
+        return None
+
+    @property
     def stop_seconds(self) -> int | None:
         """The ``--shutdown-timeout`` this config passes to vLLM (``None``: none passed)."""
         if self.shutdown_timeout is not None:
@@ -184,18 +204,16 @@ def server_command(config: ServeConfig, python: str = sys.executable) -> list[st
         "endpoint": f"tcp://*:{config.events_port}",
         "topic": "kv",
     }
-    tiers = config.kv_tiers
-    tier_args = (
-        () if tiers is None else ("--kv-transfer-config", json.dumps(tiers.transfer_config()))
-    )
+    connector = config.connector_config
+    tier_args = () if connector is None else ("--kv-transfer-config", json.dumps(connector))
     stop = config.stop_seconds
     stop_args = () if stop is None else ("--shutdown-timeout", str(stop))
     # Clients send each request's admission key as its priority (lower first).
     priority = config.admission != DEFAULT_ADMISSION
     policy_args = ("--scheduling-policy", "priority") if priority else ()
-    # With tiers, vLLM's server runs through craft_rag.kvtiers.api_server (the same argv):
-    # its streamed completions then carry each request's tier counts.
-    entry = "vllm.entrypoints.openai.api_server" if tiers is None else TIER_SERVER_MODULE
+    # With a connector, vLLM's server runs through craft_rag.kvtiers.api_server (the same
+    # argv): its streamed completions then carry each request's tier and chunk-cache counts.
+    entry = "vllm.entrypoints.openai.api_server" if connector is None else TIER_SERVER_MODULE
     return [
         python,
         "-m",
@@ -377,6 +395,32 @@ def add_serve_parser(subparsers: Any) -> None:
         "writer's queue (default with a disk tier: on; off: RAM blocks reach disk when "
         "evicted or at a clean stop)",
     )
+    chunks = serve.add_argument_group(
+        "Chunk-caches",
+        "reuse a chunk's KV at any position, fixed by selective recomputation "
+        "(craft_rag.kvtiers.approx_connector over the KV tiers; answers are approximate, see "
+        "docs/approx-kv.md); off unless one of these flags is given. Clients turn it on with "
+        "EngineSettings(chunk_cache=ChunkCacheSettings(...)), which also picks the recompute "
+        "rule and fraction (sent with each request)",
+    )
+    chunks.add_argument(
+        "--chunk-cache",
+        action="store_true",
+        help="load the chunk-cache connector (tiers default to 1 GiB RAM unless --kv-tier-* "
+        "says otherwise)",
+    )
+    chunks.add_argument(
+        "--chunk-cache-bytes",
+        type=int,
+        default=None,
+        help="the connector's in-memory chunk-cache bound in bytes (default: 256 MiB)",
+    )
+    chunks.add_argument(
+        "--chunk-cache-variants",
+        type=int,
+        default=None,
+        help="chunk-cache variants kept per chunk (default: 2)",
+    )
     serve.add_argument("--print-command", action="store_true", help="print the argv and exit")
     serve.set_defaults(func=_run_serve, serve_parser=serve)
 
@@ -399,6 +443,19 @@ def tier_settings_of(args: argparse.Namespace) -> KVTierSettings | None:
     return KVTierSettings(**given) if given else None
 
 
+def chunk_cache_settings_of(args: argparse.Namespace) -> ChunkCacheSettings | None:
+    """``ChunkCacheSettings`` from the ``--chunk-cache*`` flags; ``None`` when none is given.
+    ``ValueError`` (from :class:`ChunkCacheSettings`, naming the fix) for a bad value."""
+    given = {
+        "cache_bytes": args.chunk_cache_bytes,
+        "variants": args.chunk_cache_variants,
+    }
+    given = {name: value for name, value in given.items() if value is not None}
+    if not (args.chunk_cache or given):
+        return None
+    return ChunkCacheSettings(**given)
+
+
 def _model_arg(value: str) -> str | Path:
     """An embedded model name stays a name (prepared on first use); anything else is a folder."""
     from craft_rag.engine.model import EMBEDDED_MODELS
@@ -413,6 +470,10 @@ def _run_serve(args: argparse.Namespace) -> int:
         tiers = tier_settings_of(args)
     except ValueError as e:  # exits 2 with the usage line, like any other bad flag
         args.serve_parser.error(f"KV tier flags: {e}")
+    try:
+        chunk_cache = chunk_cache_settings_of(args)
+    except ValueError as e:
+        args.serve_parser.error(f"chunk-cache flags: {e}")
     config = ServeConfig(
         model=resolve_model(args.model),
         host=args.host,
@@ -427,14 +488,21 @@ def _run_serve(args: argparse.Namespace) -> int:
         dtype=args.dtype or default_dtype(),
         kv_tiers=tiers,
         admission=args.admission,
+        chunk_cache=chunk_cache,
     )
     argv = server_command(config)
     if args.print_command:
         print(json.dumps(argv))
         return 0
+    use = f"CraftEngine(server={config.url!r})"
+    if chunk_cache is not None:
+        use = (
+            f"CraftEngine(server={config.url!r}, "
+            "settings=EngineSettings(chunk_cache=ChunkCacheSettings()))"
+        )
     print(
         f"craft-rag serve: {config.url} serving {config.model_name!r} (KV events "
-        f"tcp://{config.host}:{config.events_port}); use CraftEngine(server={config.url!r}); "
+        f"tcp://{config.host}:{config.events_port}); use {use}; "
         "ready in ~70 s on a small CPU; logs at --log-level "
         f"{config.log_level}",
         file=sys.stderr,
@@ -478,6 +546,7 @@ __all__ = [
     "TIER_SHUTDOWN_TIMEOUT_S",
     "ServeConfig",
     "add_serve_parser",
+    "chunk_cache_settings_of",
     "server_command",
     "server_env",
     "start_server",
