@@ -183,6 +183,11 @@ def test_read_back_chunks_are_reused_like_computed_ones(model: Any,
     assert max_diff(v1.kv.keys, [k[:, len(HEAD):len(HEAD) + len(C1)] for k in full.keys]) == 0
     out = assembler.assemble(HEAD + C2 + C1 + TAIL, spans_of(C2, C1), BlendParams(), "t")
     assert out.missing == (False, False) and out.head_cached
+    # in place (same position, same head and prior chunks) a read-back variant is exact:
+    # nothing recomputed, and the K/V is the full prefill's
+    here = assembler.assemble(prompt, spans_of(C1, C2), BlendParams(), "t")
+    assert here.missing == (False, False) and here.selection.total == 0
+    assert max_diff(here.kv.keys, [k[:, :here.end] for k in full.keys]) < 1e-5
     # the cci rule needs attention statistics a read-back variant lacks: treated as missing
     cci = assembler.assemble(HEAD + C2 + C1 + TAIL, spans_of(C2, C1),
                              BlendParams(rule="cci", fraction=0.3), "t")

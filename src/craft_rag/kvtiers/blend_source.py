@@ -13,6 +13,8 @@ K/V for ``[0, A)`` (``A``: the last span's end) built by :meth:`BlendAssembler.a
 3. **selection**: per cached chunk, ``ceil(fraction x |C|)`` tokens (or Cache-Craft's CFO
    count for ``alpha``) ranked by the request's rule (``kv_deviation`` by default, ``cci``,
    ``random``: :mod:`craft_rag.chunkcache.selection`); every token of a chunk without a cache;
+   none of a read-back variant (:meth:`BlendAssembler.keep_read_back`: the engine's exact K/V)
+   used at its own position after the same head and chunks (it is exact there);
 4. **recomputation**: :func:`craft_rag.chunkcache.blend_prefill` runs every layer for the
    selected tokens against the assembled context (their new K/V replace the cached ones);
 5. **store**: each chunk that had no cache is stored as a new variant (its K/V in this
@@ -277,12 +279,20 @@ class BlendAssembler:
         needs_attention = params.rule == "cci" or params.alpha is not None
         chunks: list[ChunkKV] = []
         missing: list[bool] = []
+        in_place: list[bool] = []
         for i, ((s, _), c) in enumerate(zip(spans, ids, strict=True)):
             key = CacheKey("chunk", self.model_id, salt or "", hashes[i])
             found = self.store.best_variant(key, hashes[:i], measured_only=needs_attention)
             missing.append(found is None)
+            # A read-back variant (the engine's exact K/V) at its own position after the same
+            # head and chunks is exact here: nothing to fix.
+            in_place.append(found is not None and not found.measured
+                            and found.start_position == s
+                            and found.context == context_hash(self.model_id,
+                                                              [head_ids, *ids[:i]]))
             chunks.append(found if found is not None else _placeholder(model, self.model_id, c, s))
-        selection = self._select(model, head_ids, head_kv, chunks, missing, spans, params, seed)
+        selection = self._select(model, head_ids, head_kv, chunks, missing, in_place, spans,
+                                 params, seed)
         stats = {i: _Stats(e - s, i, head_kv.positions.device)
                  for i, ((s, e), m) in enumerate(zip(spans, missing, strict=True)) if m}
         rows: dict[int, int] = {}
@@ -371,14 +381,14 @@ class BlendAssembler:
 
     @staticmethod
     def _select(model: Any, head_ids: Sequence[int], head_kv: LayerKV,
-                chunks: Sequence[ChunkKV], missing: Sequence[bool],
+                chunks: Sequence[ChunkKV], missing: Sequence[bool], in_place: Sequence[bool],
                 spans: Sequence[tuple[int, int]], params: BlendParams, seed: int) -> Selection:
-        """``params``' count per cached chunk, all of a chunk without a cache; ranked only
-        when some chunk keeps part of its cache."""
+        """``params``' count per cached chunk, all of a chunk without a cache, none of one
+        exact in place; ranked only when some chunk keeps part of its cache."""
         counts = (fixed_counts(chunks, params.fraction) if params.fraction is not None
                   else cfo_counts(chunks, params.alpha if params.alpha is not None else 0.0))
-        counts = [c.num_tokens if m else k for c, m, k in zip(chunks, missing, counts,
-                                                                strict=True)]
+        counts = [c.num_tokens if m else 0 if p else k
+                  for c, m, p, k in zip(chunks, missing, in_place, counts, strict=True)]
         if all(k in (0, c.num_tokens) for c, k in zip(chunks, counts, strict=True)):
             return Selection(tuple(tuple(range(k)) for k in counts))
         base = assemble(model, head_ids, head_kv, chunks)
