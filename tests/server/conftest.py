@@ -129,3 +129,18 @@ def redis_url() -> str:
     finally:
         client.close()
     return url
+
+
+def serve_flags_error(model_root: Path, capsys: pytest.CaptureFixture[str],
+                      flags: tuple[str, ...]) -> str:
+    """``craft-rag serve --print-command`` with ``flags`` on a stub model folder under
+    ``model_root``: asserts it exits 2 (an argparse error) and returns its stderr."""
+    from craft_rag.cli import main
+
+    model = model_root / "model"
+    model.mkdir(exist_ok=True)
+    (model / "config.json").write_text("{}")
+    with pytest.raises(SystemExit) as exit_info:
+        main(["serve", "--model", str(model), *flags, "--print-command"])
+    assert exit_info.value.code == 2
+    return capsys.readouterr().err

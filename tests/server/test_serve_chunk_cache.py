@@ -13,7 +13,7 @@ from typing import Any
 import pytest
 from test_serve_tiers import _printed_argv
 
-from craft_rag.cli import main
+from conftest import serve_flags_error
 from craft_rag.engine.backends.server.serve import (
     TIER_SERVER_MODULE,
     ServeConfig,
@@ -81,13 +81,7 @@ def test_sizes_and_tiers_reach_the_connector(
 def test_bad_flags_are_an_argparse_error(
     tmp_path: Path, capsys: pytest.CaptureFixture[str], flags: tuple[str, ...], match: str
 ) -> None:
-    model = tmp_path / "model"
-    model.mkdir()
-    (model / "config.json").write_text("{}")
-    with pytest.raises(SystemExit) as exit_info:
-        main(["serve", "--model", str(model), *flags, "--print-command"])
-    assert exit_info.value.code == 2
-    assert match in capsys.readouterr().err
+    assert match in serve_flags_error(tmp_path, capsys, flags)
 
 
 def test_chunk_cache_and_a_raw_transfer_config_conflict() -> None:

@@ -9,6 +9,7 @@ from pathlib import Path
 
 import pytest
 
+from conftest import serve_flags_error
 from craft_rag.cli import main
 from craft_rag.engine.backends.server.serve import (
     TIER_SHUTDOWN_TIMEOUT_S,
@@ -82,13 +83,7 @@ def test_one_flag_turns_tiers_on_with_defaults(
 def test_bad_flags_are_an_argparse_error(
     tmp_path: Path, capsys: pytest.CaptureFixture[str], flags: tuple[str, ...], match: str
 ) -> None:
-    model = tmp_path / "model"
-    model.mkdir()
-    (model / "config.json").write_text("{}")
-    with pytest.raises(SystemExit) as exit_info:
-        main(["serve", "--model", str(model), *flags, "--print-command"])
-    assert exit_info.value.code == 2
-    assert match in capsys.readouterr().err
+    assert match in serve_flags_error(tmp_path, capsys, flags)
 
 
 def test_tiers_and_a_raw_transfer_config_conflict() -> None:
