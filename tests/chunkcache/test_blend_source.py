@@ -187,6 +187,7 @@ def test_read_back_chunks_are_reused_like_computed_ones(model: Any,
     # nothing recomputed, and the K/V is the full prefill's
     here = assembler.assemble(prompt, spans_of(C1, C2), BlendParams(), "t")
     assert here.missing == (False, False) and here.selection.total == 0
+    assert here.counts(len(HEAD)) == (len(C1) + len(C2), 0, 0)  # exact, not "fixed"
     assert max_diff(here.kv.keys, [k[:, :here.end] for k in full.keys]) < 1e-5
     # the cci rule needs attention statistics a read-back variant lacks: treated as missing
     cci = assembler.assemble(HEAD + C2 + C1 + TAIL, spans_of(C2, C1),

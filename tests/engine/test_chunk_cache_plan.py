@@ -74,8 +74,13 @@ def test_cold_request_is_served_exactly_and_harvested_by_default() -> None:
     assert parse_harvest(params, PROMPT) == tuple(SPANS)
     assert parse_approx(params, PROMPT, {"chunk"}) is None
     p.sent(None, [K("a"), K("b"), K("c")], plan)
+    for name in "abc":  # not before the request finished: the connector reads them then
+        assert p.record.get(None, K(name)) == ChunkNote(cached=False, exact_last=True)
+    p.finished(None, [K("a"), K("b"), K("c")], plan)
     for name in "abc":
         assert p.record.get(None, K(name)) == ChunkNote(cached=True, exact_last=True)
+    with pytest.raises(ValueError, match="chunk keys"):
+        p.finished(None, [K("a")], plan)
 
 
 def test_harvest_lists_only_chunks_inside_the_full_prompt_blocks() -> None:
@@ -85,6 +90,7 @@ def test_harvest_lists_only_chunks_inside_the_full_prompt_blocks() -> None:
     assert plan.harvest_spans == tuple(SPANS[:2])
     assert plan.params(p.settings) == {HARVEST_PARAMS_KEY: {"spans": [[20, 120], [120, 220]]}}
     p.sent(None, [K("a"), K("b"), K("c")], plan)
+    p.finished(None, [K("a"), K("b"), K("c")], plan)
     assert p.record.get(None, K("b")) == ChunkNote(cached=True, exact_last=True)
     assert p.record.get(None, K("c")) == ChunkNote(cached=False, exact_last=True)
     # A chunk ending exactly on the bound is in; one past it is out (bound 320 at block 32).
@@ -200,6 +206,7 @@ def test_harvested_chunks_are_exact_in_place_and_fixed_elsewhere() -> None:
     p = planner()
     first = plan_of(p, [K("a"), K("b")], SPANS[:2], None)
     p.sent(None, [K("a"), K("b")], first)
+    p.finished(None, [K("a"), K("b")], first)
     # Same order, same place: the CP-Tree predicts them, the record trusts it.
     assert plan_of(p, [K("a"), K("b")], SPANS[:2], 220).routes == (EXACT, EXACT)
     # b first (no prefix predicted), then a new chunk: b fixed, c computed by vLLM.

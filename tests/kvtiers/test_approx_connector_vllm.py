@@ -208,6 +208,21 @@ def harvest_section(llm: Any) -> None:
     swapped = run(llm, moved, salt=request_scoped_salt("h"), approx=chunk_spans(0.3))
     assert reuse(swapped) == {"exact": BLOCK, "fixed": 96 - 30, "recomputed": 30,
                               "computed": 40, "refused": None}
+    # a chunk inside a span request's exact tier prefix is read back from those blocks when
+    # the store lacks it (exact context for the recomputation, no forward for it): here an
+    # exact request listed nothing, then a span request puts a new chunk after its first one
+    d1, d2 = make_prompt(26, 2 * BLOCK), make_prompt(27, 48)
+    run(llm, head + d1 + d2 + tail, salt="g")
+    before = connector.harvested_chunks
+    d3 = make_prompt(28, 48)  # new: the exact prefix ends with d1 (3 blocks)
+    grown = run(llm, head + d1 + d3 + make_prompt(29, 40), salt=request_scoped_salt("g"),
+                approx={"spans": [span(BLOCK, 3 * BLOCK, "chunk"),
+                                  span(3 * BLOCK, 3 * BLOCK + 48, "chunk")]})
+    assert reuse(grown) == {"exact": 3 * BLOCK, "fixed": 0, "recomputed": 48,
+                            "computed": 40, "refused": None}
+    assert connector.harvested_chunks == before + 1
+    (d1_kept,) = assembler.store.variants(assembler.key("chunk", d1, "g"))
+    assert not d1_kept.measured and d1_kept.start_position == BLOCK
     # another tenant has no read-back of them: computed in full by the model copy
     other = run(llm, exact, salt=request_scoped_salt("h2"), approx=chunk_spans(0.3))
     assert reuse(other)["fixed"] == 0 and reuse(other)["recomputed"] >= 96

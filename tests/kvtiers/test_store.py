@@ -74,6 +74,21 @@ def test_put_get_lookup_round_trip(store: TieredBlockStore) -> None:
     store._check_invariants()
 
 
+def test_peek_reads_ram_without_counting_an_access(store: TieredBlockStore) -> None:
+    """peek (chunk-cache read-back) returns the RAM payload and changes no counter; it refuses
+    a token mismatch and an absent key."""
+    chain = make_chain(0, 2)
+    chain.put_all(store)
+    before = store.stats()
+    assert store.peek(chain.keys[1], chain.tokens[1]) == chain.payloads[1]
+    assert store.peek(chain.keys[1], chain.tokens[0]) is None  # wrong tokens
+    assert store.peek(make_chain(90, 1).keys[0], chain.tokens[1]) is None  # absent
+    after = store.stats()
+    assert (after.ram_hits, after.ram_misses, after.disk_hits, after.token_mismatches) == (
+        before.ram_hits, before.ram_misses, before.disk_hits, before.token_mismatches)
+    store._check_invariants()
+
+
 def test_lookup_stops_at_the_first_missing_key(store: TieredBlockStore) -> None:
     chain = make_chain(0, 3)
     chain.put(store, 0)

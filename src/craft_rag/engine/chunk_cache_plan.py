@@ -65,7 +65,8 @@ connector then recomputes that chunk in full, correct but slower). After a span 
 *exact* chunks keep ``exact_last`` (cached unchanged); the other chunks of the span run become
 cached, not exact; the chunks after the run (computed by vLLM under the request-scoped salt)
 become not exact, cached unchanged. After an exact request: every chunk is exact; with harvest
-the listed ones become cached.
+the listed ones become cached once it has finished (:meth:`ChunkCachePlanner.finished`, from
+the turn's commit: the connector reads them back only then).
 """
 
 from __future__ import annotations
@@ -316,7 +317,20 @@ class ChunkCachePlanner:
                 self.record.note(salt, keys[:exact], exact_last=True)
                 self.record.note(salt, keys[exact:run], exact_last=False, cached=True)
                 self.record.note(salt, keys[run:], exact_last=False)
-            else:
-                harvested = len(plan.harvest_spans)
-                self.record.note(salt, keys[:harvested], exact_last=True, cached=True)
-                self.record.note(salt, keys[harvested:], exact_last=True)
+            else:  # listed chunks become cached only when the request finished (finished())
+                self.record.note(salt, keys, exact_last=True)
+
+    def finished(self, salt: str | None, keys: Sequence[ChunkKey], plan: ChunkCachePlan) -> None:
+        """Record that a request served exactly has finished: the chunks it listed for
+        harvest are now read back by the connector (it reads them once the request finished,
+        at its next scheduling call), so they become cached. Until then a concurrent request
+        does not count on them (the connector would compute them in full). ``ValueError``
+        when ``keys`` are not the plan's chunks' count. O(k)."""
+        if len(keys) != len(plan.routes):
+            msg = f"{len(keys)} chunk keys for a plan of {len(plan.routes)} chunks"
+            raise ValueError(msg)
+        if plan.send or not plan.harvest_spans:
+            return
+        with self._lock:
+            self.record.note(salt, keys[: len(plan.harvest_spans)], exact_last=True,
+                             cached=True)

@@ -147,6 +147,7 @@ class RagTurn:
     planner: CraftPlanner
     caller_plan: bool
     view: TurnContext
+    chunk_plan: ChunkCachePlan | None = None  # with chunk-caches on: the per-chunk plan
 
     def commit(self, flight: InFlight) -> GenerationResult:
         return self.owner.commit(flight, self)
@@ -285,7 +286,7 @@ class RagTurns:
         except BaseException:
             self.give_up_plan(planner, plan, caller_plan)
             raise
-        turn = RagTurn(self, plan, rendered, planner, caller_plan, view)
+        turn = RagTurn(self, plan, rendered, planner, caller_plan, view, chunk_plan)
         return InFlight(state, sampling, rendered.prompt.token_ids, salt, turn)
 
     def _chunk_cache_request(
@@ -386,6 +387,8 @@ class RagTurns:
             # A restart re-sent dedup's chunks: the turn records every key in its prompt.
             removed_in_prompt=resent,
         )
+        if turn.chunk_plan is not None and self.chunk_cache is not None:
+            self.chunk_cache.finished(flight.cache_salt, prompt.chunk_keys, turn.chunk_plan)
         cid = rendered.conversation_id
         # Unless it was ended while in flight (its commit then started it anew).
         if forget and cid is not None and turn.planner.committed_turns(cid) == plan.turn:

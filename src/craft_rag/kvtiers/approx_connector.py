@@ -206,9 +206,9 @@ class CraftApproxConnector(CraftTierConnector):
                     raise NotImplementedError(msg)
                 self._reader = CpuBlockReader.probe(layers, heads, self._block_size, head_size,
                                                     dtype)
-            except (ValueError, NotImplementedError, ImportError, RuntimeError) as e:
+            except Exception as e:  # an optional feature: never fail the scheduler over it
                 self._reader_failed = True
-                logger.warning("CraftApproxConnector: chunk-cache read-back off: %s", e)
+                logger.warning("CraftApproxConnector: chunk-cache read-back off: %r", e)
         return self._reader
 
     def _queue_harvest(self, request: Request) -> None:
@@ -235,33 +235,40 @@ class CraftApproxConnector(CraftTierConnector):
         if not self._harvests:
             return
         todo, self._harvests = self._harvests, []
+        for item in todo:
+            self._keep_read_back(item)
+
+    def _keep_read_back(self, item: _Harvest) -> int:
+        """Keep ``item``'s chunks (and head) read back from its tier blocks; chunks kept (0
+        when the packing cannot be read back or a block is gone)."""
         reader = self._block_reader()
         if reader is None:
-            return
+            return 0
         bs = self._block_size
-        for item in todo:
-            payloads: dict[int, bytes | None] = {}
+        payloads: dict[int, bytes | None] = {}
 
-            def block(j: int, item: _Harvest = item, payloads: dict[int, bytes | None] = payloads
-                      ) -> bytes | None:
-                if j not in payloads:
-                    payloads[j] = self.store.get(item.keys[j], item.token_ids[j * bs:(j + 1) * bs])
-                return payloads[j]
+        def block(j: int) -> bytes | None:
+            if j not in payloads:
+                payloads[j] = self.store.peek(item.keys[j],
+                                              item.token_ids[j * bs:(j + 1) * bs])
+            return payloads[j]
 
-            def rows_of(start: int, end: int, block: Any = block) -> LayerKV | None:
-                first, last = start // bs, (end - 1) // bs
-                got = [block(j) for j in range(first, last + 1)]
-                if any(p is None for p in got):
-                    return None
-                assert reader is not None
-                return reader.rows([p for p in got if p is not None], start - first * bs,
-                                   end - first * bs)
+        def rows_of(start: int, end: int) -> LayerKV | None:
+            first, last = start // bs, (end - 1) // bs
+            got = [block(j) for j in range(first, last + 1)]
+            if any(p is None for p in got):
+                return None
+            assert reader is not None
+            return reader.rows([p for p in got if p is not None], start - first * bs,
+                               end - first * bs)
 
-            try:
-                self.harvested_chunks += self._assembler.keep_read_back(
-                    item.token_ids, item.spans, item.salt, rows_of)
-            except ValueError as e:
-                logger.warning("CraftApproxConnector: read-back failed: %s", e)
+        try:
+            kept = self._assembler.keep_read_back(item.token_ids, item.spans, item.salt, rows_of)
+        except Exception as e:  # as above: the request itself was served; nothing is kept
+            logger.warning("CraftApproxConnector: read-back failed: %r", e)
+            return 0
+        self.harvested_chunks += kept
+        return kept
 
     def _check(self, kv: LayerKV | None, tokens: int) -> str | None:
         """Why ``kv`` cannot be written for ``tokens`` tokens (None: it can)."""
@@ -293,9 +300,18 @@ class CraftApproxConnector(CraftTierConnector):
         ask = entry.request
         assert ask is not None and ask.blend is not None
         tokens = list(request.prompt_token_ids or [])
+        # The chunks inside the tiers' exact prefix [0, exact_end) (and the head) are read back
+        # from those blocks first, so the assembler uses vLLM's exact K/V there (in place:
+        # nothing recomputed) instead of computing a chunk its store lacks.
+        state = self._requests.get(request.request_id)
+        spans = [(s.start, s.end) for s in ask.spans]
+        inside = tuple(sp for sp in spans if sp[1] <= exact_end)
+        if inside and state is not None and len(state.keys) * self._block_size >= exact_end:
+            self._keep_read_back(_Harvest(tenant_salt(request.cache_salt), tuple(tokens),
+                                          tuple(state.keys), inside))
         try:
             result = self._assembler.assemble(
-                tokens, [(s.start, s.end) for s in ask.spans], ask.blend,
+                tokens, spans, ask.blend,
                 tenant_salt(request.cache_salt),
             )
         except ValueError as e:

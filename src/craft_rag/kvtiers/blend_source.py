@@ -29,8 +29,8 @@ recently used entry evicted first) with at most ``variants`` variants per chunk,
 tier blocks.
 
 Counts over ``[start, A)`` (:meth:`BlendResult.counts`): *exact* (head tokens from the head
-cache), *fixed* (cached chunk tokens not recomputed), *recomputed* (selected tokens, chunks
-without a cache, a head computed now).
+cache, chunks exact in place), *fixed* (cached chunk tokens not recomputed), *recomputed*
+(selected tokens, chunks without a cache, a head computed now).
 
 Cost of one request: the head prefill when not cached (O(h^2)); moving keys, O(A x kv size);
 the ranker (``kv_deviation``: two layers for every chunk token); and ``blend_prefill`` for
@@ -200,6 +200,7 @@ class BlendResult:
     selection: Selection
     head_cached: bool
     missing: tuple[bool, ...]
+    in_place: tuple[bool, ...] = ()  # per chunk: a read-back variant exact where it is
 
     @property
     def end(self) -> int:
@@ -211,9 +212,14 @@ class BlendResult:
         exact = head if self.head_cached else 0
         recomputed = head - exact
         fixed = 0
-        for (s, e), picked in zip(self.spans, self.selection.per_chunk, strict=True):
+        in_place = self.in_place or (False,) * len(self.spans)
+        for (s, e), picked, here in zip(self.spans, self.selection.per_chunk, in_place,
+                                        strict=True):
             first = max(s, start) - s
             if first >= e - s:
+                continue
+            if here:  # the engine's exact K/V where it was computed
+                exact += e - s - first
                 continue
             chosen = sum(1 for i in picked if i >= first)
             recomputed += chosen
@@ -282,14 +288,16 @@ class BlendAssembler:
         in_place: list[bool] = []
         for i, ((s, _), c) in enumerate(zip(spans, ids, strict=True)):
             key = CacheKey("chunk", self.model_id, salt or "", hashes[i])
-            found = self.store.best_variant(key, hashes[:i], measured_only=needs_attention)
-            missing.append(found is None)
             # A read-back variant (the engine's exact K/V) at its own position after the same
-            # head and chunks is exact here: nothing to fix.
-            in_place.append(found is not None and not found.measured
-                            and found.start_position == s
-                            and found.context == context_hash(self.model_id,
-                                                              [head_ids, *ids[:i]]))
+            # head and chunks is exact here: chosen first, nothing to fix (its statistics,
+            # missing, are never read: its count is 0).
+            context = context_hash(self.model_id, [head_ids, *ids[:i]])
+            found = next((v for v in self.store.variants(key) if not v.measured
+                          and v.start_position == s and v.context == context), None)
+            in_place.append(found is not None)
+            if found is None:
+                found = self.store.best_variant(key, hashes[:i], measured_only=needs_attention)
+            missing.append(found is None)
             chunks.append(found if found is not None else _placeholder(model, self.model_id, c, s))
         selection = self._select(model, head_ids, head_kv, chunks, missing, in_place, spans,
                                  params, seed)
@@ -331,7 +339,8 @@ class BlendAssembler:
             )
             self.store.put_variant(CacheKey("chunk", self.model_id, salt or "", hashes[i]),
                                    variant)
-        return BlendResult(out.kv, h, tuple(spans), selection, head_cached, tuple(missing))
+        return BlendResult(out.kv, h, tuple(spans), selection, head_cached, tuple(missing),
+                           tuple(in_place))
 
     def keep_read_back(self, token_ids: Sequence[int], spans: Sequence[tuple[int, int]],
                        salt: str | None, rows_of: Callable[[int, int], RowsKV | None]) -> int:
@@ -365,7 +374,7 @@ class BlendAssembler:
         for i, (s, e) in enumerate(spans):
             key = CacheKey("chunk", self.model_id, salt or "", hashes[i])
             context = context_hash(self.model_id, [head_ids, *ids[:i]])
-            if any(v.context == context for v in self.store.variants(key)):
+            if any(v.context == context and not v.measured for v in self.store.variants(key)):
                 continue  # held already (an exact prefix sent again): refreshed, not re-read
             rows = rows_of(s, e)
             if rows is None:

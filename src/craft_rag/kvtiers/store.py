@@ -247,6 +247,17 @@ class TieredBlockStore:
                 entry.pins -= 1
                 self._forget_if_gone(entry)
 
+    def peek(self, key: BlockKey, token_ids: Sequence[int]) -> bytes | None:
+        """The RAM payload of ``key`` (or the one queued for disk), or ``None`` (absent, token
+        mismatch, on disk only). Not an access: no counter, recency or promotion changes (a
+        read-back of chunk-caches, not a load). Cost: a dict lookup and a tuple compare."""
+        tokens = tuple(token_ids)
+        with self._lock:
+            entry = self._entries.get(key)
+            if entry is None or tokens != entry.token_ids:
+                return None
+            return entry.ram if entry.ram is not None else entry.pending
+
     def stats(self) -> TierStats:
         """A copy of the counters with current occupancy. O(n) (counts queued writes)."""
         with self._lock:
