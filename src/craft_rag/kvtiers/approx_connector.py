@@ -306,7 +306,7 @@ class CraftApproxConnector(CraftTierConnector):
         state = self._requests.get(request.request_id)
         spans = [(s.start, s.end) for s in ask.spans]
         inside = tuple(sp for sp in spans if sp[1] <= exact_end)
-        if inside and state is not None and len(state.keys) * self._block_size >= exact_end:
+        if inside and state is not None:  # exact_end never passes the request's full blocks
             self._keep_read_back(_Harvest(tenant_salt(request.cache_salt), tuple(tokens),
                                           tuple(state.keys), inside))
         try:
